@@ -1,0 +1,1 @@
+"""DeepSeek-V4.1 (Flash) inference in JAX/Flax NNX."""

@@ -1,0 +1,349 @@
+"""Model configuration: a frozen dataclass read from an official ``config.json``.
+
+The file may nest the text model under ``text_config`` (the released layout) or be flat (mlx-lm's tiny
+test configs). Field names are the official ones (`MODEL.md` §A.1). Layer roles (window / full / reindex /
+reuse, `MODEL.md` §A.2 and §B.9) are derived here once so every other module asks the config instead of
+re-deriving them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration the engine cannot run; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters for compressed layers (`MODEL.md` §B.5)."""
+
+    factor: float = 16.0
+    original_max_position_embeddings: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The V4.1 text model's configuration (official field names; defaults are the released values)."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_lora_rank: int = 1024
+    o_groups: int = 8
+    hidden_act: str = "silu"
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-20
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: RopeScaling | None = RopeScaling()
+    sliding_window: int = 128
+    compress_ratios: tuple[int, ...] = ()
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    n_routed_experts: int = 384
+    num_experts_per_tok: int = 6
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 2304
+    scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    gate_temp: float = 1.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # Token ids.
+    bos_token_id: int = 0
+    eos_token_id: int | tuple[int, ...] = 1
+    pad_token_id: int = 2
+    image_token_id: int | None = None
+    image_pad_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    # Engram (`MODEL.md` §B.12).
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 4
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_vocab_size: int = 16000000
+    engram_compressed_vocab_size: int = 99092
+    engram_pad_token_id: int = 2
+    # DSpark draft stages (`MODEL.md` §B.13).
+    num_nextn_predict_layers: int = 0
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
+    # The quantization_config of the file (None for a plain-float checkpoint).
+    quantization: dict[str, Any] | None = field(default=None, compare=False)
+    has_vision: bool = False
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Build from an official config dict (nested under ``text_config`` or flat); validates."""
+        if not isinstance(raw, dict):
+            raise ConfigError("config must be a JSON object")
+        model_type = raw.get("model_type", "deepseek_v41")
+        if model_type not in ("deepseek_v41", "deepseek_v41_text"):
+            raise ConfigError(f"model_type {model_type!r} is not DeepSeek-V4.1 (expected 'deepseek_v41')")
+        text = dict(raw.get("text_config") or {})
+        merged = {**{k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}, **text}
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in merged.items():
+            if key == "quantization_config":
+                kwargs["quantization"] = value
+            elif key == "rope_scaling":
+                kwargs["rope_scaling"] = _rope_scaling(value)
+            elif key in names and key not in ("quantization", "has_vision"):
+                kwargs[key] = tuple(value) if isinstance(value, list) else value
+        kwargs["has_vision"] = bool(raw.get("vision_config"))
+        try:
+            cfg = cls(**kwargs)
+        except TypeError as e:  # pragma: no cover - defensive
+            raise ConfigError(str(e)) from None
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        """Read ``path`` (a ``config.json`` or a checkpoint directory holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config file at {path}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A flat official-style dict (what ``make_tiny`` writes as ``config.json``)."""
+        out: dict[str, Any] = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"]}
+        for f in dataclasses.fields(self):
+            if f.name in ("has_vision",):
+                continue
+            value = getattr(self, f.name)
+            if f.name == "quantization":
+                if value is not None:
+                    out["quantization_config"] = value
+                continue
+            if f.name == "rope_scaling" and value is not None:
+                value = {"rope_type": "yarn", **dataclasses.asdict(value)}
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ConfigError naming the first rule the config breaks (`MODEL.md` §B.9)."""
+        n = self.num_hidden_layers
+        _require(n >= 1, "num_hidden_layers must be at least 1")
+        _require(self.scoring_func == "sqrtsoftplus",
+                 f"scoring_func {self.scoring_func!r} is not supported (V4.1 uses 'sqrtsoftplus')")
+        _require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (expected 'silu')")
+        _require(self.num_key_value_heads == 1, "num_key_value_heads must be 1 (one shared KV latent)")
+        _require(self.num_attention_heads % self.o_groups == 0,
+                 f"num_attention_heads {self.num_attention_heads} is not divisible by o_groups {self.o_groups}")
+        _require(0 < self.qk_rope_head_dim <= self.head_dim and self.qk_rope_head_dim % 2 == 0,
+                 f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and at most head_dim {self.head_dim}")
+        _require(self.qk_rope_head_dim <= self.index_head_dim,
+                 f"qk_rope_head_dim {self.qk_rope_head_dim} exceeds index_head_dim {self.index_head_dim}")
+        _require(len(self.compress_ratios) >= n,
+                 f"compress_ratios has {len(self.compress_ratios)} entries, fewer than num_hidden_layers {n}")
+        for i, r in enumerate(self.compress_ratios):
+            _require(r in (0, 1, 2), f"compress_ratios[{i}] = {r}: only 0, 1 and 2 are supported")
+        _require(1 <= self.num_experts_per_tok <= self.n_routed_experts,
+                 f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..n_routed_experts "
+                 f"({self.n_routed_experts})")
+        _require(self.n_shared_experts in (0, 1), f"n_shared_experts {self.n_shared_experts} must be 0 or 1")
+        _require(self.sliding_window >= 1, "sliding_window must be at least 1")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+            for lid in getattr(self, name):
+                _require(0 <= lid < n, f"{name} names layer {lid}, outside 0..{n - 1}")
+        for lid in self.kv_source_layer_ids:
+            _require(self.ratio(lid) > 0, f"kv source layer {lid} has compress ratio 0: a kv source must compress")
+        for lid in self.index_source_layer_ids:
+            _require(self.ratio(lid) > 0, f"index source layer {lid} has compress ratio 0")
+        for lid in range(n):
+            if self.ratio(lid) == 0:
+                continue
+            src = self.kv_source(lid)
+            _require(src is not None, f"layer {lid} compresses but no kv source layer is at or before it")
+            _require(self.ratio(src) == self.ratio(lid),
+                     f"layer {lid} (ratio {self.ratio(lid)}) reads kv source {src} of ratio {self.ratio(src)}")
+            idx = self.index_source(lid)
+            _require(idx is not None, f"layer {lid} compresses but no index source layer is at or before it")
+            _require(self.kv_source(idx) == src,
+                     f"layer {lid} takes its top-k from layer {idx}, which indexes kv source "
+                     f"{self.kv_source(idx)}, not the cache {src} it attends to")
+            if lid in self.index_source_layer_ids:
+                _require(self.index_key_source(lid) is not None,
+                         f"index source layer {lid} has no kv-and-index source at or before it for its keys")
+        c = self.candidate_source_layer_id
+        if c >= 0:
+            _require(c < n and c in self.kv_source_layer_ids and c in self.index_source_layer_ids,
+                     f"candidate_source_layer_id {c} must be a full layer (kv source and index source)")
+            _require(self.candidate_block_size >= 1 and self.candidate_topk_blocks >= 1,
+                     "candidate_block_size and candidate_topk_blocks must be positive")
+        if self.engram_layer_ids:
+            _require(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
+                     f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for "
+                     f"{len(self.engram_layer_ids)} engram layers")
+        if self.num_nextn_predict_layers:
+            _require(len(self.compress_ratios) >= n + self.num_nextn_predict_layers,
+                     "compress_ratios must also list the DSpark stages")
+
+    # ---------------------------------------------------------------- roles
+    def ratio(self, layer: int) -> int:
+        """Compress ratio of ``layer`` (0 = window only)."""
+        return int(self.compress_ratios[layer])
+
+    def kv_source(self, layer: int) -> int | None:
+        """kv_src(L): the layer whose compressed entries ``layer`` attends to (§B.9)."""
+        cands = [s for s in self.kv_source_layer_ids if s <= layer and self.ratio(s) > 0]
+        return max(cands) if cands and self.ratio(layer) > 0 else None
+
+    def index_source(self, layer: int) -> int | None:
+        """idx_src(L): the layer whose top-k ``layer`` uses (§B.9)."""
+        cands = [s for s in self.index_source_layer_ids if s <= layer]
+        return max(cands) if cands and self.ratio(layer) > 0 else None
+
+    def index_key_source(self, layer: int) -> int | None:
+        """ik_src(L): the kv-and-index source whose index keys ``layer`` scores (§B.9)."""
+        both = set(self.kv_source_layer_ids) & set(self.index_source_layer_ids)
+        cands = [s for s in both if s <= layer]
+        return max(cands) if cands and self.ratio(layer) > 0 else None
+
+    def uses_candidates(self, layer: int) -> bool:
+        """True for an index source after the candidate source (its scores are candidate-masked)."""
+        c = self.candidate_source_layer_id
+        return layer in self.index_source_layer_ids and 0 <= c < layer
+
+    def role(self, layer: int) -> str:
+        """'window', 'full' (owns compressor, index keys, indexer), 'reindex' or 'reuse' (§A.2)."""
+        if self.ratio(layer) == 0:
+            return "window"
+        if layer in self.kv_source_layer_ids:
+            return "full"
+        if layer in self.index_source_layer_ids:
+            return "reindex"
+        return "reuse"
+
+    # -------------------------------------------------------------- derived
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.o_groups
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        return tuple(e) if isinstance(e, (tuple, list)) else (int(e),)
+
+    @property
+    def hc_mix_width(self) -> int:
+        """(2 + S) · S: pre, post and the S×S comb (§B.3)."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+    def unsupported_features(self) -> list[str]:
+        """Parts of the config the text model here does not run yet (engram, DSpark, vision)."""
+        out = []
+        if self.engram_layer_ids:
+            out.append(f"engram (layers {list(self.engram_layer_ids)})")
+        if self.num_nextn_predict_layers:
+            out.append(f"DSpark draft stages ({self.num_nextn_predict_layers}); the target model runs without them")
+        if self.has_vision:
+            out.append("image prompts (vision tower)")
+        return out
+
+
+def _rope_scaling(value: Any) -> RopeScaling | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError("rope_scaling must be an object or null")
+    kind = value.get("rope_type", value.get("type", "yarn"))
+    if kind != "yarn":
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (V4.1 uses 'yarn')")
+    if value.get("mscale") not in (None, 1, 1.0) or value.get("mscale_all_dim") not in (None, 0, 1, 1.0):
+        raise ConfigError("rope_scaling with an mscale amplitude factor is not supported")
+    return RopeScaling(
+        factor=float(value.get("factor", 16.0)),
+        original_max_position_embeddings=int(value.get("original_max_position_embeddings", 65536)),
+        beta_fast=float(value.get("beta_fast", 32.0)),
+        beta_slow=float(value.get("beta_slow", 1.0)),
+    )
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+def load_named(name_or_path: str) -> ModelConfig:
+    """``tiny`` / ``dsv41_flash`` (files in ``configs/``) or a path to a config.json / checkpoint dir."""
+    p = Path(name_or_path)
+    if not p.exists() and (CONFIG_DIR / f"{name_or_path}.json").exists():
+        p = CONFIG_DIR / f"{name_or_path}.json"
+    return ModelConfig.from_json(p)
+
+
+def yarn_inv_freq(cfg: ModelConfig, layer_ratio: int) -> list[float]:
+    """Per-pair RoPE frequencies f_i for a layer of the given compress ratio (§B.5), as Python floats."""
+    d_r = cfg.rope_dim
+    if layer_ratio == 0 or cfg.rope_scaling is None:
+        base = cfg.rope_theta if layer_ratio == 0 else cfg.compress_rope_theta
+        return [base ** (-2.0 * i / d_r) for i in range(d_r // 2)]
+    theta, ys = cfg.compress_rope_theta, cfg.rope_scaling
+
+    def g(beta: float) -> float:
+        return d_r * math.log(ys.original_max_position_embeddings / (2 * math.pi * beta)) / (2 * math.log(theta))
+
+    lo = max(math.floor(g(ys.beta_fast)), 0)
+    hi = min(math.ceil(g(ys.beta_slow)), d_r - 1)
+    if lo == hi:
+        hi += 0.001
+    out = []
+    for i in range(d_r // 2):
+        ramp = min(max((i - lo) / (hi - lo), 0.0), 1.0)
+        base = theta ** (-2.0 * i / d_r)
+        out.append(base * (1 - ramp) + base / ys.factor * ramp)
+    return out

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels (sparse prefill attention, routed-expert MoE); each with a pure-JAX reference."""

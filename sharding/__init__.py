@@ -1,0 +1,1 @@
+"""Tensor-parallel sharding: mesh, partition rules, shard_map wrappers."""
