@@ -1,0 +1,19 @@
+"""Test-session setup (repo root, so it runs before any test module imports JAX).
+
+* Eight simulated CPU devices, set before JAX initialises: single-device code places on device 0 as
+  usual; multi-device tests build meshes over the first N devices.
+* ``tests/`` on ``sys.path`` so helpers such as ``mlx_oracle`` import from any test folder.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+_tests = str(Path(__file__).resolve().parent / "tests")
+if _tests not in sys.path:
+    sys.path.insert(0, _tests)
