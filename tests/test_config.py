@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dsv41_jax.config import ConfigError, ModelConfig, load_named, yarn_inv_freq
+from dsv41_jax.config import CONFIG_DIR, ConfigError, ModelConfig, load_named, yarn_inv_freq
 
 
 def test_tiny_roles_match_spec_table():
@@ -50,7 +50,7 @@ def test_yarn_frequencies_match_spec():
 
 def test_flat_and_nested_give_same_config():
     nested = load_named("dsv41_flash")
-    with open("configs/dsv41_flash.json") as f:
+    with open(CONFIG_DIR / "dsv41_flash.json") as f:
         raw = json.load(f)
     flat = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
     flat.update(raw["text_config"], model_type="deepseek_v41")
