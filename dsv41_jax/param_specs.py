@@ -1,0 +1,220 @@
+"""The tensor inventory of the V4.1 text model: official checkpoint names and the model's names.
+
+One place lists every tensor (`MODEL.md` §E.2) with its shape and how it is stored; the loader, the tiny
+writer, the sharding rules and the planner's byte counts all read it from here.
+
+Two naming schemes (docs/DESIGN.md, "Parameter names"):
+
+* **official** (`expected_tensors`): per-expert names ``layers.L.ffn.experts.e.w1.weight``; an fp8/fp4 weight
+  has a ``.scale`` companion when quantised.
+* **model** (`model_tensors`): the same names, dequantised (no ``.scale``), routed experts stacked
+  ``layers.L.ffn.experts.w1.weight [E, F, D]``, ``w3 [E, F, D]``, ``w2 [E, D, F]``.
+
+Only the text model is listed. DSpark (``mtp.*``), engram, vision and ``gate.bias_vl`` tensors are not part of
+it yet: `skip_reason` names why a checkpoint tensor is left out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from dsv41_jax.config import ModelConfig
+
+# How a tensor is stored: plain floats, or quantised (§C.1, §E.1). "ue8m0" is the kind of a `.scale` companion.
+PLAIN_KINDS = ("bf16", "f32")
+QUANT_KINDS = ("fp8", "fp4")
+STORED_BYTES = {"bf16": 2.0, "f32": 4.0, "fp8": 1.0, "fp4": 1.0, "ue8m0": 1.0}
+FP8_BLOCK = 32  # fp8 weights: one ue8m0 scale per 32×32 block (§E.1)
+FP4_GROUP = 32  # fp4 weights: one ue8m0 scale per row and 32 inputs (§E.1)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: ``shape`` is the shape as stored (fp4: packed ``[out, in/2]`` int8).
+
+    ``stored`` ∈ {"bf16", "f32", "fp8", "fp4", "ue8m0"}: "fp8" = e4m3 with a ``[⌈out/32⌉, ⌈in/32⌉]`` ue8m0
+    ``.scale``; "fp4" = packed e2m1 with an ``[out, in/32]`` ue8m0 ``.scale``; "ue8m0" = such a scale.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    stored: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(math.prod(self.shape) * STORED_BYTES[self.stored])
+
+
+# ---------------------------------------------------------------------------------------------- layout rules
+def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``[..., out, in]`` → ``[..., ⌈out/32⌉, ⌈in/32⌉]``."""
+    *lead, out, inp = shape
+    return (*lead, -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK))
+
+
+def fp4_packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``[..., out, in]`` → ``[..., out, in/2]`` (two e2m1 codes a byte)."""
+    *lead, out, inp = shape
+    return (*lead, out, inp // 2)
+
+
+def fp4_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``[..., out, in]`` → ``[..., out, ⌈in/32⌉]``."""
+    *lead, out, inp = shape
+    return (*lead, out, -(-inp // FP4_GROUP))
+
+
+def stored_form(name: str, shape: tuple[int, ...], kind: str) -> dict[str, TensorSpec]:
+    """The checkpoint tensors that hold the logical tensor ``name`` of ``shape`` stored as ``kind``.
+
+    A plain kind gives one entry; "fp8" / "fp4" give ``name`` (codes) and its ``.scale`` companion.
+    """
+    if kind in PLAIN_KINDS:
+        return {name: TensorSpec(name, tuple(shape), kind)}
+    if not name.endswith(".weight"):
+        raise ValueError(f"{name}: only '.weight' tensors can be quantised")
+    scale = name.removesuffix(".weight") + ".scale"
+    if kind == "fp8":
+        return {name: TensorSpec(name, tuple(shape), "fp8"),
+                scale: TensorSpec(scale, fp8_scale_shape(shape), "ue8m0")}
+    if kind == "fp4":
+        return {name: TensorSpec(name, fp4_packed_shape(shape), "fp4"),
+                scale: TensorSpec(scale, fp4_scale_shape(shape), "ue8m0")}
+    raise ValueError(f"unknown storage kind {kind!r}")
+
+
+# ------------------------------------------------------------------------------------------------ inventory
+def release_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every text-model tensor in official naming with its **logical** shape and the release's kind.
+
+    Kinds: "fp8" / "fp4" for the matrices the release quantises, "bf16" / "f32" otherwise (§E.2; the f32 set
+    follows §B.1: ``hc_*``, ``attn_sink``, ``gate.bias``, ``compressor.*``).
+    """
+    out = [TensorSpec("embed.weight", (cfg.vocab_size, cfg.hidden_size), "bf16")]
+    for layer in range(cfg.num_hidden_layers):
+        out += _layer_tensors(cfg, layer)
+    out.append(TensorSpec("norm.weight", (cfg.hidden_size,), "bf16"))
+    if not cfg.tie_word_embeddings:
+        out.append(TensorSpec("head.weight", (cfg.vocab_size, cfg.hidden_size), "bf16"))
+    return out
+
+
+def _layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
+    D, hd, H, G = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.o_groups
+    p = f"layers.{layer}."
+    specs: list[tuple[str, tuple[int, ...], str]] = []
+    for sub in ("attn", "ffn"):
+        specs += [(f"hc_{sub}_fn", (cfg.hc_mix_width, cfg.hc_mult * D), "f32"),
+                  (f"hc_{sub}_base", (cfg.hc_mix_width,), "f32"),
+                  (f"hc_{sub}_scale", (3,), "f32")]
+    specs += [
+        ("attn_norm.weight", (D,), "bf16"),
+        ("ffn_norm.weight", (D,), "bf16"),
+        ("attn.wq_a.weight", (cfg.q_lora_rank, D), "fp8"),
+        ("attn.q_norm.weight", (cfg.q_lora_rank,), "bf16"),
+        ("attn.wq_b.weight", (H * hd, cfg.q_lora_rank), "fp8"),
+        ("attn.wkv.weight", (hd, D), "fp8"),
+        ("attn.kv_norm.weight", (hd,), "bf16"),
+        ("attn.wo_a.weight", (G * cfg.o_lora_rank, H * hd // G), "fp8"),
+        ("attn.wo_b.weight", (D, G * cfg.o_lora_rank), "fp8"),
+        ("attn.attn_sink", (H,), "f32"),
+    ]
+    kv_source = layer in cfg.kv_source_layer_ids and cfg.ratio(layer) > 0
+    index_source = layer in cfg.index_source_layer_ids and cfg.ratio(layer) > 0
+    if kv_source:
+        specs.append(("attn.compressor.wkv.weight", (hd, D), "f32"))
+        if cfg.ratio(layer) == 2:
+            specs.append(("attn.compressor.wgate.weight", (hd, D), "f32"))
+        specs.append(("attn.compressor.norm.weight", (hd,), "f32"))
+    if kv_source and index_source:
+        specs += [("attn.indexer.wk.weight", (cfg.index_head_dim, hd), "bf16"),
+                  ("attn.indexer.k_norm.weight", (cfg.index_head_dim,), "bf16")]
+    if index_source:
+        specs += [("attn.indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "fp8"),
+                  ("attn.indexer.weights_proj.weight", (cfg.index_n_heads, D), "bf16")]
+    E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+    specs += [("ffn.gate.weight", (E, D), "bf16"), ("ffn.gate.bias", (E,), "f32")]
+    for e in range(E):
+        specs += [(f"ffn.experts.{e}.w1.weight", (F, D), "fp4"),
+                  (f"ffn.experts.{e}.w3.weight", (F, D), "fp4"),
+                  (f"ffn.experts.{e}.w2.weight", (D, F), "fp4")]
+    if cfg.n_shared_experts:
+        Fs = F * cfg.n_shared_experts
+        specs += [("ffn.shared_experts.w1.weight", (Fs, D), "fp8"),
+                  ("ffn.shared_experts.w3.weight", (Fs, D), "fp8"),
+                  ("ffn.shared_experts.w2.weight", (D, Fs), "fp8")]
+    return [TensorSpec(p + name, shape, kind) for name, shape, kind in specs]
+
+
+def expected_tensors(cfg: ModelConfig, *, quantized: bool) -> dict[str, TensorSpec]:
+    """Official name → stored spec of every text-model checkpoint tensor.
+
+    ``quantized=True``: the release layout (fp8 dense, fp4 routed experts, each with its ``.scale``).
+    ``quantized=False``: a plain-float checkpoint (the fp8/fp4 matrices stored bf16, no scales).
+    Skipped parts (see `skip_reason`) are not listed.
+    """
+    out: dict[str, TensorSpec] = {}
+    for spec in release_tensors(cfg):
+        kind = spec.stored if quantized or spec.stored in PLAIN_KINDS else "bf16"
+        out.update(stored_form(spec.name, spec.shape, kind))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- model names
+_EXPERT_NAME = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+
+
+def expert_name(name: str) -> tuple[int, int, str] | None:
+    """``layers.L.ffn.experts.e.wN.weight`` → (L, e, "wN"); None for any other name."""
+    m = _EXPERT_NAME.fullmatch(name)
+    return (int(m[1]), int(m[2]), m[3]) if m else None
+
+
+def stacked_expert_name(layer: int, proj: str) -> str:
+    """The model name of the stacked routed-expert tensor ``proj`` ∈ {w1, w2, w3} of ``layer``."""
+    return f"layers.{layer}.ffn.experts.{proj}.weight"
+
+
+def model_name(official: str) -> str:
+    """Official name of a text tensor → its model name (per-expert names map to the stacked tensor)."""
+    hit = expert_name(official)
+    return stacked_expert_name(hit[0], hit[2]) if hit else official
+
+
+def model_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Model name → dequantised shape; routed experts stacked (w1, w3 ``[E, F, D]``, w2 ``[E, D, F]``)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for spec in release_tensors(cfg):
+        hit = expert_name(spec.name)
+        if hit is None:
+            out[spec.name] = spec.shape
+        elif hit[1] == 0:
+            out[stacked_expert_name(hit[0], hit[2])] = (cfg.n_routed_experts, *spec.shape)
+    if cfg.tie_word_embeddings:
+        out["head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return out
+
+
+def model_dtype_kind(name: str) -> str:
+    """"f32" for the parameters the model keeps in float32 (§B.1), else "model" (the model's dtype)."""
+    f32_markers = (".hc_", ".attn_sink", ".gate.bias", ".compressor.")
+    return "f32" if any(m in name for m in f32_markers) else "model"
+
+
+# ------------------------------------------------------------------------------------------------ skipped parts
+_SKIPPED = (
+    (re.compile(r"mtp\."), "DSpark draft stages (mtp.*)"),
+    (re.compile(r"(.*\.)?engram\."), "engram"),
+    (re.compile(r"(vision\.|aligner\.|image_)"), "vision tower"),
+    (re.compile(r".*\.gate\.bias_vl$"), "image routing bias (gate.bias_vl)"),
+)
+
+
+def skip_reason(name: str) -> str | None:
+    """Why the text model leaves the checkpoint tensor ``name`` out, or None if it is not a skipped part."""
+    for pattern, reason in _SKIPPED:
+        if pattern.match(name):
+            return reason
+    return None
