@@ -1,0 +1,156 @@
+"""Numpy codecs for the checkpoint's quantised formats (`MODEL.md` §C.1, §E.1).
+
+* fp8 weights: e4m3 codes ``[.., out, in]`` + one ue8m0 scale per 32×32 block ``[.., ⌈out/32⌉, ⌈in/32⌉]``.
+* fp4 weights: e2m1 codes packed two a byte ``[.., out, in/2]`` (low nibble = even column) + one ue8m0 scale per
+  row and 32 inputs ``[.., out, in/32]``.
+* ue8m0: an unsigned byte ``e`` meaning ``2^(e−127)``; stored as ``ml_dtypes.float8_e8m0fnu`` (safetensors
+  ``F8_E8M0``) or plain ``uint8``. Dequantisers also accept float scales (the multiplier itself, §G.12).
+
+Quantisers are for writing (the tiny generator); dequantisers for loading. Every dequantised value is exact in
+bfloat16 and float32.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+BLOCK = 32
+UE8M0_BIAS = 127
+# e2m1 magnitudes of codes 0..7; bit 3 of a code is the sign (§C.1).
+FP4_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------------- ue8m0
+def ceil_log2(x: np.ndarray) -> np.ndarray:
+    """Exact ⌈log2 x⌉ for x > 0 (via frexp: x = m·2^k, m ∈ [0.5, 1))."""
+    m, k = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.where(m == 0.5, k - 1, k).astype(np.int32)
+
+
+def ue8m0_from_amax(amax: np.ndarray, qmax: float) -> np.ndarray:
+    """Block scale byte ``e = ⌈log2(amax/qmax)⌉ + 127`` (§E.1), clamped to 0..254; all-zero blocks get 0."""
+    amax = np.asarray(amax, dtype=np.float64)
+    safe = np.where(amax > 0, amax / qmax, 2.0 ** -UE8M0_BIAS)
+    return np.clip(ceil_log2(safe) + UE8M0_BIAS, 0, 254).astype(np.uint8)
+
+
+def scale_values(scale: np.ndarray) -> np.ndarray:
+    """ue8m0 bytes (``float8_e8m0fnu`` or ``uint8``) or float multipliers → float64 multipliers."""
+    scale = np.asarray(scale)
+    if scale.dtype == ml_dtypes.float8_e8m0fnu:
+        scale = scale.view(np.uint8)
+    if scale.dtype == np.uint8:
+        return np.ldexp(1.0, scale.astype(np.int32) - UE8M0_BIAS)
+    if np.issubdtype(scale.dtype, np.integer):
+        raise TypeError(f"scale dtype {scale.dtype} is neither ue8m0 bytes nor a float")
+    return scale.astype(np.float64)
+
+
+def as_ue8m0(e: np.ndarray) -> np.ndarray:
+    """Scale bytes as ``float8_e8m0fnu`` (what safetensors writes as ``F8_E8M0``)."""
+    return np.ascontiguousarray(e, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+# ----------------------------------------------------------------------------------------------------- fp8
+def _block_amax(w: np.ndarray) -> np.ndarray:
+    """max|w| over 32×32 blocks of the last two axes (edges padded with zeros): [.., ⌈O/32⌉, ⌈I/32⌉]."""
+    *lead, rows, cols = w.shape
+    pr, pc = -rows % BLOCK, -cols % BLOCK
+    a = np.abs(np.pad(w, [(0, 0)] * len(lead) + [(0, pr), (0, pc)]))
+    a = a.reshape(*lead, (rows + pr) // BLOCK, BLOCK, (cols + pc) // BLOCK, BLOCK)
+    return a.max(axis=(-3, -1))
+
+
+def _expand_blocks(s: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """[.., ⌈O/32⌉, ⌈I/32⌉] → [.., O, I] (each block's value repeated)."""
+    return np.repeat(np.repeat(s, BLOCK, axis=-2), BLOCK, axis=-1)[..., :rows, :cols]
+
+
+def fp8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [.., O, I] float → (codes e4m3 [.., O, I], scale ue8m0 [.., ⌈O/32⌉, ⌈I/32⌉]) per §E.1."""
+    w = np.asarray(w, dtype=np.float32)
+    e = ue8m0_from_amax(_block_amax(w), FP8_MAX)
+    step = _expand_blocks(scale_values(e), *w.shape[-2:])
+    y = np.clip(w / step, -FP8_MAX, FP8_MAX)  # clip before the cast: e4m3fn has no inf (§C.1)
+    return y.astype(ml_dtypes.float8_e4m3fn), as_ue8m0(e)
+
+
+def fp8_dequantize(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """codes [.., O, I] (e4m3, or its raw uint8 bytes), scale [.., ⌈O/32⌉, ⌈I/32⌉] → W [.., O, I]."""
+    codes = np.asarray(codes)
+    if codes.dtype in (np.uint8, np.int8):
+        codes = codes.view(ml_dtypes.float8_e4m3fn)
+    step = _expand_blocks(scale_values(scale), *codes.shape[-2:])
+    return (codes.astype(np.float64) * step).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------- fp4
+def fp4_codes(y: np.ndarray) -> np.ndarray:
+    """Round y (already divided by its scale, |y| ≤ 6) to e2m1 codes 0..15 by the §C.2 table (ties to even)."""
+    mag = np.abs(np.asarray(y, dtype=np.float32))
+    idx = np.zeros(mag.shape, dtype=np.uint8)
+    for t in (0.25, 1.25, 2.5, 5.0):  # a tie at these goes down to the even code
+        idx += mag > t
+    for t in (0.75, 1.75, 3.5):  # a tie at these goes up to the even code
+        idx += mag >= t
+    return idx | (np.signbit(y).astype(np.uint8) << 3) * (idx > 0)
+
+
+def fp4_values(codes: np.ndarray) -> np.ndarray:
+    """e2m1 codes 0..15 → float32 values."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    sign = np.where(codes & 8, -1.0, 1.0).astype(np.float32)
+    return sign * FP4_LEVELS[codes & 7]
+
+
+def fp4_pack(codes: np.ndarray) -> np.ndarray:
+    """codes [.., I] (0..15) → int8 [.., I/2]: column 2c in the low nibble, 2c+1 in the high nibble."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    if codes.shape[-1] % 2:
+        raise ValueError(f"fp4 packing needs an even last dim, got {codes.shape}")
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(np.int8)
+
+
+def fp4_unpack(packed: np.ndarray) -> np.ndarray:
+    """int8/uint8 [.., I/2] → codes uint8 [.., I]."""
+    b = np.asarray(packed).view(np.uint8)
+    out = np.empty((*b.shape[:-1], 2 * b.shape[-1]), dtype=np.uint8)
+    out[..., 0::2] = b & 0xF
+    out[..., 1::2] = b >> 4
+    return out
+
+
+def fp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [.., O, I] (I a multiple of 32) → (packed int8 [.., O, I/2], scale ue8m0 [.., O, I/32]) per §E.1."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"fp4 needs the input dim to be a multiple of {BLOCK}, got shape {w.shape}")
+    groups = w.reshape(*w.shape[:-1], -1, BLOCK)
+    e = ue8m0_from_amax(np.abs(groups).max(axis=-1), FP4_MAX)
+    y = np.clip(groups / scale_values(e)[..., None], -FP4_MAX, FP4_MAX).reshape(w.shape)
+    return fp4_pack(fp4_codes(y)), as_ue8m0(e)
+
+
+def fp4_dequantize(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """packed [.., O, I/2], scale [.., O, I/32] → W [.., O, I]."""
+    values = fp4_values(fp4_unpack(packed))
+    step = np.repeat(scale_values(scale), BLOCK, axis=-1)[..., : values.shape[-1]]
+    return (values.astype(np.float64) * step).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------- quantise-dequantise
+def round_trip(w: np.ndarray, kind: str) -> np.ndarray:
+    """The float32 values a weight has after being stored as ``kind`` ("bf16", "f32", "fp8", "fp4")."""
+    w = np.asarray(w, dtype=np.float32)
+    if kind == "f32":
+        return w.copy()
+    if kind == "bf16":
+        return w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    if kind == "fp8":
+        return fp8_dequantize(*fp8_quantize(w))
+    if kind == "fp4":
+        return fp4_dequantize(*fp4_quantize(w))
+    raise ValueError(f"unknown storage kind {kind!r}")
