@@ -1,0 +1,314 @@
+"""Load an official-format DeepSeek-V4.1 checkpoint directory into **model names** (docs/DESIGN.md).
+
+A directory holds ``config.json`` and safetensors shards listed by ``model.safetensors.index.json`` (or one
+``model.safetensors``); names and layouts are those of `MODEL.md` §E. fp8 (e4m3 + 32×32 ue8m0 scales) and fp4
+(packed e2m1 + per-32 ue8m0 scales) matrices are dequantised; per-expert tensors are stacked
+(``layers.L.ffn.experts.w1.weight [E, F, D]``). Everything is checked against `param_specs` from the file
+headers alone before any data is read: a missing, unexpected or mis-shaped tensor is refused by name.
+
+Three entry points:
+
+* ``load_checkpoint(path)`` → ``(cfg, {model name: array})``, the whole text model in memory.
+* ``iter_tensors(path)`` → yields ``(model name, array)`` one tensor at a time (for loading into shards).
+* ``open_checkpoint(path)`` → a `Checkpoint` whose ``read(name, experts=...)`` reads one tensor, or a subset
+  of the routed experts of a stacked tensor, without touching the rest.
+
+Safetensors files are read through their header and a memory map (the library's numpy front end has no fp8
+dtypes); float8 / bfloat16 views come from ``ml_dtypes``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from dsv41_jax import formats, param_specs
+from dsv41_jax.config import ConfigError, ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+_DTYPES = {**_FLOAT_DTYPES, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+           "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+_SCALE_DTYPES = ("F8_E8M0", "U8", "F32", "BF16", "F16")
+_PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for loads larger than this
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this engine cannot load; the message names the file or tensor and why."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as found in a shard: safetensors dtype, stored shape, byte range in ``file``."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one official tensor is stored: its weight, its ``.scale`` (None if plain) and the codec."""
+
+    weight: StoredTensor
+    scale: StoredTensor | None
+    codec: str  # "plain" | "fp8" | "fp4"
+
+
+# --------------------------------------------------------------------------------------------- safetensors
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """Name → `StoredTensor` from a safetensors file's header (no tensor data read)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    base = 8 + size
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        out[name] = StoredTensor(name, path, meta["dtype"], tuple(meta["shape"]), base + begin, base + end)
+    return out
+
+
+class _Files:
+    """Memory maps of the shards, opened on first use."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, np.memmap] = {}
+
+    def array(self, t: StoredTensor) -> np.ndarray:
+        if t.dtype not in _DTYPES:
+            raise CheckpointError(f"tensor {t.name} in {t.file.name}: unsupported dtype {t.dtype}")
+        if t.file not in self._maps:
+            self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
+        raw = self._maps[t.file][t.start:t.end]
+        return raw.view(_DTYPES[t.dtype]).reshape(t.shape)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+@dataclass
+class Checkpoint:
+    """A validated checkpoint directory. ``skipped`` lists what the text model leaves out (printable lines)."""
+
+    path: Path
+    cfg: ModelConfig
+    sources: dict[str, Source]  # official name → how it is stored
+    skipped: list[str] = field(default_factory=list)
+    _files: _Files = field(default_factory=_Files, repr=False)
+
+    @property
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Model name → dequantised shape (`param_specs.model_tensors`)."""
+        return param_specs.model_tensors(self.cfg)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the text model's tensors as stored."""
+        return sum(s.weight.end - s.weight.start + (s.scale.end - s.scale.start if s.scale else 0)
+                   for s in self.sources.values())
+
+    def read(self, name: str, *, dtype: str = "float32",
+             experts: Sequence[int] | slice | None = None) -> np.ndarray:
+        """One tensor by **model name**, dequantised to ``dtype`` ("float32" or "bfloat16").
+
+        For a stacked routed-expert tensor, ``experts`` picks which experts (default all): the result is
+        ``[len(experts), out, in]``. With dtype "bfloat16" the parameters the model keeps in f32 (§B.1:
+        ``hc_*``, ``attn_sink``, ``gate.bias``, ``compressor.*``) are still returned as float32.
+        """
+        out_dtype = _out_dtype(name, dtype)
+        if name == "head.weight" and self.cfg.tie_word_embeddings:
+            name = "embed.weight"
+        layer, proj = _stacked(name)
+        if layer is None:
+            if name not in self.sources:
+                raise KeyError(f"{name} is not a tensor of this model")
+            return self._decode(self.sources[name], out_dtype)
+        ids = range(self.cfg.n_routed_experts)
+        ids = ids[experts] if isinstance(experts, slice) else (ids if experts is None else list(experts))
+        first = self.sources[f"layers.{layer}.ffn.experts.0.{proj}.weight"]
+        shape = _logical_shape(first)
+        out = np.empty((len(ids), *shape), dtype=out_dtype)
+        for i, e in enumerate(ids):
+            out[i] = self._decode(self.sources[f"layers.{layer}.ffn.experts.{e}.{proj}.weight"], out_dtype)
+        return out
+
+    def iter_tensors(self, *, dtype: str = "float32", progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield ``(model name, array)`` for every model tensor, one at a time, in inventory order."""
+        names = list(self.model_shapes)
+        show = progress and self.nbytes >= _PROGRESS_MIN_BYTES
+        if not show:
+            for name in names:
+                yield name, self.read(name, dtype=dtype)
+            return
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (TextColumn("loading {task.fields[what]}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeRemainingColumn())
+        with Progress(*columns, transient=True) as bar:
+            task = bar.add_task("load", total=len(names), what=self.path.name)
+            for name in names:
+                yield name, self.read(name, dtype=dtype)
+                bar.update(task, advance=1)
+
+    def _decode(self, src: Source, out_dtype) -> np.ndarray:
+        w = self._files.array(src.weight)
+        if src.codec == "plain":
+            return np.asarray(w, dtype=out_dtype)
+        s = self._files.array(src.scale)
+        if src.codec == "fp8":
+            return formats.fp8_dequantize(w, s, dtype=out_dtype)
+        return formats.fp4_dequantize(w, s, dtype=out_dtype)
+
+
+def _out_dtype(name: str, dtype: str):
+    if dtype == "float32":
+        return np.float32
+    if dtype == "bfloat16":
+        return np.float32 if param_specs.model_dtype_kind(name) == "f32" else ml_dtypes.bfloat16
+    raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
+
+
+def _stacked(name: str) -> tuple[int | None, str | None]:
+    parts = name.split(".")
+    if len(parts) == 6 and parts[2:4] == ["ffn", "experts"] and parts[4] in ("w1", "w2", "w3"):
+        return int(parts[1]), parts[4]
+    return None, None
+
+
+def _logical_shape(src: Source) -> tuple[int, ...]:
+    if src.codec == "fp4":
+        *lead, out, half = src.weight.shape
+        return (*lead, out, 2 * half)
+    return src.weight.shape
+
+
+# ------------------------------------------------------------------------------------------------- opening
+def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None) -> Checkpoint:
+    """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if cfg is None:
+        cfg = _read_config(path)
+    stored = _stored_tensors(path)
+    specs = {s.name: s for s in param_specs.release_tensors(cfg)}
+    skipped: dict[str, list[str]] = {}
+    for name, t in stored.items():
+        if name in specs:
+            continue
+        reason = param_specs.skip_reason(name)
+        if reason is not None:
+            skipped.setdefault(reason, []).append(name)
+        elif not (name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in specs):
+            raise CheckpointError(f"unexpected tensor {name} in {t.file.name}: not part of the DeepSeek-V4.1 "
+                                  f"text model for this config")
+    sources = {name: _source(spec, stored) for name, spec in specs.items()}
+    lines = [f"skipped {len(names)} tensors: {reason} (not supported yet)" for reason, names in skipped.items()]
+    lines += [f"not run by this engine yet: {feature}" for feature in cfg.unsupported_features()]
+    return Checkpoint(path, cfg, sources, lines)
+
+
+def _read_config(path: Path) -> ModelConfig:
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    try:
+        return ModelConfig.from_json(path / "config.json")
+    except ConfigError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+
+
+def _stored_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of the directory, from the index (or the single file) and the shard headers."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    elif (path / SINGLE_FILE).is_file():
+        weight_map = {name: SINGLE_FILE for name in read_header(path / SINGLE_FILE)}
+    else:
+        raise CheckpointError(f"{path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+    headers: dict[str, dict[str, StoredTensor]] = {}
+    out = {}
+    for name, file in weight_map.items():
+        if file not in headers:
+            if not (path / file).is_file():
+                raise CheckpointError(f"{INDEX_FILE} lists {name} in {file}, which does not exist")
+            headers[file] = read_header(path / file)
+        if name not in headers[file]:
+            raise CheckpointError(f"{INDEX_FILE} lists {name} in {file}, but that file does not hold it")
+        out[name] = headers[file][name]
+    return out
+
+
+def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> Source:
+    """Check one logical tensor's stored form (plain, fp8 or fp4) and shapes; name it in any refusal."""
+    name, shape = spec.name, spec.shape
+    if name not in stored:
+        raise CheckpointError(f"missing tensor {name} (expected shape {list(shape)})")
+    w = stored[name]
+    scale_name = name.removesuffix(".weight") + ".scale"
+    scale = stored.get(scale_name) if name.endswith(".weight") else None
+    if w.dtype in _FLOAT_DTYPES:
+        codec, want_w, want_s = "plain", shape, None
+    elif w.dtype == "F8_E4M3" and spec.stored in param_specs.QUANT_KINDS:
+        codec, want_w, want_s = "fp8", shape, param_specs.fp8_scale_shape(shape)
+    elif w.dtype == "I8" and spec.stored == "fp4":
+        codec, want_w, want_s = "fp4", param_specs.fp4_packed_shape(shape), param_specs.fp4_scale_shape(shape)
+    else:
+        allowed = "a float" + (", F8_E4M3" if spec.stored in param_specs.QUANT_KINDS else "") + (
+            " or I8 (packed fp4)" if spec.stored == "fp4" else "")
+        raise CheckpointError(f"tensor {name} in {w.file.name} has dtype {w.dtype}; expected {allowed}")
+    if w.shape != want_w:
+        raise CheckpointError(f"tensor {name} in {w.file.name} has shape {list(w.shape)}; expected "
+                              f"{list(want_w)}" + ("" if codec == "plain" else f" ({codec})"))
+    if want_s is None:
+        if scale is not None:
+            raise CheckpointError(f"tensor {scale_name} in {scale.file.name} scales {name}, which is stored "
+                                  f"as plain {w.dtype}")
+        return Source(w, None, codec)
+    if scale is None:
+        raise CheckpointError(f"missing tensor {scale_name} (the {codec} scale of {name})")
+    if scale.shape != want_s or scale.dtype not in _SCALE_DTYPES:
+        raise CheckpointError(f"tensor {scale_name} in {scale.file.name} is {scale.dtype} {list(scale.shape)}; "
+                              f"expected ue8m0 {list(want_s)}")
+    return Source(w, scale, codec)
+
+
+# -------------------------------------------------------------------------------------------------- loading
+def iter_tensors(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
+                 progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """Validate, then yield ``(model name, array)`` one tensor at a time (see `Checkpoint.read`)."""
+    yield from open_checkpoint(path, cfg).iter_tensors(dtype=dtype, progress=progress)
+
+
+def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
+                    progress: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """``(cfg, {model name: array})`` for the whole text model, dequantised to ``dtype``.
+
+    ``dtype``: "float32" (default) or "bfloat16" (ml_dtypes; the f32 parameters of §B.1 stay float32). With
+    ``progress``, the skipped parts are printed to stderr and large loads show a progress bar.
+    """
+    ckpt = open_checkpoint(path, cfg)
+    if progress:
+        for line in ckpt.skipped:
+            print(f"{ckpt.path.name}: {line}", file=sys.stderr)
+    flat = dict(ckpt.iter_tensors(dtype=dtype, progress=progress))
+    return ckpt.cfg, flat
+

@@ -1,0 +1,210 @@
+"""Random DeepSeek-V4.1 checkpoints in the official format, for tests and parity runs.
+
+    python -m dsv41_jax.make_tiny OUT [--config FILE|tiny] [--seed N] [--quantize none|fp8|fp4] [--force]
+
+``--quantize`` picks how the matrices the release quantises are stored (`MODEL.md` §E.1):
+
+* ``none``: every matrix bf16 (no ``quantization_config``);
+* ``fp8``:  dense matrices fp8 (e4m3, 32×32 ue8m0 scales), routed experts bf16;
+* ``fp4``:  the release layout: dense fp8, routed experts fp4 (packed e2m1, per-32 ue8m0 scales).
+
+Other tensors are bf16 or f32 as `param_specs.release_tensors` says. `write_checkpoint` returns the values as
+stored (dequantised, float32, model names), so a model and an oracle loading the directory see exactly them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from dsv41_jax import formats, param_specs
+from dsv41_jax.config import ConfigError, ModelConfig, load_named
+
+QUANTIZE_MODES = ("none", "fp8", "fp4")
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+                       "scale_fmt": "ue8m0"}
+
+
+# ------------------------------------------------------------------------------------------------- weights
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Model name → float32 random weights scaled so activations stay O(1) through every layer.
+
+    Linear weights ~ N(0, 1/fan_in); norm weights ~ 1 ± 0.1; the HC ``fn`` small (mix logits of std ≈ 0.3, so
+    the pre/post/comb mixes stay near uniform); router bias and attention sinks near 0; embedding N(0, 1).
+    Values are already on the grid of their plain storage (bf16 or f32), so ``write_checkpoint(...,
+    "none")`` stores them exactly.
+    """
+    rng = np.random.default_rng(seed)
+    kinds = {_model_name(s.name): s.stored for s in param_specs.release_tensors(cfg)}
+    out = {}
+    for name, shape in param_specs.model_tensors(cfg).items():
+        w = _init(name, shape, cfg, rng)
+        out[name] = formats.round_trip(w, "f32" if kinds.get(name, "bf16") == "f32" else "bf16")
+    return out
+
+
+def _model_name(official: str) -> str:
+    return param_specs.model_name(official)
+
+
+def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Generator) -> np.ndarray:
+    def normal(std: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    if name == "embed.weight":
+        return normal(1.0)
+    if name.endswith("norm.weight"):  # every RMSNorm weight
+        return 1.0 + normal(0.1)
+    if name.endswith("_fn"):
+        return normal(0.3 / math.sqrt(shape[-1]))
+    if name.endswith("_base"):
+        return normal(0.2)
+    if name.endswith("_scale"):
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    if name.endswith(".attn_sink"):
+        return normal(0.1)
+    if name.endswith(".gate.bias"):
+        return normal(0.05)
+    return normal(1.0 / math.sqrt(shape[-1]))  # every linear: [.., out, in]
+
+
+# ------------------------------------------------------------------------------------------------- storage
+def storage_kinds(cfg: ModelConfig, quantize: str) -> dict[str, str]:
+    """Official name → how ``write_checkpoint`` stores it under ``quantize`` (see the module docstring)."""
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not {quantize!r}")
+    out = {}
+    for spec in param_specs.release_tensors(cfg):
+        kind = spec.stored
+        if kind == "fp4" and quantize != "fp4" or kind == "fp8" and quantize == "none":
+            kind = "bf16"
+        if kind in param_specs.QUANT_KINDS and spec.shape[-1] % formats.BLOCK:
+            raise ValueError(f"{spec.name} {list(spec.shape)}: a {kind} matrix needs its input dim to be a "
+                             f"multiple of {formats.BLOCK}; use --quantize none for this config")
+        out[spec.name] = kind
+    return out
+
+
+def encode(cfg: ModelConfig, weights: dict[str, np.ndarray],
+           quantize: str) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    """Yield ``(official name, {checkpoint name: stored array})`` for every text tensor, in inventory order."""
+    for name, kind in storage_kinds(cfg, quantize).items():
+        hit = param_specs.expert_name(name)
+        src = weights[_model_name(name)]
+        w = src[hit[1]] if hit else src
+        if kind == "bf16":
+            yield name, {name: np.asarray(w, dtype=np.float32).astype(ml_dtypes.bfloat16)}
+        elif kind == "f32":
+            yield name, {name: np.asarray(w, dtype=np.float32)}
+        else:
+            codes, scale = formats.fp8_quantize(w) if kind == "fp8" else formats.fp4_quantize(w)
+            yield name, {name: codes, name.removesuffix(".weight") + ".scale": scale}
+
+
+def _decode(stored: dict[str, np.ndarray], name: str) -> np.ndarray:
+    w = stored[name]
+    scale = stored.get(name.removesuffix(".weight") + ".scale")
+    if scale is None:
+        return w.astype(np.float32)
+    if w.dtype == np.int8:
+        return formats.fp4_dequantize(w, scale)
+    return formats.fp8_dequantize(w, scale)
+
+
+def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, weights: dict[str, np.ndarray],
+                     quantize: str = "none", *, shard_bytes: int = 2 << 20) -> dict[str, np.ndarray]:
+    """Write ``config.json``, safetensors shards and ``model.safetensors.index.json`` into ``out_dir``.
+
+    ``weights``: model names (as `random_weights`). Returns model name → float32 values as stored (what
+    `checkpoint.load_checkpoint` gives back). Each ``layers.L.ffn.gate.bias_vl`` is written as a copy of the
+    router bias, as in the release; the loader skips it.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    missing = set(param_specs.model_tensors(cfg)) - set(weights)
+    if missing:
+        raise ValueError(f"weights lack {sorted(missing)[0]} (and {len(missing) - 1} more)")
+    stored_values: dict[str, np.ndarray] = {}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, tensors in encode(cfg, weights, quantize):
+        _place(stored_values, cfg, name, _decode(tensors, name))
+        if name.endswith(".ffn.gate.bias"):
+            tensors = {**tensors, name + "_vl": tensors[name].copy()}
+        nbytes = sum(t.nbytes for t in tensors.values())
+        if size and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1].update(tensors)
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: np.ascontiguousarray(v) for k, v in shard.items()}, str(out_dir / file))
+        weight_map.update({k: file for k in shard})
+        total += sum(v.nbytes for v in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "config.json").write_text(json.dumps(_config_dict(cfg, quantize), indent=2) + "\n")
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return stored_values
+
+
+def _place(out: dict[str, np.ndarray], cfg: ModelConfig, official: str, value: np.ndarray) -> None:
+    hit = param_specs.expert_name(official)
+    if hit is None:
+        out[official] = value
+        return
+    name = param_specs.stacked_expert_name(hit[0], hit[2])
+    if name not in out:
+        out[name] = np.empty((cfg.n_routed_experts, *value.shape), dtype=np.float32)
+    out[name][hit[1]] = value
+
+
+def _config_dict(cfg: ModelConfig, quantize: str) -> dict:
+    quant = None
+    if quantize != "none":
+        quant = {**QUANTIZATION_CONFIG, "expert_dtype": "fp4" if quantize == "fp4" else "bf16"}
+    return cfg.replace(quantization=quant).to_dict()
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsv41_jax.make_tiny",
+                                     description="Write a random DeepSeek-V4.1 checkpoint in the official format.")
+    parser.add_argument("out", help="output directory (must be empty or absent unless --force)")
+    parser.add_argument("--config", default="tiny", help="config name in configs/ or a config.json path")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
+                        help="none: all bf16; fp8: dense fp8; fp4: dense fp8 + fp4 experts (the release)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    try:
+        cfg = load_named(args.config)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"{out} exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()):
+            if not args.force:
+                raise ValueError(f"{out} is not empty (pass --force to replace it)")
+            shutil.rmtree(out)
+        storage_kinds(cfg, args.quantize)  # refuse a bad config before writing anything
+        write_checkpoint(out, cfg, random_weights(cfg, args.seed), args.quantize)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"make_tiny: error: {e}", file=sys.stderr)
+        return 2
+    n = sum(math.prod(s) for s in param_specs.model_tensors(cfg).values())
+    print(f"wrote {out} ({n:,} parameters, quantize={args.quantize}, seed={args.seed})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
