@@ -1,1 +1,20 @@
-"""Tensor-parallel sharding: mesh, partition rules, shard_map wrappers."""
+"""Tensor-parallel sharding over 1, 2, 4 or 8 devices (`MODEL.md` §F, `PLANNER.md` §C).
+
+* ``mesh.py``: the 1-D ``tp`` mesh (Auto axes, and why).
+* ``rules.py``: THE partition-rule table for every parameter and activation.
+* ``layout.py``: per-rank splits, zero padding of uneven 128-block splits, the ``ShardPlan`` of a world.
+* ``load.py``: weights placed straight into their shards.
+* ``prepare.py``: ``prepare(cfg, flat, world, options) -> (model, mesh)`` — the engine's entry point.
+* ``kernels.py``: ``shard_map`` wrappers of the attention and MoE kernel ops.
+* ``context.py``: ``constrain(x, activation)`` for model code, active while a sharded model traces.
+"""
+
+from sharding.context import activate, constrain
+from sharding.layout import ShardPlan, Split
+from sharding.mesh import TP, ShardingError, make_mesh, replicated, request_host_devices
+from sharding.prepare import (ShardedTransformer, cache_sharding, logits_sharding, param_bytes_per_device,
+                              prepare, state_sharding)
+
+__all__ = ["TP", "ShardPlan", "ShardedTransformer", "ShardingError", "Split", "activate", "cache_sharding",
+           "constrain", "logits_sharding", "make_mesh", "param_bytes_per_device", "prepare", "replicated",
+           "request_host_devices", "state_sharding"]

@@ -1,0 +1,91 @@
+"""``jax.shard_map`` wrappers of the kernel ops: each device runs its own heads / expert columns.
+
+The partitioner cannot split a Pallas call, so under a mesh the kernels run per device inside ``shard_map``:
+
+* ``sparse_attention``: q and sinks split on heads (``rules`` "q" / attn_sink); the KV latent, window, top-k
+  and positions are replicated (shared by every head); o comes back split on heads. No collective.
+* ``routed_experts``: x, top-k ids and weights replicated (every rank routes identically); layout "tp": each
+  device's expert weights hold its F columns (padding columns are zero); layout "ep": its whole experts, with
+  the other experts' picks given weight 0. Each device's y is a partial sum; one ``psum`` in f32 (§F.4).
+
+Both have the ops' signatures (docs/DESIGN.md) plus ``mesh``/``layout`` (default: the active ones of
+``context.activate``; with neither, the op runs unsharded) and ``op`` (default: the ``pallas_kernels`` entry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from sharding import context
+from sharding.mesh import TP
+
+
+def _mesh_and_layout(mesh: Mesh | None, layout: str | None) -> tuple[Mesh | None, str]:
+    current = context.active()
+    if mesh is None and current is not None:
+        mesh = current[0]
+    if layout is None:
+        layout = current[1] if current is not None else "tp"
+    return mesh, layout
+
+
+def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, mesh: Mesh | None = None,
+                     op: Callable | None = None, **kwargs):
+    """o [B,T,H,Dh] = op(...) with q [B,T,H,Dh] and sinks [H] split on heads over ``tp``."""
+    if op is None:
+        from pallas_kernels.sparse_attention.ops import sparse_attention as op
+    mesh, _ = _mesh_and_layout(mesh, None)
+    if mesh is None or mesh.size == 1:
+        return op(q, kv_pool, topk, window, window_start, q_pos, sinks, **kwargs)
+    heads, rep = P(None, None, TP, None), P()
+
+    def local(q, kv_pool, topk, window, window_start, q_pos, sinks):
+        return op(q, kv_pool, topk, window, window_start, q_pos, sinks, **kwargs)
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(heads, rep, rep, rep, rep, rep, P(TP)), out_specs=heads,
+                        check_vma=False)
+    return run(q, kv_pool, topk, window, window_start, q_pos, sinks)
+
+
+def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, mesh: Mesh | None = None,
+                   layout: str | None = None, op: Callable | None = None, **kwargs):
+    """y [N,D] f32 = op(...) with the expert weights split by ``layout`` and the partial sums all-reduced.
+
+    ``weights``: a pytree of stacked expert arrays (w1/w3 ``[E, F, ·]``, w2 ``[E, D, ·]``; packed fp4 codes and
+    their scales follow the same axes); leaves whose path names ``w2`` are split on their last axis in "tp".
+    """
+    if op is None:
+        from pallas_kernels.moe.ops import routed_experts as op
+    mesh, layout = _mesh_and_layout(mesh, layout)
+    if mesh is None or mesh.size == 1:
+        return op(x, topk_ids, topk_weights, weights, swiglu_limit=swiglu_limit, **kwargs)
+    rep = P()
+    weight_specs = jax.tree_util.tree_map_with_path(lambda path, _: _expert_spec(path, layout), weights)
+
+    def local(x, ids, w, local_weights):
+        if layout == "ep":
+            ids, w = _local_experts(ids, w, jax.tree.leaves(local_weights)[0].shape[0])
+        y = op(x, ids, w, local_weights, swiglu_limit=swiglu_limit, **kwargs)
+        return jax.lax.psum(y.astype(jnp.float32), TP)
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, weight_specs), out_specs=rep, check_vma=False)
+    return run(x, topk_ids, topk_weights, weights)
+
+
+def _expert_spec(path, layout: str) -> P:
+    if layout == "ep":
+        return P(TP, None, None)
+    is_down = any("w2" in str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+    return P(None, None, TP) if is_down else P(None, TP, None)
+
+
+def _local_experts(ids, w, experts_here: int):
+    """Global expert ids → this rank's (ids of other ranks' experts get id 0 and weight 0)."""
+    local = ids - jax.lax.axis_index(TP) * experts_here
+    mine = (local >= 0) & (local < experts_here)
+    return jnp.where(mine, local, 0).astype(ids.dtype), jnp.where(mine, w, 0.0).astype(w.dtype)

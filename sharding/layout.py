@@ -1,0 +1,142 @@
+"""Per-rank splits of the sharded dimensions and their zero padding (`PLANNER.md` §C, `MODEL.md` §F.2-F.3).
+
+A split dimension is cut into contiguous per-rank ranges (the planner's widths, uneven in 128-blocks at some
+worlds). JAX shards need equal sizes, so every rank's shard is padded with zeros to the widest rank's width:
+the *padded* global dimension is ``world × widest`` and rank r's real entries sit at the start of its shard.
+
+Why zero padding is exact: padded expert columns have zero w1/w3 rows and zero w2 columns, so SwiGLU gives
+silu(0)·0 = 0 there and w2 adds nothing; padded vocabulary rows are never looked up (ids < V) and their logits
+are dropped before sampling (``real_vocab_index``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sharding.mesh import ShardingError
+from sharding.rules import EXPERT_MLP, SHARED_MLP, VOCAB, check_layout
+
+
+@dataclass(frozen=True)
+class Split:
+    """One dimension of ``sum(sizes)`` entries, rank r owning ``sizes[r]`` of them, padded to ``max(sizes)``."""
+
+    sizes: tuple[int, ...]
+
+    @staticmethod
+    def even(total: int, world: int) -> "Split":
+        if total % world:
+            raise ValueError(f"{total} does not split evenly over {world} ranks")
+        return Split((total // world,) * world)
+
+    @property
+    def world(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def shard(self) -> int:
+        """Every rank's padded shard width (the widest rank's)."""
+        return max(self.sizes)
+
+    @property
+    def padded_total(self) -> int:
+        return self.shard * self.world
+
+    @property
+    def is_padded(self) -> bool:
+        return self.padded_total != self.total
+
+    def start(self, rank: int) -> int:
+        return sum(self.sizes[:rank])
+
+    def real_index(self) -> np.ndarray:
+        """For each real entry (in order), its position in the padded dimension: int32 ``[total]``."""
+        return np.concatenate([r * self.shard + np.arange(n) for r, n in enumerate(self.sizes)]).astype(np.int32)
+
+    def shard_of(self, array: np.ndarray, axis: int, rank: int) -> np.ndarray:
+        """Rank ``rank``'s real slice of ``array`` along ``axis``, zero-padded to ``shard`` entries."""
+        lo = self.start(rank)
+        index = (slice(None),) * axis + (slice(lo, lo + self.sizes[rank]),)
+        take = np.asarray(array[index])  # basic slicing: a memory-mapped tensor reads only this range
+        missing = self.shard - self.sizes[rank]
+        if not missing:
+            return take
+        pad = [(0, 0)] * array.ndim
+        pad[axis] = (0, missing)
+        return np.pad(take, pad)
+
+    def pad_full(self, array: np.ndarray, axis: int) -> np.ndarray:
+        """The whole padded array (host memory; for tests and small tensors)."""
+        return np.concatenate([self.shard_of(array, axis, r) for r in range(self.world)], axis=axis)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one world cuts the model: the layout and the two uneven (padded) splits.
+
+    ``layout`` "tp": routed and shared experts split on F by ``expert_width``; "ep": whole routed experts a
+    rank (E / world each), F unsplit, shared expert replicated (``rules.LOGICAL_TO_MESH``).
+    Heads, groups and experts split evenly (the planner refuses worlds where they do not).
+    """
+
+    world: int
+    layout: str
+    vocab: Split
+    expert_width: Split
+
+    @staticmethod
+    def from_admission(cfg, world: int, admission, layout: str = "tp") -> "ShardPlan":
+        """From the planner's ``Admission`` (per-rank ``vocab_rows`` and ``expert_widths``)."""
+        check_layout(layout)
+        vocab = Split(tuple(int(n) for n in admission.vocab_rows))
+        if layout == "tp":
+            width = Split(tuple(int(n) for n in admission.expert_widths))
+        else:
+            if cfg.n_routed_experts % world:
+                raise ShardingError(
+                    f"world {world} refused for expert parallelism: {cfg.n_routed_experts} routed experts do "
+                    f"not split into whole experts over {world} ranks; use layout 'tp'")
+            width = Split((cfg.moe_intermediate_size,))
+        return ShardPlan(world, layout, vocab, width)
+
+    def split(self, logical: str, size: int) -> Split:
+        """The per-rank split of a dimension of logical axis ``logical`` and padded size ``size``."""
+        if logical == VOCAB:
+            return self.vocab
+        if logical in (EXPERT_MLP, SHARED_MLP):
+            return self.expert_width
+        return Split.even(size, self.world)
+
+    def run_config(self, cfg):
+        """The config the sharded model is built with: vocabulary and expert width padded (zeros)."""
+        return cfg.replace(vocab_size=self.vocab.padded_total,
+                           moe_intermediate_size=self.expert_width.padded_total)
+
+    def padded_token_ids(self, ids):
+        """Real token ids → rows of the padded embedding (identity unless the vocab padding is interleaved)."""
+        if not self.vocab_interleaved:
+            return ids
+        import jax.numpy as jnp
+        starts = jnp.asarray([self.vocab.start(r) for r in range(self.world)], dtype=ids.dtype)
+        rank = jnp.searchsorted(starts, ids, side="right") - 1
+        return ids - starts[rank] + rank * self.vocab.shard
+
+    @property
+    def vocab_interleaved(self) -> bool:
+        """True when some padding sits before real rows (not every rank but the last is full)."""
+        return any(n != self.vocab.shard for n in self.vocab.sizes[:-1])
+
+    def real_logits(self, logits):
+        """Padded logits [.., V_pad] → [.., V] in real token order (padded columns dropped)."""
+        import jax.numpy as jnp
+        if not self.vocab_interleaved:
+            return logits[..., : self.vocab.total]
+        shard = self.vocab.shard
+        parts = [logits[..., r * shard: r * shard + n] for r, n in enumerate(self.vocab.sizes)]
+        return jnp.concatenate(parts, axis=-1)

@@ -1,0 +1,127 @@
+"""``prepare``: admission, mesh, padded config, sharded weights, and the model wrapper the engine runs.
+
+Engine contract::
+
+    model, mesh = sharding.prepare(cfg, flat, world, options)         # raises PlanRefused if not admitted
+    logits, cache = model(ids, cache, lengths)                        # same call as Transformer; logits over
+                                                                      # the real vocabulary [B, T, V], replicated
+    jit with explicit shardings:  in  = (sharding.state_sharding(model), sharding.cache_sharding(mesh, cache),
+                                         sharding.replicated(mesh) for ids / lengths)
+                                  out = (sharding.logits_sharding(mesh), sharding.cache_sharding(mesh, cache))
+
+``model.cfg`` is the real config; ``model.run_cfg`` the padded one the inner model was built with;
+``model.vocab_size`` the real vocabulary (padded logits never leave the wrapper, so they cannot be sampled).
+Caches are replicated (the KV latent is shared by every head, ``MODEL.md`` §F.1): ``init_cache`` with the
+real config, then ``jax.device_put(cache, sharding.cache_sharding(mesh, cache))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from sharding import context
+from sharding.layout import ShardPlan
+from sharding.load import place_all
+from sharding.mesh import make_mesh, replicated
+
+
+class ShardedTransformer(nnx.Module):
+    """A Transformer built with the padded config, its parameters sharded over ``mesh``.
+
+    Call: ``(ids [B, T] int32, cache, lengths [B] | None) -> (logits [B, T, V] f32 replicated, cache)``.
+    """
+
+    def __init__(self, inner: nnx.Module, mesh: Mesh, plan: ShardPlan, cfg: Any, run_cfg: Any):
+        self.inner = inner
+        self.mesh = mesh
+        self.plan = plan
+        self.cfg = cfg
+        self.run_cfg = run_cfg
+        self.vocab_size = cfg.vocab_size
+
+    def __call__(self, ids, cache, lengths=None):
+        with context.activate(self.mesh, self.plan.layout):
+            padded_ids = self.plan.padded_token_ids(ids)
+            logits, cache = self.inner(padded_ids, cache, lengths=lengths)
+            logits = context.constrain(logits, "logits_shards")
+            logits = context.constrain(self.plan.real_logits(logits), "logits")  # the head's gather (§F.4)
+        return logits, cache
+
+
+def admission(cfg: Any, world: int):
+    """The planner's admission of ``cfg`` at ``world`` (raises ``planner.PlanRefused`` with its message)."""
+    from dsv41_jax.planner import admit
+    return admit(cfg, world)
+
+
+def prepare(cfg: Any, flat: Any, world: int, options: Any, *, layout: str = "tp",
+            devices: list | None = None) -> tuple[ShardedTransformer, Mesh]:
+    """The model for ``world`` devices with ``flat``'s weights placed straight into their shards.
+
+    ``flat``: model name → host array (real shapes), or an iterator of such pairs (consumed once).
+    ``options``: the model's ``ModelOptions``. ``layout``: "tp" (experts split on F) or "ep" (whole experts).
+    Admission runs first, before any weight is touched; a refused world raises the planner's ``PlanRefused``.
+    """
+    plan = ShardPlan.from_admission(cfg, world, admission(cfg, world), layout)
+    mesh = make_mesh(world, devices)
+    run_cfg = plan.run_config(cfg)
+    inner = _build(run_cfg, options, flat, mesh, plan)
+    return ShardedTransformer(inner, mesh, plan, cfg, run_cfg), mesh
+
+
+def _build(run_cfg: Any, options: Any, flat: Any, mesh: Mesh, plan: ShardPlan) -> nnx.Module:
+    from dsv41_jax.model.transformer import Transformer
+
+    def construct():
+        return Transformer(run_cfg, options, rngs=nnx.Rngs(0))
+
+    graphdef, params, rest = nnx.split(nnx.eval_shape(construct), nnx.Param, ...)
+    flat_params = list(nnx.to_flat_state(params))
+    targets = {_name(path): var.get_value() for path, var in flat_params}
+    placed = place_all(flat, targets, mesh, plan)
+    params = nnx.from_flat_state([(path, var.replace(placed[_name(path)])) for path, var in flat_params])
+    return nnx.merge(graphdef, params, _non_params(construct, mesh))
+
+
+def _non_params(construct, mesh: Mesh) -> nnx.State:
+    """Buffers that are not parameters (tables the constructor computes), built replicated on the mesh.
+
+    The random parameter init inside is dead code for XLA (not an output) and is never run.
+    """
+    def make():
+        _, _, rest = nnx.split(construct(), nnx.Param, ...)
+        return rest
+
+    return jax.jit(make, out_shardings=replicated(mesh))()
+
+
+def _name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def state_sharding(model: nnx.Module):
+    """The sharding of every array in ``nnx.state(model)`` (a pytree like the state), for jit in_shardings."""
+    return jax.tree.map(lambda a: a.sharding, nnx.state(model))
+
+
+def cache_sharding(mesh: Mesh, cache: Any):
+    """Caches are replicated on every rank (`MODEL.md` §F.1): one replicated sharding per cache array."""
+    return jax.tree.map(lambda _: replicated(mesh), cache)
+
+
+def logits_sharding(mesh: Mesh) -> NamedSharding:
+    """The wrapper's logits are gathered: replicated."""
+    return replicated(mesh)
+
+
+def param_bytes_per_device(model: nnx.Module) -> dict[int, int]:
+    """Bytes of parameter shards held by each device (padding included), keyed by device id."""
+    out: dict[int, int] = {}
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        for shard in leaf.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out

@@ -1,0 +1,162 @@
+"""THE partition-rule table: every parameter and activation → logical axes → the mesh axis ``tp``.
+
+MaxText-style, in two steps (`MODEL.md` §F.1):
+
+1. ``PARAM_RULES`` / ``ACTIVATION_RULES`` give each tensor dimension a *logical* axis name (or ``None``);
+2. ``LOGICAL_TO_MESH[layout]`` maps logical names to the mesh axis ``"tp"`` (or to nothing = replicated).
+
+Two layouts: ``"tp"`` splits routed and shared experts on their intermediate width (the layout the checkpoints
+are meant to be served with); ``"ep"`` gives each device whole routed experts (expert parallelism).
+Parameter names are the model's NNX state paths joined with ``.`` (= official checkpoint names, experts stacked;
+``docs/DESIGN.md``). Every parameter name matches exactly one rule (tested).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from jax.sharding import PartitionSpec
+
+from sharding.mesh import TP
+
+LAYOUTS = ("tp", "ep")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Parameters whose name fully matches ``pattern`` get ``axes`` (one logical name or None per dim)."""
+
+    pattern: str
+    axes: tuple[str | None, ...]
+    why: str
+
+
+# Logical axis names.
+VOCAB = "vocab"              # embedding / head rows; 128-row blocks, uneven at W = 4, 8 (padded, §F.3)
+Q_HEADS = "q_heads"          # wq_b rows, head-major h·d + i: a contiguous block of rows = whole heads
+HEADS = "heads"              # one entry per query head (attn_sink, the head axis of q and o)
+O_GROUPS = "o_groups"        # wo_a row blocks / wo_b input columns / the group axis: whole groups of heads
+EXPERTS = "experts"          # the stacked routed-expert axis E
+EXPERT_MLP = "expert_mlp"    # routed-expert intermediate width F (128-blocks, padded when uneven, §F.2)
+SHARED_MLP = "shared_mlp"    # shared-expert intermediate width (follows the routed split, §F.1)
+
+_LAYER = r"(?:layers|mtp)\.\d+\."   # backbone layers; DSpark stages are split like a backbone layer (§F.1)
+
+PARAM_RULES: tuple[Rule, ...] = (
+    # ---- split ----
+    Rule(r"embed\.weight", (VOCAB, None),
+         "vocabulary-parallel: each rank looks up its own rows (others give 0) and the sum is all-reduced (§F.1)"),
+    Rule(r"head\.weight", (VOCAB, None),
+         "vocabulary-parallel: each rank emits its slice of the logits, gathered at the end (§F.1)"),
+    Rule(_LAYER + r"attn\.wq_b\.weight", (Q_HEADS, None),
+         "column-parallel by heads: each rank computes q only for its H/P heads (§F.1)"),
+    Rule(_LAYER + r"attn\.attn_sink", (HEADS,),
+         "one sink logit per head: sliced with the heads it belongs to"),
+    Rule(_LAYER + r"attn\.wo_a\.weight", (O_GROUPS, None),
+         "block-diagonal: group g reads only its own heads, so whole row blocks follow the heads (§B.6)"),
+    Rule(_LAYER + r"attn\.wo_b\.weight", (None, O_GROUPS),
+         "row-parallel over the groups' outputs: partial [T, D] sums, all-reduced after wo_b (§F.4)"),
+    Rule(_LAYER + r"ffn\.experts\.w[13]\.weight", (EXPERTS, EXPERT_MLP, None),
+         "gate/up rows: SwiGLU is elementwise in F, so any split of F is exact after w2's all-reduce (§F.2)"),
+    Rule(_LAYER + r"ffn\.experts\.w2\.weight", (EXPERTS, None, EXPERT_MLP),
+         "down-projection input columns: same F split as w1/w3; partial sums all-reduced after the MoE"),
+    Rule(_LAYER + r"ffn\.shared_experts\.w[13]\.weight", (SHARED_MLP, None),
+         "shared expert split like the routed ones; its partial output joins the routed partial sum (§F.1)"),
+    Rule(_LAYER + r"ffn\.shared_experts\.w2\.weight", (None, SHARED_MLP),
+         "down-projection input columns of the shared expert"),
+    # ---- replicated ----
+    Rule(r"norm\.weight", (None,),
+         "final norm: tiny, and every rank needs the whole normed hidden state for its head slice"),
+    Rule(_LAYER + r"hc_(?:attn|ffn)_(?:fn|base|scale)", (None, None),
+         "hyper-connection mix: computed redundantly on every rank, it only reads all-reduced streams (§F.4)"),
+    Rule(_LAYER + r"(?:attn_norm|ffn_norm)\.weight", (None,),
+         "sublayer input norms: the normed input feeds every rank's heads / expert columns"),
+    Rule(_LAYER + r"attn\.(?:wq_a|q_norm|wkv|kv_norm)\.weight", (None, None),
+         "the q low-rank input and the one shared K=V latent (MQA) are needed by every head: replicated, "
+         "so window KV is computed redundantly and no collective is needed (§F.1)"),
+    Rule(_LAYER + r"attn\.compressor\.\w+(?:\.weight)?", (None, None),
+         "compressed KV entries are shared by all heads: computed redundantly, deterministic on every rank"),
+    Rule(_LAYER + r"attn\.indexer\.\w+(?:\.weight)?", (None, None),
+         "the indexer's top-k is one selection for all heads: computed redundantly (identical on every rank)"),
+    Rule(_LAYER + r"ffn\.gate\.(?:weight|bias|bias_vl)", (None, None),
+         "router: every rank must pick the same experts, so it routes the same all-reduced input itself"),
+)
+# Axes lists are per dim; a 1-D replicated tensor simply uses the first entry (see ``param_logical_axes``).
+
+LOGICAL_TO_MESH: dict[str, dict[str, str | None]] = {
+    "tp": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: None, EXPERT_MLP: TP, SHARED_MLP: TP},
+    # Expert parallelism: whole routed experts a rank (E/P each, no padding of F). The shared expert is then
+    # replicated: splitting it on F would force F's 128-block padding onto every routed expert too, since
+    # both share moe_intermediate_size; it is 1/E of the expert weights.
+    "ep": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: TP, EXPERT_MLP: None, SHARED_MLP: None},
+}
+
+# Activations: logical axes of the *trailing* dims (leading batch / token dims are never split).
+ACTIVATION_RULES: dict[str, tuple[tuple[str | None, ...], str]] = {
+    "q": ((HEADS, None), "q [.., H, d] after wq_b: each rank holds its heads; attention is per head"),
+    "attn_out": ((HEADS, None), "o [.., H, d] before wo_a: stays on the rank that computed its heads"),
+    "o_groups": ((O_GROUPS, None), "wo_a output [.., G, R_o]: each rank's groups, the input of row-parallel wo_b"),
+    "attn_proj": ((None,), "wo_b output [.., D] after the all-reduce: replicated, feeds the replicated HC mix"),
+    "expert_hidden": ((EXPERT_MLP,), "SwiGLU activations [.., F]: each rank its own intermediate columns"),
+    "moe_out": ((None,), "MoE output [.., D] after the all-reduce of routed + shared partial sums"),
+    "embed_out": ((None,), "embedding [.., D] after the vocabulary-parallel look-up's all-reduce"),
+    "logits_shards": ((VOCAB,), "head output [.., V_pad]: each rank its own vocabulary slice"),
+    "logits": ((None,), "gathered logits [.., V] handed to the sampler: replicated"),
+    "replicated": ((), "caches, tokens, streams, positions, top-k: every rank holds the same values"),
+}
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+
+
+def rule_for(name: str) -> Rule:
+    """The single rule matching ``name``; KeyError naming the tensor if none does."""
+    hits = matching_rules(name)
+    if len(hits) != 1:
+        raise KeyError(f"tensor {name!r} matches {len(hits)} sharding rules (expected exactly one)")
+    return hits[0]
+
+
+def matching_rules(name: str) -> list[Rule]:
+    return [r for r in PARAM_RULES if re.fullmatch(r.pattern, name)]
+
+
+def param_logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
+    """Logical axis per dim of parameter ``name``; replicated rules fit any rank of tensor."""
+    axes = rule_for(name).axes
+    if all(a is None for a in axes):
+        return (None,) * ndim
+    if len(axes) != ndim:
+        raise ValueError(f"tensor {name!r} has {ndim} dims, its sharding rule expects {len(axes)}")
+    return axes
+
+
+def mesh_axes(axes: tuple[str | None, ...], layout: str) -> tuple[str | None, ...]:
+    check_layout(layout)
+    table = LOGICAL_TO_MESH[layout]
+    return tuple(table[a] if a is not None else None for a in axes)
+
+
+def param_spec(name: str, ndim: int, layout: str = "tp") -> PartitionSpec:
+    """The PartitionSpec of parameter ``name`` (``ndim`` dims) under ``layout``."""
+    return PartitionSpec(*mesh_axes(param_logical_axes(name, ndim), layout))
+
+
+def split_axis(name: str, ndim: int, layout: str = "tp") -> tuple[int, str] | None:
+    """(dim, logical axis) of the one dimension of ``name`` split over ``tp``, or None if replicated."""
+    hits = [(i, a) for i, (a, m) in enumerate(zip(param_logical_axes(name, ndim),
+                                                   mesh_axes(param_logical_axes(name, ndim), layout)))
+            if m is not None]
+    if len(hits) > 1:
+        raise ValueError(f"tensor {name!r} splits more than one dim over tp")
+    return hits[0] if hits else None
+
+
+def activation_spec(activation: str, ndim: int, layout: str = "tp") -> PartitionSpec:
+    """PartitionSpec of an activation of ``ndim`` dims (leading dims replicated)."""
+    trailing, _ = ACTIVATION_RULES[activation]
+    mapped = mesh_axes(trailing, layout)
+    return PartitionSpec(*((None,) * (ndim - len(mapped)) + mapped))

@@ -1,0 +1,175 @@
+"""Sharding: the rule table covers every tensor once, splits and padding, weights placed into their shards,
+and the shard_map kernel wrappers against the unsharded op (8 simulated CPU devices, tests/conftest)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dsv41_jax.config import load_named
+from dsv41_jax.param_specs import model_tensors
+from sharding import rules
+from sharding.kernels import routed_experts as sharded_routed_experts
+from sharding.kernels import sparse_attention as sharded_sparse_attention
+from sharding.layout import ShardPlan, Split
+from sharding.load import place
+from sharding.mesh import ShardingError, make_mesh
+
+# The 128-block splits of PLANNER.md §C, written out from its tables (independent of the planner's code).
+F_SPLIT = {1: (2304,), 2: (1152, 1152), 4: (640, 640, 512, 512), 8: (384, 384) + (256,) * 6}
+V_SPLIT = {1: (129280,), 2: (64640,) * 2, 4: (32384, 32384, 32256, 32256), 8: (16256,) * 2 + (16128,) * 6}
+
+
+def full_plan(world: int, layout: str = "tp") -> ShardPlan:
+    return ShardPlan(world, layout, Split(V_SPLIT[world]), Split(F_SPLIT[world] if layout == "tp" else (2304,)))
+
+
+@pytest.mark.parametrize("name", ["tiny", "dsv41_flash"])
+def test_every_model_tensor_matches_exactly_one_rule(name):
+    cfg = load_named(name)
+    for tensor, shape in model_tensors(cfg).items():
+        hits = rules.matching_rules(tensor)
+        assert len(hits) == 1, (tensor, [h.pattern for h in hits])
+        assert hits[0].why
+        for layout in rules.LAYOUTS:
+            spec = rules.param_spec(tensor, len(shape), layout)
+            assert len(spec) == len(shape)
+            assert sum(a is not None for a in spec) <= 1  # at most one dim split over the single mesh axis
+
+
+def test_full_model_rules_follow_model_md_f1():
+    """Per-rank shapes at world 4 (MODEL.md §F.1, P = 4 column): 16 heads, 2 groups, 2048 wo_b columns."""
+    cfg, plan = load_named("dsv41_flash"), full_plan(4)
+    shapes = model_tensors(cfg)
+
+    def per_rank(name):
+        padded = list(shapes[name])
+        hit = rules.split_axis(name, len(padded), "tp")
+        if hit:
+            padded[hit[0]] = plan.split(hit[1], padded[hit[0]]).shard
+        return tuple(padded)
+
+    assert per_rank("layers.0.attn.wq_b.weight") == (16 * 512, 1280)
+    assert per_rank("layers.0.attn.attn_sink") == (16,)
+    assert per_rank("layers.0.attn.wo_a.weight") == (2 * 1024, 4096)
+    assert per_rank("layers.0.attn.wo_b.weight") == (5120, 2048)
+    assert per_rank("layers.3.ffn.experts.w1.weight") == (384, 640, 5120)
+    assert per_rank("layers.3.ffn.experts.w2.weight") == (384, 5120, 640)
+    assert per_rank("layers.3.ffn.shared_experts.w3.weight") == (640, 5120)
+    assert per_rank("embed.weight") == (32384, 5120)
+    for replicated in ("layers.2.attn.wkv.weight", "layers.2.attn.indexer.wq_b.weight",
+                       "layers.2.attn.compressor.wkv.weight", "layers.5.ffn.gate.weight", "layers.0.hc_attn_fn"):
+        assert per_rank(replicated) == shapes[replicated]
+    ep = rules.param_spec("layers.3.ffn.experts.w2.weight", 3, "ep")
+    assert ep == P("tp", None, None)
+    assert rules.param_spec("layers.3.ffn.shared_experts.w2.weight", 2, "ep") == P(None, None)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_split_padding_is_zero_and_invertible(world):
+    split = Split(V_SPLIT[world])
+    assert split.total == 129280 and split.shard == max(V_SPLIT[world])
+    rows = np.arange(split.total, dtype=np.float32)[:, None] + 1.0  # no real row is zero
+    padded = split.pad_full(rows, axis=0)
+    assert padded.shape == (split.padded_total, 1)
+    np.testing.assert_array_equal(padded[split.real_index()], rows)
+    assert np.count_nonzero(padded) == split.total  # every other row is padding, and padding is zero
+    plan = full_plan(world)
+    ids = jnp.asarray([0, 1, 32383, 32384, 64767, 64768, 97151, 129279], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(plan.padded_token_ids(ids)), split.real_index()[np.asarray(ids)])
+    logits = jnp.asarray(padded[:, 0])
+    np.testing.assert_array_equal(np.asarray(plan.real_logits(logits)), rows[:, 0])
+
+
+def test_place_puts_each_rank_s_padded_slice_on_its_device():
+    world, plan = 4, full_plan(4)
+    mesh = make_mesh(world)
+    rng = np.random.default_rng(0)
+    host = rng.standard_normal((2, 2304, 8)).astype(np.float32)  # experts.w1 with E = 2, D = 8
+    arr = place("layers.0.ffn.experts.w1.weight", host, (2, 2560, 8), np.float32, mesh, plan)
+    assert arr.shape == (2, 2560, 8)
+    split = plan.expert_width
+    for shard in arr.addressable_shards:
+        rank = list(mesh.devices.flat).index(shard.device)
+        lo = split.start(rank)
+        expected = np.zeros((2, 640, 8), np.float32)
+        expected[:, : split.sizes[rank]] = host[:, lo: lo + split.sizes[rank]]
+        np.testing.assert_array_equal(np.asarray(shard.data), expected)
+    with pytest.raises(ValueError, match="expected"):
+        place("layers.0.ffn.experts.w1.weight", host[:, :100], (2, 2560, 8), np.float32, mesh, plan)
+
+
+def test_mesh_refuses_unsupported_worlds():
+    with pytest.raises(ShardingError, match="world 3"):
+        make_mesh(3)
+    mesh = make_mesh(4)
+    assert mesh.axis_names == ("tp",) and mesh.size == 4
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
+
+
+# ------------------------------------------------------------------------------------ shard_map wrappers
+def _moe_reference(x, ids, w, weights, *, swiglu_limit):
+    """Dense per-token reference of the routed-experts contract (docs/DESIGN.md), f32 throughout."""
+    g = jnp.einsum("nd,efd->nef", x, weights["w1"])
+    u = jnp.einsum("nd,efd->nef", x, weights["w3"])
+    act = jax.nn.silu(jnp.minimum(g, swiglu_limit)) * jnp.clip(u, -swiglu_limit, swiglu_limit)
+    y = jnp.einsum("nef,edf->ned", act, weights["w2"])  # [N, E, D]
+    return jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * w[..., None], axis=1)
+
+
+@pytest.mark.parametrize("world,layout", [(2, "tp"), (4, "tp"), (8, "tp"), (4, "ep"), (8, "ep")])
+def test_routed_experts_wrapper_matches_one_device(world, layout):
+    rng = np.random.default_rng(1)
+    n_exp, dim, width, n_tok, k = 8, 16, 640, 5, 2
+    weights = {"w1": rng.standard_normal((n_exp, width, dim)), "w3": rng.standard_normal((n_exp, width, dim)),
+               "w2": rng.standard_normal((n_exp, dim, width)) / 8}
+    weights = {k_: jnp.asarray(v, jnp.float32) for k_, v in weights.items()}
+    x = jnp.asarray(rng.standard_normal((n_tok, dim)) / 4, jnp.float32)
+    ids = jnp.asarray(rng.choice(n_exp, (n_tok, k)), jnp.int32)
+    w = jnp.asarray(rng.random((n_tok, k)), jnp.float32)
+    expected = _moe_reference(x, ids, w, weights, swiglu_limit=1.0)
+    if layout == "tp" and world == 8:
+        # 640 = 5 blocks of 128 cannot be shared by 8 ranks: use the padded 32-granular split instead.
+        split = Split((96,) * 4 + (64,) * 4)
+        weights = {"w1": split.pad_full(np.asarray(weights["w1"]), 1), "w3": split.pad_full(np.asarray(weights["w3"]), 1),
+                   "w2": split.pad_full(np.asarray(weights["w2"]), 2)}
+    got = sharded_routed_experts(x, ids, w, weights, swiglu_limit=1.0, mesh=make_mesh(world), layout=layout,
+                                 op=_moe_reference)
+    # f32 sums in a different order (per-rank partial sums + psum): a few ulps of values of size ~10.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def _attention_reference(q, kv_pool, topk, window, window_start, q_pos, sinks, *, window_size, scale):
+    """Direct per-head softmax over window rows and top-k pool entries with a sink (docs/DESIGN.md contract)."""
+    win_pos = window_start[:, None] + jnp.arange(window.shape[1])[None]              # [B, S]
+    visible = (win_pos[:, None] <= q_pos[..., None]) & (win_pos[:, None] > q_pos[..., None] - window_size) \
+        & (win_pos[:, None] >= 0)                                                      # [B, T, S]
+    pool = jnp.take_along_axis(kv_pool[:, None], jnp.maximum(topk, 0)[..., None], axis=2)  # [B, T, K, Dh]
+    keys = jnp.concatenate([jnp.broadcast_to(window[:, None], (*q.shape[:2], *window.shape[1:])), pool], axis=2)
+    mask = jnp.concatenate([visible, topk >= 0], axis=-1)                              # [B, T, S + K]
+    logits = jnp.einsum("bthd,btjd->bthj", q, keys) * scale
+    logits = jnp.where(mask[:, :, None], logits, -jnp.inf)
+    m = jnp.maximum(jnp.max(logits, -1, keepdims=True), sinks[:, None])
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, -1, keepdims=True) + jnp.exp(sinks[:, None] - m)
+    return jnp.einsum("bthj,btjd->bthd", p / denom, keys)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_sparse_attention_wrapper_matches_one_device(world):
+    rng = np.random.default_rng(2)
+    b, t, h, dh, n, s, k = 2, 3, 16, 8, 6, 5, 4
+    args = (jnp.asarray(rng.standard_normal((b, t, h, dh)), jnp.float32),
+            jnp.asarray(rng.standard_normal((b, n, dh)), jnp.float32),
+            jnp.asarray(rng.integers(-1, n, (b, t, k)), jnp.int32),
+            jnp.asarray(rng.standard_normal((b, s, dh)), jnp.float32),
+            jnp.asarray([0, -2], jnp.int32), jnp.asarray([[2, 3, 4], [0, 1, 2]], jnp.int32),
+            jnp.asarray(rng.standard_normal(h), jnp.float32))
+    expected = _attention_reference(*args, window_size=3, scale=dh ** -0.5)
+    got = sharded_sparse_attention(*args, mesh=make_mesh(world), op=_attention_reference, window_size=3,
+                                   scale=dh ** -0.5)
+    # Each head is computed by the same op on one device: identical math, so only f32 reassociation by XLA.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
