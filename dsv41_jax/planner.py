@@ -538,12 +538,19 @@ def _moe_width(adm: Admission, rank: int, options: PlanOptions) -> int:
     return adm.expert_width_padded if options.padded else adm.expert_widths[rank]
 
 
-def _moe_strategy(adm: Admission, options: PlanOptions) -> str:
+def _moe_strategy(cfg: ModelConfig, adm: Admission, n: int, options: PlanOptions) -> str:
+    """auto: the decode-bounded block at W ≤ 2 in 2K mode (§E: it fits 2,048 rows of the full model, adding no
+    byte), whole-block past W = 2 or in 4K mode — and whole-block wherever the bound does not hold on the
+    widest rank (a small model whose expert width exceeds D), so "auto" never refuses R5."""
     if options.moe != "auto":
         if options.moe not in ("bounded", "whole", "halving"):
             raise PlanRefused("R5", f"MoE strategy {options.moe!r} is unknown: use auto, bounded, whole or halving.")
         return options.moe
-    return "bounded" if adm.world <= 2 and not options.pf4k else "whole"
+    if adm.world > 2 or options.pf4k:
+        return "whole"
+    k, D, re, width = cfg.num_experts_per_tok, cfg.hidden_size, options.expert_rows, adm.expert_width_padded
+    fits = n * k * D <= moe_bound_floats(cfg, width, re) and n * k * width <= re * (k + 1) * D
+    return "bounded" if fits else "whole"
 
 
 def _plan_moe(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int, options: PlanOptions) -> dict:
@@ -551,7 +558,7 @@ def _plan_moe(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int, o
     k, D, re = cfg.num_experts_per_tok, cfg.hidden_size, options.expert_rows
     width = _moe_width(adm, rank, options)
     zb = moe_bound_floats(cfg, width, re)
-    strategy = _moe_strategy(adm, options)
+    strategy = _moe_strategy(cfg, adm, n, options)
     block = n
     if strategy == "bounded":
         _check_bounded(cfg, adm, rank, n, start, zb, width, options)

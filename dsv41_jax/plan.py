@@ -1,0 +1,119 @@
+"""``python -m dsv41_jax.plan``: print the static plan of one segment (PLANNER.md §B) as a table or JSON.
+
+    python -m dsv41_jax.plan --config dsv41_flash --world 4 --rank 2 --rows 2048 --position 300000
+    python -m dsv41_jax.plan --config tiny --world 8 --rows 17 --position 0 --json
+
+A refusal prints its rule and reason on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dsv41_jax.config import ConfigError, load_named
+from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, admit, buffer_plan,
+                               check_memory, plan_segment)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dsv41_jax.plan", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="tiny, dsv41_flash, or a config.json / checkpoint directory")
+    p.add_argument("--world", type=int, required=True, help="tensor-parallel world size (1, 2, 4, 8)")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--rows", type=int, required=True, help="rows in the segment")
+    p.add_argument("--position", type=int, required=True, help="position of the segment's first row")
+    p.add_argument("--pf4k", action="store_true", help="4K mode (4,096-row segments; implies the acknowledgement)")
+    p.add_argument("--replay", action="store_true", help="CED bounded replay (plans the encoder segment)")
+    p.add_argument("--images", action="store_true", help="plan image roles (image_rows = -1)")
+    p.add_argument("--experts", choices=("f32", "bf16", "fp8", "fp4"), default="bf16")
+    p.add_argument("--dense", choices=("f32", "bf16", "fp8"), default="bf16")
+    p.add_argument("--moe", choices=("auto", "bounded", "whole", "halving"), default="auto")
+    p.add_argument("--index-budget-mib", type=int, default=256, help="B_idx (MiB)")
+    p.add_argument("--budget-gib", type=float, default=None, help="usable memory per device; checks R10")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _options(args: argparse.Namespace) -> PlanOptions:
+    return PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
+                       experts=args.experts, dense=args.dense, moe=args.moe,
+                       index_budget=args.index_budget_mib * (1 << 20))
+
+
+def _as_json(plan: SegmentPlan, args: argparse.Namespace, options: PlanOptions) -> dict:
+    adm = admit(plan_cfg := args._cfg, plan.world, block=options.block, uneven=options.uneven)
+    out = plan.to_json()
+    out["admission"] = {
+        "expert_widths": list(adm.expert_widths), "expert_width_padded": adm.expert_width_padded,
+        "expert_columns_padded": list(adm.expert_columns(plan.rank)), "expert_block": adm.expert_split.block,
+        "vocab_rows": list(adm.vocab_rows), "vocab_padded": adm.vocab_padded,
+        "vocab_rows_padded": list(adm.vocab_slice(plan.rank)), "vocab_block": adm.vocab_split.block,
+    }
+    out["buffer_plan_bytes"] = buffer_plan(plan_cfg, plan.world, plan.rank, options).bytes
+    return out
+
+
+def _print_table(plan: SegmentPlan, cfg_name: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def b(n: int) -> str:
+        return f"{n:,} B ({n / (1 << 20):,.1f} MiB)" if n < GiB else f"{n:,} B ({n / GiB:,.2f} GiB)"
+
+    t = Table(title=f"{cfg_name}: W = {plan.world}, rank {plan.rank}, n = {plan.rows:,}, start {plan.start:,}",
+              show_header=True)
+    t.add_column("item")
+    t.add_column("value")
+    rows = [
+        ("part / short / staged", f"{plan.part} / {plan.short} / {plan.staged}"),
+        ("ring rows (slot ring)", f"{plan.ring_rows:,} ({plan.slot_ring_rows:,})"),
+        ("heads a rank / head tile (BMQ) / grid", f"{plan.heads_per_rank} / {plan.head_tile} / {plan.attention_grid}"),
+        ("output groups", str(plan.output_groups)),
+        ("expert width (padded) / vocab rows", f"{plan.expert_width:,} ({plan.expert_width_padded:,}) / "
+                                               f"{plan.vocab_rows:,}"),
+        ("MoE strategy / blocks / block rows (pairs)", f"{plan.moe_strategy} / {plan.moe_blocks} / "
+                                                       f"{plan.moe_block_tokens:,} ({plan.moe_block_rows:,})"),
+        ("router launches", str(plan.router_launches)),
+        ("image rows", "-" if plan.image_rows is None else str(plan.image_rows)),
+    ]
+    if plan.replay:
+        rows.append(("replay: decoder start / tail / stash", f"{plan.replay.decoder_start} / "
+                                                             f"{plan.replay.tail_rows} / {plan.replay.stash_rows}"))
+    for ip in plan.index_paths:
+        rows.append((f"index layer {ip.layer}", f"{ip.kind}, {ip.visible:,} visible, {ip.rows_per_launch:,} rows × "
+                                                f"{ip.launches} launches × {ip.splits} splits, {b(ip.scratch_bytes)}"))
+    rows += [(f"workspace {role}", b(n)) for role, n in plan.workspace]
+    rows += [("workspace total", b(plan.workspace_total)), ("cache", b(plan.cache_bytes)),
+             ("weights", b(plan.weight_bytes)), ("total", b(plan.total_bytes))]
+    for item, value in rows:
+        t.add_row(item, value)
+    Console().print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_named(args.config)
+        args._cfg = cfg
+        options = _options(args)
+        budget = MemoryBudget.gib(args.budget_gib) if args.budget_gib is not None else None
+        if budget is not None:
+            check_memory(cfg, args.world, options, budget)
+        plan = plan_segment(cfg, args.world, args.rank, args.rows, args.position, options, budget)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except PlanRefused as e:
+        print(f"plan refused ({e.rule}): {e.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_as_json(plan, args, options), indent=2))
+    else:
+        _print_table(plan, args.config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""`python -m dsv41_jax.plan`: JSON fields, the readable table, refusals on stderr with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+from dsv41_jax.plan import main
+
+
+def _json(capsys, *args):
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_fields_world4_rank2(capsys):
+    out = _json(capsys, "--config", "dsv41_flash", "--world", "4", "--rank", "2", "--rows", "2048",
+                "--position", "300000")
+    for key in ("head_tile", "output_groups", "moe_blocks", "moe_block_rows", "workspace_bytes", "cache_bytes",
+                "total_bytes"):
+        assert key in out
+    # PLANNER.md B-1/B-2: BMQ 16 at W = 4, 2 groups a rank, one x3gm block of 12,288 pairs, z = 4·12,288·5,120.
+    assert (out["head_tile"], out["output_groups"], out["moe_blocks"], out["moe_block_rows"]) == (16, 2, 1, 12288)
+    assert out["workspace_bytes"]["L.moe.z"] == 251_658_240
+    assert out["total_bytes"] == out["weight_bytes"] + out["cache_bytes"] + sum(out["workspace_bytes"].values())
+    assert out["admission"]["expert_widths"] == [640, 640, 512, 512]
+    assert out["admission"]["expert_columns_padded"] == [1280, 1792]
+
+
+def test_json_tiny_world8_replay_4k(capsys):
+    out = _json(capsys, "--config", "tiny", "--world", "8", "--rows", "1024", "--position", "0", "--replay",
+                "--pf4k", "--images")
+    assert out["head_tile"] == 2 and out["output_groups"] == 1  # 16 heads / 8, 8 groups / 8
+    assert out["ring_rows"] == 8192 and out["image_rows"] == -1 and out["replay"]["decoder_start"] == 6
+
+
+def test_table_output(capsys):
+    assert main(["--config", "tiny", "--world", "4", "--rows", "17", "--position", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "head tile" in text and "L.moe.z" in text
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "dsv41_jax.plan", *args], capture_output=True, text=True)
+
+
+def test_refusal_exits_2_with_reason():
+    r = _run("--config", "dsv41_flash", "--world", "2", "--rows", "4096", "--position", "0")
+    assert r.returncode == 2 and "R1" in r.stderr and "4K mode" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_memory_refusal_and_bad_config(capsys):
+    assert main(["--config", "dsv41_flash", "--world", "4", "--rows", "16", "--position", "0", "--experts", "fp8",
+                 "--dense", "fp8", "--budget-gib", "139"]) == 2
+    err = capsys.readouterr().err
+    assert "R10" in err and "rank 0" in err and "fp4 experts" in err
+    assert main(["--config", "/nonexistent/config.json", "--world", "1", "--rows", "1", "--position", "0"]) == 2
+    assert "no config file" in capsys.readouterr().err
