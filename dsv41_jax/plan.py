@@ -42,8 +42,8 @@ def _options(args: argparse.Namespace) -> PlanOptions:
                        index_budget=args.index_budget_mib * (1 << 20))
 
 
-def _as_json(plan: SegmentPlan, args: argparse.Namespace, options: PlanOptions) -> dict:
-    adm = admit(plan_cfg := args._cfg, plan.world, block=options.block, uneven=options.uneven)
+def _as_json(cfg, plan: SegmentPlan, options: PlanOptions) -> dict:
+    adm = admit(cfg, plan.world, block=options.block, uneven=options.uneven)
     out = plan.to_json()
     out["admission"] = {
         "expert_widths": list(adm.expert_widths), "expert_width_padded": adm.expert_width_padded,
@@ -51,7 +51,7 @@ def _as_json(plan: SegmentPlan, args: argparse.Namespace, options: PlanOptions) 
         "vocab_rows": list(adm.vocab_rows), "vocab_padded": adm.vocab_padded,
         "vocab_rows_padded": list(adm.vocab_slice(plan.rank)), "vocab_block": adm.vocab_split.block,
     }
-    out["buffer_plan_bytes"] = buffer_plan(plan_cfg, plan.world, plan.rank, options).bytes
+    out["buffer_plan_bytes"] = buffer_plan(cfg, plan.world, plan.rank, options).bytes
     return out
 
 
@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_named(args.config)
-        args._cfg = cfg
         options = _options(args)
         budget = MemoryBudget.gib(args.budget_gib) if args.budget_gib is not None else None
         if budget is not None:
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan refused ({e.rule}): {e.message}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_as_json(plan, args, options), indent=2))
+        print(json.dumps(_as_json(cfg, plan, options), indent=2))
     else:
         _print_table(plan, args.config)
     return 0

@@ -354,7 +354,7 @@ def plan_segment(cfg: ModelConfig, world: int, rank: int, rows: int, position: i
         raise PlanRefused("admission", f"rank {rank} is outside world {world} (ranks 0..{world - 1}).")
     _check_shape(cfg, adm, rank, rows, position, options)
     order = [rank] + [r for r in range(world) if r != rank]
-    plans = {r: _plan_rank(cfg, adm, r, rows, position, options) for r in order}
+    plans = {r: _plan_rank(cfg, adm, r, rows, position, options, budget) for r in order}
     if budget is not None:
         _check_memory(cfg, adm, options, budget, rows, position)
     return plans[rank]
@@ -478,8 +478,8 @@ def _check_tbo(options: PlanOptions, n: int, start: int, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- per rank
-def _plan_rank(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int,
-               options: PlanOptions) -> SegmentPlan:
+def _plan_rank(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int, options: PlanOptions,
+               budget: MemoryBudget | None) -> SegmentPlan:
     rows_mode = prefill_rows(options)
     slot_ring, ring, staged = ring_rows(cfg, n, rows_mode)
     moe = _plan_moe(cfg, adm, rank, n, start, options)
@@ -488,7 +488,7 @@ def _plan_rank(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int,
     replay = _replay_part(cfg, n, part) if options.replay or part != "whole" else None
     workspace = _workspace(cfg, adm, rank, n, options, moe, index, staged, ring, replay is not None)
     weights = _weight_bytes(cfg, adm.world, rank, options)
-    cache = cache_pool_bytes(cfg, adm.world, options, None)
+    cache = cache_pool_bytes(cfg, adm.world, options, budget)
     exchanges = 2 * cfg.num_hidden_layers + len(cfg.engram_layer_ids)
     return SegmentPlan(
         world=adm.world, rank=rank, rows=n, start=start, part=part, prefill_rows=rows_mode, pf4k=options.pf4k,
@@ -605,7 +605,9 @@ def index_paths(cfg: ModelConfig, n: int, start: int, options: PlanOptions) -> l
     return out
 
 
-def _index_path(cfg: ModelConfig, layer: int, n: int, start: int, budget: int) -> IndexPath:
+def _index_path(cfg: ModelConfig, layer: int, n: int, start: int, budget: int,
+                small_rows: int = SHORT_ROWS) -> IndexPath:
+    """``small_rows``: the most rows the small-window top-k takes (16 in prefill, 64 in decode windows)."""
     end = start + n
     if cfg.uses_candidates(layer):
         return _rescoring(cfg, layer, n, end, budget)
@@ -613,7 +615,7 @@ def _index_path(cfg: ModelConfig, layer: int, n: int, start: int, budget: int) -
     candidate_source = layer == cfg.candidate_source_layer_id
     if visible <= cfg.index_topk:
         return IndexPath(layer, "all_visible", visible, n, 1, 1, 0)
-    if n <= SHORT_ROWS and n * visible * 12 <= budget:
+    if n <= small_rows and n * visible * 12 <= budget:
         return IndexPath(layer, "small_window", visible, n, 1, 1, n * visible * 4)  # fp32 scores only
     if not candidate_source and n > SHORT_ROWS and visible >= 4096:
         return _streamed(cfg, layer, n, visible)
@@ -636,6 +638,46 @@ def _rescoring(cfg: ModelConfig, layer: int, n: int, end: int, budget: int) -> I
     per_row = keys * RESCORE_BYTES_PER_KEY
     rows = n if n * per_row <= budget else max(1, min(n, budget // per_row))
     return IndexPath(layer, "rescoring", min(keys, end), rows, -(-n // rows), 1, rows * per_row)
+
+
+# ------------------------------------------------------------------------------------------ decode windows
+DECODE_HEAD_TILE = 16  # the decode attention's head tile (§B.3a), clamped like R4
+DECODE_SMALL_ROWS = 64  # small-window top-k up to 64 rows (§B.3a)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A decode window of ``rows`` = slots × (1 + drafts) rows (§B.3a) on one rank."""
+
+    world: int
+    rank: int
+    rows: int
+    start: int
+    row_path: bool  # m ≤ 16: row-path kernels (mHC, router narrow path); else the prefill tiles
+    head_tile: int
+    attention_grid: int
+    moe_pairs: int  # m · (k + 1): the shared expert is a slot in decode
+    index_paths: tuple[IndexPath, ...]
+
+
+def plan_decode_window(cfg: ModelConfig, world: int, rank: int, rows: int, position: int,
+                       options: PlanOptions = PlanOptions()) -> DecodePlan:
+    """Plan a decode window (§B.3a) or raise `PlanRefused` (R2 position, R5 expert scratch)."""
+    adm = admit(cfg, world, block=options.block, uneven=options.uneven)
+    where = f"decode window refused (W = {world}, rank {rank}, m = {rows:,}, start {position:,})"
+    if not 0 <= rank < world:
+        raise PlanRefused("admission", f"rank {rank} is outside world {world} (ranks 0..{world - 1}).")
+    _check_position(cfg, options, rows, position, where)
+    re = options.expert_rows
+    if not 1 <= rows <= re:
+        raise PlanRefused("R5", f"{where}: a decode window takes 1..{re:,} rows (P = m·(k+1) ≤ R_e·(k+1) pairs "
+                          f"of the decode expert scratch). Run at most {re:,} rows, or plan it as a prefill segment.")
+    tile = min(DECODE_HEAD_TILE, adm.heads_per_rank)
+    paths = tuple(_index_path(cfg, layer, rows, position, options.index_budget, DECODE_SMALL_ROWS)
+                  for layer in cfg.index_source_layer_ids)
+    return DecodePlan(world=world, rank=rank, rows=rows, start=position, row_path=rows <= SHORT_ROWS,
+                      head_tile=tile, attention_grid=-(-adm.heads_per_rank // tile),
+                      moe_pairs=rows * (cfg.num_experts_per_tok + 1), index_paths=paths)
 
 
 # ---------------------------------------------------------------------------------------------- workspace
@@ -843,11 +885,11 @@ def buffer_plan(cfg: ModelConfig, world: int, rank: int, options: PlanOptions = 
     """§B.2 buffer plan for ``rank``: programs (rows, 0 / last), (17, ·), (16, ·), replay's encoder segment
     and decoder passes; in 4K mode the resident plan is the 2K one and the 4K workspace is planned apart."""
     base = replace(options, pf4k=False, prefill_rows=None if options.pf4k else options.prefill_rows,
-                   spans=(), tbo=False)
+                   spans=(), tbo=False, part="whole")
     roles, programs = _role_max(cfg, world, rank, base)
     roles_4k: tuple[tuple[str, int], ...] = ()
     if options.pf4k:
-        roles_4k, more = _role_max(cfg, world, rank, replace(options, spans=(), tbo=False))
+        roles_4k, more = _role_max(cfg, world, rank, replace(options, spans=(), tbo=False, part="whole"))
         programs += more
     return BufferPlan(world, rank, roles, programs, roles_4k)
 
@@ -866,7 +908,7 @@ def _role_max(cfg: ModelConfig, world: int, rank: int, options: PlanOptions):
     for part, n in shapes:
         last = limit - n - (1 if part == "decoder" else 0)  # R2 is the only position-dependent refusal
         for start in sorted({0, max(0, last)}):
-            opts = replace(options, part=part if options.replay else "whole")
+            opts = replace(options, part=part)
             plan = plan_segment(cfg, world, rank, n, start, opts)
             programs.append((part, n, start))
             for role, b in plan.workspace:

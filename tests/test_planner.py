@@ -376,3 +376,39 @@ def test_padded_bytes_count_the_padding():
     real = param_bytes_per_rank(FULL, 4, 2, split="experts", padded=False)
     padded = param_bytes_per_rank(FULL, 4, 2, split="experts", padded=True)
     assert real == 40 * 384 * 3 * 512 * D * 2 and padded == 40 * 384 * 3 * 640 * D * 2
+
+
+# ------------------------------------------------------------------------------------ decode windows, §G
+def test_decode_windows_b3a():
+    from dsv41_jax.planner import plan_decode_window
+
+    # §B.3a: head tile 16 clamped by R4 (W = 8 → 8); P = m·(k+1); small-window top-k while m ≤ 64 and
+    # m·nvis·12 ≤ B_idx.
+    w = plan_decode_window(FULL, 8, 3, 24, 100_000)
+    assert (w.head_tile, w.attention_grid, w.moe_pairs, w.row_path) == (8, 1, 24 * 7, False)
+    assert plan_decode_window(FULL, 1, 0, 6, 0).head_tile == 16 and plan_decode_window(FULL, 1, 0, 6, 0).row_path
+    kinds = {p.layer: p.kind for p in plan_decode_window(FULL, 4, 0, 64, 100_000).index_paths}
+    assert kinds[2] == "small_window" and kinds[20] == "small_window"  # 64·100,064·12 = 76.8 MB ≤ 256 MiB
+    kinds = {p.layer: p.kind for p in plan_decode_window(FULL, 4, 0, 64, 1_000_000).index_paths}
+    assert kinds[20] == "materialised"  # 64·1,000,064·12 = 768 MB > 256 MiB
+    with pytest.raises(PlanRefused, match="R5"):
+        plan_decode_window(FULL, 4, 0, 1025, 0)
+    with pytest.raises(PlanRefused, match="R2"):
+        plan_decode_window(FULL, 4, 0, 8, LIMIT - 4)
+
+
+@pytest.mark.parametrize("world,gb", [(1, 0.0), (4, 5.0), (8, 11.8)])
+def test_exchange_bytes_g(world, gb):
+    # §G open question 1: 80·(W−1)·n·D·2 B a rank per 2,048-row segment: 5.0 GB at W = 4, 11.8 GB at W = 8.
+    # Tolerance 0.1 GB: the formula gives 11.74 GB at W = 8, which the spec rounds to 11.8.
+    assert abs(plan_segment(FULL, world, 0, 2048, 0).exchange_bytes / 1e9 - gb) <= 0.1
+
+
+def test_budget_kv_pool_and_decoder_part_with_budget():
+    options = PlanOptions(experts="fp4", dense="fp8", replay=True, part="decoder")
+    # §F: W = 4 with fp4 experts leaves ~54 GiB of KV room, ≈ 32 M tokens at 1,790 B: 16 M fit, 34 M do not.
+    plan = plan_segment(FULL, 4, 1, 127, 5000, options, MemoryBudget(kv_tokens=16 * LIMIT))
+    assert plan.cache_bytes == 16 * LIMIT * 1790 + window_bytes(FULL)
+    with pytest.raises(PlanRefused, match="R10"):
+        plan_segment(FULL, 4, 1, 127, 5000, options, MemoryBudget(kv_tokens=34 * LIMIT))
+    assert [p.layer for p in plan.index_paths] == [20, 24, 28, 32, 36]
