@@ -14,7 +14,7 @@ import sys
 
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, admit, buffer_plan,
-                               check_memory, plan_segment)
+                               plan_segment)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_named(args.config)
         options = _options(args)
         budget = MemoryBudget.gib(args.budget_gib) if args.budget_gib is not None else None
-        if budget is not None:
-            check_memory(cfg, args.world, options, budget)
         plan = plan_segment(cfg, args.world, args.rank, args.rows, args.position, options, budget)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
