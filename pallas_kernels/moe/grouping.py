@@ -1,0 +1,93 @@
+"""Group (row, expert) pairs by expert and cut each expert's run into tiles (PLANNER.md §E step 1).
+
+Everything here is jittable with static shapes: the tile table has a static upper bound of tiles, and the
+tiles past the used ones have ``count == 0`` so the kernels skip them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """The sorted pairs and the tile table of one block (a pytree of int32 arrays).
+
+    pair_token: [P + block_m]  token (row of x) of each expert-sorted pair; padded with 0 so a tile's
+                               ``block_m`` rows can always be read in bounds.
+    pair_pos:   [N, k]         where pair (n, j) sits in the expert-sorted order (P for dropped pairs).
+    pair_valid: [N, k] bool    the pair's expert id is in [0, E).
+    tile_expert, tile_first, tile_count: [T]  the tile's expert, first sorted pair and number of pairs
+                               (0 for unused tiles, which the kernels skip).
+    """
+
+    pair_token: jax.Array
+    pair_pos: jax.Array
+    pair_valid: jax.Array
+    tile_expert: jax.Array
+    tile_first: jax.Array
+    tile_count: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    TilePlan,
+    data_fields=["pair_token", "pair_pos", "pair_valid", "tile_expert", "tile_first", "tile_count"],
+    meta_fields=[],
+)
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the tiles: sum_e ceil(c_e / BM) <= floor(P / BM) + E + 1, and never more than P."""
+    return max(1, min(num_pairs // block_m + num_experts + 1, num_pairs))
+
+
+def default_block_m(num_pairs: int, num_experts: int) -> int:
+    """Pairs per tile: 64 (PLANNER.md §E) once experts average a tile's worth; 16 for decode-sized blocks."""
+    mean_rows = num_pairs / num_experts
+    if mean_rows >= 16:
+        return 64
+    if mean_rows >= 4:
+        return 32
+    return 16
+
+
+def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
+    """Sort the pairs of ``topk_ids`` [N, k] by expert (stable by token) and build the tile table.
+
+    Pairs whose id is outside [0, E) are dropped: sorted past every expert and given no tile.
+    """
+    n_rows, k = topk_ids.shape
+    num_pairs = n_rows * k
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    valid = (ids >= 0) & (ids < num_experts)
+    bucket = jnp.where(valid, ids, num_experts)  # dropped pairs go to an extra last bucket
+    order = jnp.argsort(bucket, stable=True).astype(jnp.int32)  # stable: by token within an expert
+    pos = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
+
+    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[bucket].add(1)[:num_experts]
+    offsets = jnp.cumsum(counts) - counts
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles_per_expert)  # inclusive: tiles [end_e - n_e, end_e) belong to expert e
+    tiles_used = tile_end[-1]
+
+    n_tiles = max_tiles(num_pairs, num_experts, block_m)
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), num_experts - 1).astype(jnp.int32)
+    index_in_expert = t - (tile_end[expert] - tiles_per_expert[expert])
+    first = offsets[expert] + index_in_expert * block_m
+    count = jnp.clip(counts[expert] - index_in_expert * block_m, 0, block_m)
+    count = jnp.where(t < tiles_used, count, 0)
+    first = jnp.where(count > 0, first, 0)
+
+    pair_token = jnp.concatenate([order // k, jnp.zeros((block_m,), jnp.int32)])
+    return TilePlan(
+        pair_token=pair_token.astype(jnp.int32),
+        pair_pos=jnp.where(valid, pos, num_pairs).reshape(n_rows, k),
+        pair_valid=valid.reshape(n_rows, k),
+        tile_expert=expert,
+        tile_first=first.astype(jnp.int32),
+        tile_count=count.astype(jnp.int32),
+    )

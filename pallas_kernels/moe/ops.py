@@ -1,0 +1,184 @@
+"""Public entry for the routed experts: ``routed_experts`` and the ``ExpertWeights`` pytree."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe import kernel as moe_kernel
+from pallas_kernels.moe.grouping import default_block_m, plan_tiles
+from pallas_kernels.moe.reference import dequantize_fp4, routed_experts_reference
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The routed experts of one layer (this rank's slice of the intermediate width F).
+
+    bf16 form: w1, w3 [E, F, D] (gate, up), w2 [E, D, F] (down); the scales are None.
+    fp4 form (MODEL.md §E.1): w1, w3 uint8 [E, F, D/2], w2 uint8 [E, D, F/2] packed e2m1 codes (low
+    nibble = even column) with ue8m0 scales w1_scale, w3_scale uint8 [E, F, D/32], w2_scale [E, D, F/32].
+    """
+
+    w1: jax.Array
+    w3: jax.Array
+    w2: jax.Array
+    w1_scale: Optional[jax.Array] = None
+    w3_scale: Optional[jax.Array] = None
+    w2_scale: Optional[jax.Array] = None
+
+    @classmethod
+    def from_fp4(cls, w1, w1_scale, w3, w3_scale, w2, w2_scale) -> "ExpertWeights":
+        """From the checkpoint's packed arrays: codes int8/uint8, scales ue8m0 bytes (uint8 or
+        float8_e8m0fnu) or float powers of two."""
+        return cls(
+            w1=_as_codes(w1), w3=_as_codes(w3), w2=_as_codes(w2),
+            w1_scale=_as_ue8m0(w1_scale), w3_scale=_as_ue8m0(w3_scale), w2_scale=_as_ue8m0(w2_scale),
+        )
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.w1_scale is not None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def dim(self) -> int:
+        """Model width D."""
+        return self.w2.shape[1]
+
+    @property
+    def width(self) -> int:
+        """Intermediate width F of this rank."""
+        return self.w1.shape[1]
+
+    def dequantized(self) -> "ExpertWeights":
+        """The bf16 form (exact for fp4)."""
+        if not self.is_fp4:
+            return self
+        return ExpertWeights(
+            w1=dequantize_fp4(self.w1, self.w1_scale),
+            w3=dequantize_fp4(self.w3, self.w3_scale),
+            w2=dequantize_fp4(self.w2, self.w2_scale),
+        )
+
+
+jax.tree_util.register_dataclass(
+    ExpertWeights,
+    data_fields=[f.name for f in dataclasses.fields(ExpertWeights)],
+    meta_fields=[],
+)
+
+
+def _as_codes(codes) -> jax.Array:
+    codes = jnp.asarray(codes)
+    if codes.dtype == jnp.int8:
+        return jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    if codes.dtype != jnp.uint8:
+        raise ValueError(f"fp4 codes must be int8 or uint8, got {codes.dtype}")
+    return codes
+
+
+def _as_ue8m0(scale) -> jax.Array:
+    scale = jnp.asarray(scale)
+    if scale.dtype == jnp.uint8:
+        return scale
+    if scale.dtype.itemsize == 1:  # float8_e8m0fnu: the byte is the exponent
+        return jax.lax.bitcast_convert_type(scale, jnp.uint8)
+    exponent = jnp.round(jnp.log2(scale.astype(jnp.float32))) + 127
+    return jnp.clip(exponent, 0, 254).astype(jnp.uint8)
+
+
+def _largest_block(size: int, candidates: tuple[int, ...], what: str) -> int:
+    for block in candidates:
+        if size % block == 0:
+            return block
+    raise ValueError(f"{what} = {size} must be a multiple of {candidates[-1]}")
+
+
+def default_config(num_pairs: int, weights: ExpertWeights) -> moe_kernel.KernelConfig:
+    """Block sizes for this shape: BM by the mean rows per expert, the rest the largest that divide."""
+    return moe_kernel.KernelConfig(
+        block_m=default_block_m(num_pairs, weights.num_experts),
+        block_f=_largest_block(weights.width, (64, 32), "expert width F"),
+        block_k=_largest_block(weights.dim, (64, 32), "model width D"),
+        block_n=_largest_block(weights.dim, (128, 64, 32), "model width D"),
+    )
+
+
+def _even_odd_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """x [N, D] with each chunk of ``chunk`` columns reordered as [even columns, odd columns]."""
+    n, d = x.shape
+    return x.reshape(n, d // chunk, chunk // 2, 2).swapaxes(2, 3).reshape(n, d)
+
+
+def _check_shapes(x, topk_ids, topk_weights, weights: ExpertWeights) -> None:
+    n, d = x.shape
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != n or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both be [N={n}, k]")
+    if weights.dim != d:
+        raise ValueError(f"x has D = {d} but w2 has D = {weights.dim}")
+    pack = 2 if weights.is_fp4 else 1
+    e, f = weights.num_experts, weights.width
+    expect = {"w1": (e, f, d // pack), "w3": (e, f, d // pack), "w2": (e, d, f // pack)}
+    for name, shape in expect.items():
+        if getattr(weights, name).shape != shape:
+            raise ValueError(f"{name} has shape {getattr(weights, name).shape}, expected {shape}")
+
+
+def routed_experts(
+    x: jax.Array,
+    topk_ids: jax.Array,
+    topk_weights: jax.Array,
+    weights: ExpertWeights,
+    *,
+    swiglu_limit: float,
+    impl: str = "pallas",
+    interpret: Optional[bool] = None,
+    config: Optional[moe_kernel.KernelConfig] = None,
+) -> jax.Array:
+    """y [N, D] f32 = sum_j w[n, j] * (bf16(act) . w2[e_nj]^T) (MODEL.md §B.10, PLANNER.md §E).
+
+    x: [N, D] (cast to bf16); topk_ids: [N, k] int32 (ids outside [0, E) contribute nothing);
+    topk_weights: [N, k] f32; act = silu(min(g, lim)) * clip(u, -lim, lim), g = x.w1^T, u = x.w3^T in f32.
+    impl: "pallas" (interpret defaults to True off GPU) or "reference" (pure JAX, f32).
+    """
+    _check_shapes(x, topk_ids, topk_weights, weights)
+    if impl == "reference":
+        w = weights.dequantized()
+        return routed_experts_reference(
+            x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit)
+    if impl != "pallas":
+        raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    num_pairs = topk_ids.size
+    cfg = config or default_config(num_pairs, weights)
+
+    plan = plan_tiles(topk_ids, weights.num_experts, cfg.block_m)
+    x = x.astype(jnp.bfloat16)
+    if weights.is_fp4:
+        x = _even_odd_chunks(x, cfg.block_k)
+    act = moe_kernel.gate_up(
+        plan, x, weights.w1, weights.w3, weights.w1_scale, weights.w3_scale,
+        width=weights.width, permute_out=weights.is_fp4, limit=float(swiglu_limit), cfg=cfg,
+        interpret=interpret)
+    y_pairs = moe_kernel.down(
+        plan, act, weights.w2, weights.w2_scale, dim=weights.dim, cfg=cfg, interpret=interpret)
+    return _weighted_gather_sum(y_pairs, plan.pair_pos, plan.pair_valid, topk_weights)
+
+
+def _weighted_gather_sum(y_pairs, pair_pos, pair_valid, topk_weights) -> jax.Array:
+    """y[n] = sum_j w[n, j] * y_pairs[pos(n, j)], slots added in order j = 0..k-1 (PLANNER.md §E step 6)."""
+    n, k = pair_pos.shape
+    y = jnp.zeros((n, y_pairs.shape[1]), jnp.float32)
+    for j in range(k):
+        term = topk_weights[:, j, None].astype(jnp.float32) * y_pairs[pair_pos[:, j]]
+        y = y + jnp.where(pair_valid[:, j, None], term, 0.0)
+    return y

@@ -1,0 +1,66 @@
+"""Pure-JAX reference for the routed experts (MODEL.md §B.10) and the fp4 expert dequantisation (§E.1).
+
+Every product is computed in float32 from the bf16 inputs; the only rounding besides float32 is the
+contract's bf16 cast of the activation before the down projection.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# e2m1 magnitudes for codes 0-7 (MODEL.md §C.1); bit 3 is the sign.
+E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def dequantize_fp4(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """Packed e2m1 + ue8m0 -> bf16 (exact). codes: [..., C/2] uint8 (low nibble = even column),
+    scales: [..., C/32] uint8 (value 2^(s-127)). Returns [..., C] bf16."""
+    codes = codes.astype(jnp.uint8)
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    levels = jnp.asarray(E2M1_LEVELS + tuple(-v for v in E2M1_LEVELS), jnp.float32)
+    values = levels[nibbles.astype(jnp.int32)]
+    scale = jnp.exp2(scales.astype(jnp.float32) - 127.0)
+    values = values.reshape(*scales.shape, 32) * scale[..., None]
+    return values.reshape(*codes.shape[:-1], -1).astype(jnp.bfloat16)
+
+
+def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
+    """Clamped SwiGLU in float32: silu(min(g, lim)) * clip(u, -lim, lim) (gate clipped above only)."""
+    g = jnp.minimum(g, limit)
+    return g * jax.nn.sigmoid(g) * jnp.clip(u, -limit, limit)
+
+
+def routed_experts_reference(
+    x: jax.Array,
+    topk_ids: jax.Array,
+    topk_weights: jax.Array,
+    w1: jax.Array,
+    w3: jax.Array,
+    w2: jax.Array,
+    *,
+    swiglu_limit: float,
+) -> jax.Array:
+    """y [N, D] f32 = sum_j w[n, j] * (bf16(act) . w2[e]^T), act from g = x.w1[e]^T, u = x.w3[e]^T.
+
+    x: [N, D]; topk_ids: [N, k] (ids outside [0, E) contribute nothing); topk_weights: [N, k];
+    w1, w3: [E, F, D]; w2: [E, D, F]. One pass per expert over all rows (a reference, not fast).
+    """
+    num_experts = w1.shape[0]
+    xf = x.astype(jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    experts = jnp.arange(num_experts, dtype=topk_ids.dtype)
+    hit = topk_ids[:, :, None] == experts[None, None, :]  # [N, k, E]
+    combine = jnp.sum(jnp.where(hit, topk_weights[:, :, None].astype(jnp.float32), 0.0), axis=1)
+
+    def one_expert(acc, e):
+        g = jnp.dot(xf, w1[e].astype(jnp.float32).T, precision=hp)
+        u = jnp.dot(xf, w3[e].astype(jnp.float32).T, precision=hp)
+        act = swiglu(g, u, swiglu_limit).astype(jnp.bfloat16).astype(jnp.float32)
+        y_e = jnp.dot(act, w2[e].astype(jnp.float32).T, precision=hp)
+        c = combine[:, e][:, None]
+        return acc + jnp.where(c != 0, c * y_e, 0.0), None
+
+    y0 = jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32)
+    y, _ = jax.lax.scan(one_expert, y0, jnp.arange(num_experts))
+    return y
