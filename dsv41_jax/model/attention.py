@@ -1,0 +1,169 @@
+"""Attention of one layer: low-rank q, shared K = V latent, window + compressed sparse attention with a sink,
+grouped low-rank output (`MODEL.md` §B.6), and the layer's part of the shared CSA state (§B.7–§B.9)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import ModelConfig
+from .cache import LayerCache
+from .compressor import Compressor, write_rows
+from .indexer import Indexer
+from .norms import _HIGHEST, Linear, RMSNorm
+from .quant import round_compressed_kv, round_window_kv
+from .rope import apply_rope, inv_frequencies
+
+
+class Segment(NamedTuple):
+    """The rows of one call. positions [B,T] = offset + t; valid [B,T] = t < lengths; offset, lengths [B]."""
+
+    positions: jnp.ndarray
+    valid: jnp.ndarray
+    offset: jnp.ndarray
+    lengths: jnp.ndarray
+
+
+def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, window_size: int, scale: float):
+    """Pure-JAX reference of the kernel contract in docs/DESIGN.md.
+
+    q [B,T,H,Dh] (RoPE applied); kv_pool [B,N,Dh] or None; topk [B,T,K] int32 (−1 = none) or None;
+    window [B,S,Dh], row i at position window_start[b] + i (negative = invalid); q_pos [B,T]; sinks [H] f32.
+    A query at p sees window rows at positions [max(0, p−window_size+1), p] and kv_pool[topk]; one f32
+    softmax with the sink in the denominator; V = K. Returns o [B,T,H,Dh] in q's dtype.
+    """
+    qf = q.astype(jnp.float32)
+    keys_w = window.astype(jnp.float32)
+    pos_w = window_start[:, None] + jnp.arange(window.shape[1])[None, :]  # [B,S]
+    p = q_pos[..., None]
+    seen_w = (pos_w[:, None, :] >= 0) & (pos_w[:, None, :] <= p) & (pos_w[:, None, :] > p - window_size)
+    logits = [jnp.where(seen_w[:, :, None, :], jnp.einsum("bthd,bsd->bths", qf, keys_w, precision=_HIGHEST)
+                        * scale, -jnp.inf)]
+    if kv_pool is not None and topk is not None and topk.shape[-1] > 0:
+        rows = jnp.take_along_axis(kv_pool[:, None], jnp.maximum(topk, 0)[..., None], axis=2)  # [B,T,K,Dh]
+        rows = rows.astype(jnp.float32)
+        s_c = jnp.einsum("bthd,btkd->bthk", qf, rows, precision=_HIGHEST) * scale
+        logits.append(jnp.where((topk >= 0)[:, :, None, :], s_c, -jnp.inf))
+    m = jnp.maximum(jnp.max(jnp.concatenate(logits, axis=-1), axis=-1), sinks[None, None, :])  # [B,T,H]
+    probs = [jnp.exp(s - m[..., None]) for s in logits]
+    denom = sum(jnp.sum(pr, axis=-1) for pr in probs) + jnp.exp(sinks[None, None, :] - m)
+    out = jnp.einsum("bths,bsd->bthd", probs[0], keys_w, precision=_HIGHEST)
+    if len(probs) > 1:
+        out = out + jnp.einsum("bthk,btkd->bthd", probs[1], rows, precision=_HIGHEST)
+    return (out / denom[..., None]).astype(q.dtype)
+
+
+def window_in_order(ring: jnp.ndarray, offset: jnp.ndarray) -> jnp.ndarray:
+    """ring [B,W,d] (slot p mod W) -> rows at positions offset−W … offset−1, in order."""
+    w = ring.shape[1]
+    slots = (offset[:, None] - w + jnp.arange(w)[None, :]) % w
+    return jnp.take_along_axis(ring, slots[..., None], axis=1)
+
+
+def updated_ring(keys: jnp.ndarray, offset: jnp.ndarray, lengths: jnp.ndarray, w: int) -> jnp.ndarray:
+    """keys [B,W+T,d] (row i at position offset−W+i) -> the ring after ``lengths`` new rows: slot s holds the
+    latest position q < offset+lengths with q ≡ s (mod W)."""
+    end = offset + lengths
+    q = (end - w)[:, None] + (jnp.arange(w)[None, :] - (end - w)[:, None]) % w  # [B,W] positions per slot
+    return jnp.take_along_axis(keys, (q - offset[:, None] + w)[..., None], axis=1)
+
+
+class Attention(nnx.Module):
+    """``attn.*`` of one layer; owns a compressor (kv sources) and an indexer (index sources)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rounding: bool, impl: str, rngs: nnx.Rngs):
+        D, d, H = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+        self.layer = layer
+        self.n_heads, self.head_dim, self.groups = H, d, cfg.o_groups
+        self.ratio = cfg.ratio(layer)
+        self.window_size = cfg.sliding_window
+        self.rounding = rounding
+        self.impl = impl
+        self.role = cfg.role(layer)
+        self.kv_src = cfg.kv_source(layer)
+        self.idx_src = cfg.index_source(layer)
+        self.ik_src = cfg.index_key_source(layer) if layer in cfg.index_source_layer_ids else None
+        self.inv_freq = inv_frequencies(cfg, self.ratio)
+        self.wq_a = Linear(D, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, H * d, dtype=dtype, rngs=rngs)
+        self.wkv = Linear(D, d, dtype=dtype, rngs=rngs)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.wo_a = Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype=dtype, rngs=rngs)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, dtype=dtype, rngs=rngs)
+        self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32))
+        self.compressor = Compressor(cfg, layer, rngs=rngs) if self.role == "full" else None
+        is_index_source = self.ratio > 0 and layer in cfg.index_source_layer_ids
+        self.indexer = Indexer(cfg, layer, dtype=dtype, rngs=rngs) if is_index_source else None
+
+    def __call__(self, u, seg: Segment, cache: LayerCache, shared: dict):
+        """u [B,T,D] (normed collapse) -> (out [B,T,D], new LayerCache). ``shared`` (one dict per call) holds
+        the CSA state later layers read: ("kv", L), ("ik", L), ("topk", L), "candidates"."""
+        b, t, _ = u.shape
+        q_res = self.q_norm(self.wq_a(u))
+        q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
+        q = apply_rope(q, seg.positions[..., None], self.inv_freq)
+        kv = self.kv_norm(self.wkv(u))
+        kv = round_window_kv(apply_rope(kv, seg.positions, self.inv_freq), self.rounding)
+        kv = jnp.where(seg.valid[..., None], kv, 0).astype(cache.window.dtype)  # padding rows: zero, never NaN
+        window = jnp.concatenate([window_in_order(cache.window, seg.offset), kv], axis=1)
+        cache = cache.replace(window=updated_ring(window, seg.offset, seg.lengths, self.window_size))
+
+        kv_pool = topk = None
+        if self.ratio > 0:
+            if self.compressor is not None:
+                cache = self._compress(u, seg, cache, shared)
+            if self.indexer is not None:
+                self._index(u, q_res, seg, shared)
+            kv_pool = shared[("kv", self.kv_src)]
+            topk = shared[("topk", self.idx_src)]
+        o = self._attend(q, kv_pool, topk, window, seg)
+        o = apply_rope(o, seg.positions[..., None], self.inv_freq, inverse=True)
+        return self._output(o), cache
+
+    def _attend(self, q, kv_pool, topk, window, seg: Segment):
+        kwargs = dict(window_size=self.window_size, scale=self.head_dim**-0.5)
+        args = (q, kv_pool, topk, window, seg.offset - self.window_size, seg.positions, self.attn_sink[...])
+        if self.impl == "pallas":
+            try:
+                from pallas_kernels.sparse_attention.ops import sparse_attention as kernel
+            except ImportError as e:
+                raise RuntimeError(f"attention_impl='pallas' needs pallas_kernels.sparse_attention.ops ({e})") from None
+            return kernel(*args, **kwargs, impl="pallas")
+        return sparse_attention(*args, **kwargs)
+
+    def _output(self, o):
+        """Grouped low-rank output: group g's heads (head-major) through row block g of wo_a, then wo_b."""
+        b, t = o.shape[:2]
+        wo_a = self.wo_a.weight[...]
+        o = o.reshape(b, t, self.groups, -1)
+        z = jnp.einsum("btgi,goi->btgo", o, wo_a.reshape(self.groups, -1, wo_a.shape[-1]).astype(o.dtype),
+                       preferred_element_type=jnp.float32, precision=_HIGHEST).astype(o.dtype)
+        return self.wo_b(z.reshape(b, t, -1))
+
+    def _compress(self, u, seg: Segment, cache: LayerCache, shared: dict) -> LayerCache:
+        """Close this segment's groups; publish compressed entries (and index keys) before any attention."""
+        latent, entry, valid, pend_kv, pend_gate = self.compressor(
+            u, seg.offset, seg.lengths, cache.pending_kv, cache.pending_gate)
+        pos = entry * self.ratio  # an entry takes the position of its group's first token
+        kvc = round_compressed_kv(apply_rope(latent, pos, self.inv_freq), self.rounding)
+        cache = cache.replace(compressed=write_rows(cache.compressed, entry, valid, kvc),
+                              pending_kv=pend_kv, pending_gate=pend_gate)
+        if cache.index_keys is not None:
+            ik = self.indexer.index_keys(latent, pos, self.inv_freq, self.rounding)
+            cache = cache.replace(index_keys=write_rows(cache.index_keys, entry, valid, ik))
+            shared[("ik", self.layer)] = cache.index_keys
+        shared[("kv", self.layer)] = cache.compressed
+        return cache
+
+    def _index(self, u, q_res, seg: Segment, shared: dict) -> None:
+        scores = self.indexer.scores(u, q_res, seg.positions, shared[("ik", self.ik_src)], self.inv_freq,
+                                     self.rounding)
+        if self.indexer.is_candidate_source:
+            shared["candidates"] = self.indexer.candidate_mask(scores, seg.positions)
+        elif self.indexer.uses_candidates:
+            scores = jnp.where(shared["candidates"], scores, -jnp.inf)
+        shared[("topk", self.layer)] = self.indexer.select(scores)

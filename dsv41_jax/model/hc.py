@@ -1,0 +1,53 @@
+"""Hyper-connections: the per-sublayer mix with Sinkhorn, collapse and expand (`MODEL.md` §B.3, §B.4).
+
+V4.1's lagged ("single-pass") pre: the pre computed at a sublayer collapses the *next* sublayer's input; the
+caller threads it through (`transformer.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .norms import _HIGHEST, rms_normalize
+
+
+def sinkhorn(comb: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
+    """comb [..., S, S] -> doubly (approximately) stochastic: columns first and last, 2·iters − 1 passes."""
+    def rows_then_columns(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    # A loop, not unrolled: 39 unrolled passes per mix dominate XLA's compile time.
+    return jax.lax.fori_loop(0, iters - 1, rows_then_columns, comb)
+
+
+def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn_iters: int):
+    """The mix of one sublayer.
+
+    streams [B,T,S,D]; fn f32 [(2+S)·S, S·D]; base f32 [(2+S)·S]; scale f32 [3].
+    Returns pre f32 [B,T,S], post f32 [B,T,S], comb f32 [B,T,S,S] (comb[i, j]: source i → destination j).
+    """
+    s = streams.shape[-2]
+    flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), norm_eps)
+    col_scale = jnp.concatenate([jnp.full((s,), scale[0]), jnp.full((s,), scale[1]), jnp.full((s * s,), scale[2])])
+    mix = jnp.einsum("...i,oi->...o", flat, fn.astype(jnp.float32), precision=_HIGHEST) * col_scale + base
+    pre = jax.nn.sigmoid(mix[..., :s]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(mix[..., s : 2 * s])
+    comb = mix[..., 2 * s :].reshape(*mix.shape[:-1], s, s)
+    comb = jax.nn.softmax(comb, axis=-1) + hc_eps
+    return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
+
+
+def collapse(streams: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
+    """Σ_i weights_i · streams_i: streams [B,T,S,D], weights f32 [B,T,S] -> [B,T,D] in the streams' dtype."""
+    out = jnp.sum(weights[..., None] * streams.astype(jnp.float32), axis=-2)
+    return out.astype(streams.dtype)
+
+
+def expand(y: jnp.ndarray, streams: jnp.ndarray, post: jnp.ndarray, comb: jnp.ndarray) -> jnp.ndarray:
+    """New streams_j = post_j · y + Σ_i comb[i, j] · streams_i; y [B,T,D] -> [B,T,S,D] in the streams' dtype."""
+    mixed = jnp.sum(comb[..., None] * streams.astype(jnp.float32)[..., :, None, :], axis=-3)
+    out = post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed
+    return out.astype(streams.dtype)

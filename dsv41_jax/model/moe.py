@@ -1,0 +1,151 @@
+"""Router (sqrtsoftplus), clamped-SwiGLU routed experts and the shared expert (`MODEL.md` §B.10)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import ModelConfig
+from .norms import _HIGHEST, Linear, _normal, linear
+
+_RAGGED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),  # contract x's features with the weight's last ("in") dim
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+class ExpertArrays(NamedTuple):
+    """Stacked routed-expert weights: w1, w3 [E, F, D] (gate, up), w2 [E, D, F] (down)."""
+
+    w1: jnp.ndarray
+    w3: jnp.ndarray
+    w2: jnp.ndarray
+
+
+def clamped_swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
+    """silu(min(gate, lim)) · clip(up, ±lim) in f32, returned in the inputs' dtype (lim ≤ 0: no clamp)."""
+    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+    return (jax.nn.silu(g) * u).astype(gate.dtype)
+
+
+def _grouped(x: jnp.ndarray, w: jnp.ndarray, sizes: jnp.ndarray) -> jnp.ndarray:
+    """Rows of x (sorted by expert, ``sizes`` rows each) times their expert's w [E, out, in]ᵀ; f32 accumulate."""
+    y = jax.lax.ragged_dot_general(x, w.astype(x.dtype), sizes, _RAGGED, precision=_HIGHEST,
+                                   preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def routed_experts(x, topk_ids, topk_weights, weights: ExpertArrays, *, swiglu_limit: float) -> jnp.ndarray:
+    """Pure-JAX routed experts (the kernel contract of docs/DESIGN.md).
+
+    x [N,D]; topk_ids [N,k] int32; topk_weights [N,k] f32; weights.w1/w3 [E,F,D], w2 [E,D,F].
+    Returns y [N,D] f32 = Σ_j w[n,j] · f32(bf16(act(x·w1ᵀ, x·w3ᵀ)) · w2ᵀ) (weight applied after w2, as mlx-lm).
+    """
+    n, k = topk_ids.shape
+    n_experts = weights.w1.shape[0]
+    flat_ids = topk_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
+    rows = x[order // k]  # [N·k, D] sorted by expert
+    act = clamped_swiglu(_grouped(rows, weights.w1, sizes), _grouped(rows, weights.w3, sizes), swiglu_limit)
+    y_sorted = _grouped(act, weights.w2, sizes)  # [N·k, D]
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
+    return jnp.sum(y.astype(jnp.float32) * topk_weights[..., None].astype(jnp.float32), axis=1)
+
+
+class Router(nnx.Module):
+    """``gate.weight [E, D]`` (model dtype), ``gate.bias [E]`` f32 (selection only)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, n_experts: int | None = None):
+        n_experts = n_experts or cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.temp = cfg.gate_temp
+        self.normalize = cfg.norm_topk_prob
+        self.route_scale = cfg.routed_scaling_factor
+        self.weight = nnx.Param(_normal(rngs, (n_experts, cfg.hidden_size), cfg.hidden_size**-0.5, dtype))
+        self.bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
+
+    def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x [N,D] -> (topk_ids [N,k] int32, topk_weights [N,k] f32)."""
+        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
+                            precision=_HIGHEST) / self.temp
+        scores = jnp.sqrt(jax.nn.softplus(logits))
+        _, ids = jax.lax.top_k(scores + self.bias[...], self.top_k)
+        w = jnp.take_along_axis(scores, ids, axis=-1)
+        if self.normalize and self.top_k > 1:
+            w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return ids.astype(jnp.int32), w * self.route_scale
+
+
+class _Stacked(nnx.Module):
+    def __init__(self, shape, std, dtype, rngs):
+        self.weight = nnx.Param(_normal(rngs, shape, std, dtype))
+
+
+class Experts(nnx.Module):
+    """Stacked routed experts: ``w1.weight``, ``w3.weight`` [E,F,D], ``w2.weight`` [E,D,F]."""
+
+    def __init__(self, n_experts: int, dim: int, width: int, *, dtype, rngs: nnx.Rngs):
+        self.w1 = _Stacked((n_experts, width, dim), dim**-0.5, dtype, rngs)
+        self.w3 = _Stacked((n_experts, width, dim), dim**-0.5, dtype, rngs)
+        self.w2 = _Stacked((n_experts, dim, width), width**-0.5, dtype, rngs)
+
+    def arrays(self) -> ExpertArrays:
+        return ExpertArrays(self.w1.weight[...], self.w3.weight[...], self.w2.weight[...])
+
+
+class SharedExpert(nnx.Module):
+    """The always-on expert: same clamped SwiGLU, unweighted."""
+
+    def __init__(self, dim: int, width: int, limit: float, *, dtype, rngs: nnx.Rngs):
+        self.limit = limit
+        self.w1 = Linear(dim, width, dtype=dtype, rngs=rngs)
+        self.w3 = Linear(dim, width, dtype=dtype, rngs=rngs)
+        self.w2 = Linear(width, dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nnx.Module):
+    """``ffn.{gate, experts, shared_experts}``: out = bf16(Σ routed + shared)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, moe_impl: str, rngs: nnx.Rngs):
+        self.limit = cfg.swiglu_limit
+        self.moe_impl = moe_impl
+        self.gate = Router(cfg, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               dtype=dtype, rngs=rngs)
+        if cfg.n_shared_experts:
+            self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                                               dtype=dtype, rngs=rngs)
+        else:
+            self.shared_experts = None
+
+    def __call__(self, u: jnp.ndarray) -> jnp.ndarray:
+        """u [B,T,D] -> [B,T,D] in u's dtype."""
+        flat = u.reshape(-1, u.shape[-1])
+        ids, w = self.gate(flat)
+        out = self._routed(flat, ids, w)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat).astype(jnp.float32)
+        return out.reshape(u.shape).astype(u.dtype)
+
+    def _routed(self, x, ids, w) -> jnp.ndarray:
+        if self.moe_impl == "pallas":
+            try:
+                from pallas_kernels.moe.ops import ExpertWeights
+                from pallas_kernels.moe.ops import routed_experts as kernel
+            except ImportError as e:
+                raise RuntimeError(f"moe_impl='pallas' needs pallas_kernels.moe.ops ({e})") from None
+            a = self.experts.arrays()
+            return kernel(x, ids, w, ExpertWeights(w1=a.w1, w3=a.w3, w2=a.w2), swiglu_limit=self.limit,
+                          impl="pallas")
+        return routed_experts(x, ids, w, self.experts.arrays(), swiglu_limit=self.limit)

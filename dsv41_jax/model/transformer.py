@@ -1,0 +1,163 @@
+"""The V4.1 text model: embedding, hyper-connected decoder layers with the lagged pre, final norm and head
+(`MODEL.md` §B.2–§B.4, §B.11); weight loading in model names (docs/DESIGN.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..config import ModelConfig
+from .attention import Attention, Segment
+from .cache import Cache
+from .hc import collapse, expand, hc_mix
+from .moe import MoE
+from .norms import _HIGHEST, RMSNorm, _normal
+
+_DTYPES = ("bfloat16", "float32")
+_IMPLS = ("reference", "pallas")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """dtype of activations and non-f32 parameters; the §C.2 rounding points; kernel choices."""
+
+    dtype: str = "bfloat16"
+    quant_rounding: bool = True
+    attention_impl: str = "reference"
+    moe_impl: str = "reference"
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelOptions.dtype {self.dtype!r} must be one of {_DTYPES}")
+        for name in ("attention_impl", "moe_impl"):
+            if getattr(self, name) not in _IMPLS:
+                raise ValueError(f"ModelOptions.{name} {getattr(self, name)!r} must be one of {_IMPLS}")
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+
+class Embed(nnx.Module):
+    """``embed.weight [V, D]``."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (vocab, dim), 1.0, dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class Head(nnx.Module):
+    """``head.weight [V, D]``; logits in f32 (f32 accumulation of the model-dtype product, not rounded)."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (vocab, dim), dim**-0.5, dtype))
+
+    def __call__(self, h):
+        return jnp.einsum("...d,vd->...v", h, self.weight[...].astype(h.dtype), precision=_HIGHEST,
+                          preferred_element_type=jnp.float32)
+
+
+class Block(nnx.Module):
+    """``layers.L``: the attention and MoE sublayers with their hyper-connection mixes."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, options: ModelOptions, *, rngs: nnx.Rngs):
+        dtype = options.jnp_dtype
+        mix, width = cfg.hc_mix_width, cfg.hc_mult * cfg.hidden_size
+        self.hc_kwargs = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+        for sub in ("attn", "ffn"):
+            setattr(self, f"hc_{sub}_fn", nnx.Param(_normal(rngs, (mix, width), width**-0.5, jnp.float32)))
+            setattr(self, f"hc_{sub}_base", nnx.Param(jnp.zeros((mix,), jnp.float32)))
+            setattr(self, f"hc_{sub}_scale", nnx.Param(jnp.ones((3,), jnp.float32)))
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
+                              impl=options.attention_impl, rngs=rngs)
+        self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs)
+
+    def _mix(self, sub: str, streams):
+        p = [getattr(self, f"hc_{sub}_{k}")[...] for k in ("fn", "base", "scale")]
+        return hc_mix(streams, *p, **self.hc_kwargs)
+
+    def __call__(self, streams, pre_prev, seg: Segment, cache, shared):
+        """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4) ->
+        (streams, pre of the FFN mix, new LayerCache)."""
+        pre_a, post_a, comb_a = self._mix("attn", streams)
+        y, cache = self.attn(self.attn_norm(collapse(streams, pre_prev)), seg, cache, shared)
+        streams = expand(y, streams, post_a, comb_a)
+        pre_f, post_f, comb_f = self._mix("ffn", streams)
+        y = self.ffn(self.ffn_norm(collapse(streams, pre_a)))
+        return expand(y, streams, post_f, comb_f), pre_f, cache
+
+
+class Transformer(nnx.Module):
+    """The text model. ``logits, cache = model(ids [B,T], cache, lengths=None)``; logits [B,T,V] f32.
+
+    Row t of sequence b is at position ``cache.offset[b] + t``; rows ``t >= lengths[b]`` are padding: they do
+    not change sequence b's cache and their logits are don't-care.
+    """
+
+    def __init__(self, cfg: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        dtype = options.jnp_dtype
+        self.cfg = cfg
+        self.options = options
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, i, options, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.head = Head(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, ids, cache: Cache, lengths=None):
+        b, t = ids.shape
+        s = self.cfg.hc_mult
+        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        offset = cache.offset
+        rows = jnp.arange(t, dtype=jnp.int32)[None, :]
+        seg = Segment(positions=offset[:, None] + rows, valid=rows < lengths[:, None], offset=offset,
+                      lengths=lengths)
+        e = self.embed(ids)
+        streams = jnp.broadcast_to(e[:, :, None, :], (b, t, s, e.shape[-1]))
+        pre = jnp.broadcast_to(jax.nn.one_hot(0, s, dtype=jnp.float32), (b, t, s))  # §B.2: pre⁻¹ = stream 0
+        shared: dict = {}
+        new_layers = []
+        for block, layer_cache in zip(self.layers, cache.layers, strict=True):
+            streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared)
+            new_layers.append(layer_cache)
+        logits = self.head(self.norm(collapse(streams, pre)))
+        return logits, Cache(offset=offset + lengths, layers=tuple(new_layers))
+
+
+class WeightsError(ValueError):
+    """A weight dict that does not fit the model; the message names the tensor."""
+
+
+def param_shapes(model: Transformer) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
+    """Model name -> (shape, dtype) of every parameter."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {".".join(map(str, path)): (tuple(var.shape), var.dtype) for path, var in flat}
+
+
+def load_weights(model: Transformer, flat: dict[str, np.ndarray]) -> None:
+    """Set every parameter from ``flat`` (model names, docs/DESIGN.md), cast to the parameter's dtype.
+
+    Raises WeightsError naming the first missing, unexpected or mis-shaped tensor (nothing is changed then).
+    """
+    flat_state = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    names = {".".join(map(str, path)): var for path, var in flat_state}
+    missing = sorted(set(names) - set(flat))
+    extra = sorted(set(flat) - set(names))
+    if missing:
+        raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    if extra:
+        raise WeightsError(f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
+    for name, var in names.items():
+        if tuple(flat[name].shape) != tuple(var.shape):
+            raise WeightsError(f"tensor {name!r} has shape {tuple(flat[name].shape)}, "
+                               f"the model expects {tuple(var.shape)}")
+    for name, var in names.items():  # the Variables of the state are the model's own
+        var.set_value(jnp.asarray(flat[name]).astype(var.dtype))
