@@ -18,7 +18,7 @@ import numpy as np
 
 try:
     import mlx.core as mx
-    from mlx.utils import tree_map
+    from mlx.utils import tree_flatten
     from mlx_lm.models import deepseek_v41
     from mlx_lm.utils import load_model
 
@@ -77,16 +77,10 @@ def load_mlx_model(ckpt_dir: str | Path, dtype: str = "float32"):
             return p
         return p.astype(target if dtype == "float32" or keep_f32(path) else mx.float32)
 
-    flat = [(k, cast(k, v)) for k, v in _flatten(model.parameters())]
+    flat = [(k, cast(k, v)) for k, v in tree_flatten(model.parameters())]
     model.load_weights(flat, strict=False)
     mx.eval(model.parameters())
     return model
-
-
-def _flatten(tree, prefix: str = "") -> list[tuple[str, object]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree, prefix=prefix)
 
 
 def mlx_reference(ckpt_dir: str | Path, prompt_ids: Sequence[int], decode_steps: int = 8,
