@@ -1,0 +1,161 @@
+"""Pallas (Triton lowering) kernel: fused sparse prefill attention (PLANNER.md §D, MODEL.md §B.6).
+
+One program per (head tile j, query row t, sequence b). It loads `lanes` query heads once, then walks the
+row's keys in tiles of `key_tile`: the compressed entries the indexer picked (gathered from the pool, list
+order), then the row's window slice (ascending positions), with one online softmax in float32 (base 2). The
+sink joins the denominator last, then 1/l (PLANNER §D rule 4). V = K, so each key tile serves both dots.
+
+Head tiling (PLANNER §D rules 1-3): tile j covers heads [j·head_tile, j·head_tile + head_tile); the MMA tile
+has `lanes` = max(16, next_pow2(head_tile)) rows, and rows beyond the tile or beyond H are masked (zero query,
+no store). Every reduction over keys that could depend on the tile's row count is done by the MMA (row sums
+via a dot with ones) or is exact (max), so a (row, head) result does not depend on head_tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+# Running max before any valid key: finite, so exp2(m_old - m_new) never sees (-inf) - (-inf).
+_M_INIT = -1e30
+
+
+def _lanes_for(head_tile: int) -> int:
+    """MMA rows for a head tile: a power of two, at least 16 (PLANNER §D rule 2)."""
+    return max(16, pl.next_power_of_2(head_tile))
+
+
+def _online_softmax_step(carry, q, keys, key_ok, scale_log2):
+    """One key tile of the online softmax.
+
+    carry: (m [L] running max (log2 units), l [L] running denominator, acc [L, Dh] running numerator);
+    q: [L, Dh]; keys: [KT, Dh] (masked rows zero); key_ok: [KT] bool.
+    """
+    m_old, l_old, acc_old = carry
+    logits = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    logits = jnp.where(key_ok[None, :], logits * scale_log2, -jnp.inf)          # [L, KT]
+    m_new = jnp.maximum(m_old, logits.max(axis=1))                             # max is exact in any order
+    alpha = jnp.exp2(m_old - m_new)
+    probs = jnp.exp2(logits - m_new[:, None]).astype(keys.dtype)               # [L, KT]
+    # Row sums through the MMA (a dot with ones) so the summation order is the MMA's fixed K order, not a
+    # layout-dependent tree reduction; every column holds the same sum, so max picks it exactly.
+    ones = jnp.ones((keys.shape[0], 16), keys.dtype)
+    row_sum = jnp.dot(probs, ones, preferred_element_type=jnp.float32).max(axis=1)
+    l_new = l_old * alpha + row_sum
+    acc_new = acc_old * alpha[:, None] + jnp.dot(probs, keys, preferred_element_type=jnp.float32)
+    return m_new, l_new, acc_new
+
+
+def _kernel(q_pos_ref, first_row_ref, q_ref, pool_ref, topk_ref, window_ref, sinks_ref, *rest,
+            num_heads: int, head_tile: int, lanes: int, window_size: int, key_tile: int,
+            num_comp_tiles: int, scale_log2: float):
+    """Refs: q_pos, first_row: [] int32; q: [H, Dh]; pool: [N, Dh]; topk: [Kp] int32; window: [S, Dh];
+    sinks: [H] f32; rest = ([aliased poison input,] o: [H, Dh])."""
+    o_ref = rest[-1]
+    head_dim = q_ref.shape[-1]
+    num_rows = window_ref.shape[0]
+    h0 = pl.program_id(0) * head_tile
+    lane = jnp.arange(lanes)
+    head_ok = (lane < head_tile) & (h0 + lane < num_heads)                      # [L]
+    q = plgpu.load(q_ref.at[pl.ds(h0, lanes), :], mask=head_ok[:, None], other=0)
+    cols = jnp.arange(head_dim)[None, :]
+    tile_iota = jnp.arange(key_tile)
+    step = functools.partial(_online_softmax_step, q=q, scale_log2=scale_log2)
+
+    def compressed_tile(c, carry):
+        idx = topk_ref[pl.ds(c * key_tile, key_tile)]                           # [KT], -1 = none
+        ok = idx >= 0
+        rows = jnp.where(ok, idx, 0)
+        keys = plgpu.load(pool_ref.at[rows[:, None], cols], mask=ok[:, None], other=0)
+        return step(carry, keys=keys, key_ok=ok)
+
+    q_pos = q_pos_ref[()]
+    first_row = first_row_ref[()]   # window row of position q_pos - (window_size - 1)
+
+    def window_tile(w, carry):
+        k = w * key_tile + tile_iota                                            # key k is at q_pos - W + 1 + k
+        rows = first_row + k
+        ok = (k < window_size) & (k >= window_size - 1 - q_pos) & (rows >= 0) & (rows < num_rows)
+        keys = plgpu.load(window_ref.at[jnp.where(ok, rows, 0)[:, None], cols], mask=ok[:, None], other=0)
+        return step(carry, keys=keys, key_ok=ok)
+
+    carry = (jnp.full((lanes,), _M_INIT, jnp.float32), jnp.zeros((lanes,), jnp.float32),
+             jnp.zeros((lanes, head_dim), jnp.float32))
+    carry = lax.fori_loop(0, num_comp_tiles, compressed_tile, carry)
+    carry = lax.fori_loop(0, pl.cdiv(window_size, key_tile), window_tile, carry)
+    m, l, acc = carry
+
+    sink = plgpu.load(sinks_ref.at[pl.ds(h0, lanes)], mask=head_ok, other=0.0) * LOG2E
+    m_final = jnp.maximum(m, sink)
+    rescale = jnp.exp2(m - m_final)
+    denominator = l * rescale + jnp.exp2(sink - m_final)
+    out = acc * (rescale / denominator)[:, None]
+    out = jnp.where((l > 0)[:, None], out, 0.0)                                 # no valid key -> zeros
+    plgpu.store(o_ref.at[pl.ds(h0, lanes), :], out.astype(o_ref.dtype), mask=head_ok[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "window_size", "scale", "head_tile", "key_tile", "num_warps", "num_stages", "interpret"))
+def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks, out_init=None, *,
+                            window_size: int, scale: float, head_tile: int | None = None,
+                            key_tile: int = 32, num_warps: int = 8, num_stages: int = 2,
+                            interpret: bool = False):
+    """Pallas sparse attention; contract of `ops.sparse_attention` (shapes checked there).
+
+    q: [B, T, H, Dh] (Dh a power of two >= 16); kv_pool: [B, N, Dh]; topk: [B, T, K] int32 (-1 = none);
+    window: [B, S, Dh]; window_start: [B]; q_pos: [B, T]; sinks: [H] f32.
+    out_init: optional [B, T, H, Dh] buffer the output is written into in place (tests poison it with NaN to
+    prove every element is written). Returns o: [B, T, H, Dh] in q's dtype.
+    """
+    batch, num_q, num_heads, head_dim = q.shape
+    head_tile = min(32, num_heads) if head_tile is None else head_tile
+    lanes = _lanes_for(head_tile)
+    num_comp = topk.shape[-1]
+    num_comp_tiles = pl.cdiv(num_comp, key_tile)
+    padded = max(num_comp_tiles, 1) * key_tile   # at least one (unused) tile so the ref is never empty
+    topk = jnp.pad(topk.astype(jnp.int32), ((0, 0), (0, 0), (0, padded - num_comp)), constant_values=-1)
+    if kv_pool.shape[1] == 0:
+        kv_pool = jnp.zeros((batch, 1, head_dim), q.dtype)
+    if window.shape[1] == 0:
+        window = jnp.zeros((batch, 1, head_dim), q.dtype)
+    q_pos = q_pos.astype(jnp.int32)
+    first_row = q_pos - window_start.astype(jnp.int32)[:, None] - (window_size - 1)
+    kernel = functools.partial(
+        _kernel, num_heads=num_heads, head_tile=head_tile, lanes=lanes, window_size=window_size,
+        key_tile=key_tile, num_comp_tiles=num_comp_tiles, scale_log2=scale * LOG2E)
+
+    # Grid (head tile, row, sequence): CUDA schedules the first axis fastest, so the programs that share a
+    # row's gathered keys run side by side and hit L2.
+    row_scalar = pl.BlockSpec((None, None), lambda j, t, b: (b, t))
+    per_seq = lambda n: pl.BlockSpec((None, n, head_dim), lambda j, t, b: (b, 0, 0))
+    heads_of_row = pl.BlockSpec((None, None, num_heads, head_dim), lambda j, t, b: (b, t, 0, 0))
+    in_specs = [
+        row_scalar, row_scalar, heads_of_row, per_seq(kv_pool.shape[1]),
+        pl.BlockSpec((None, None, padded), lambda j, t, b: (b, t, 0)),
+        per_seq(window.shape[1]),
+        pl.BlockSpec((num_heads,), lambda j, t, b: (0,)),
+    ]
+    operands = [q_pos, first_row, q, kv_pool, topk, window, sinks.astype(jnp.float32)]
+    aliases = {}
+    if out_init is not None:
+        in_specs.append(heads_of_row)
+        operands.append(out_init.astype(q.dtype))
+        aliases = {len(operands) - 1: 0}
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_heads, head_tile), num_q, batch),
+        in_specs=in_specs,
+        out_specs=heads_of_row,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="sparse_attention",
+    )(*operands)
