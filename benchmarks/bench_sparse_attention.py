@@ -1,0 +1,224 @@
+"""Benchmark: fused sparse prefill attention (Pallas kernel vs the jitted pure-JAX reference).
+
+Shapes (issue #6): T = 2,048 query rows, Dh = 512, 128 window + 512 compressed keys per row, local heads
+64/32/16/8, one sequence at a deep position. Prints the measured ceilings of the device, then one table row
+per (heads, implementation, tiling): median time, useful TFLOP/s, bytes/s (two counts, see below), and the
+error against the float32 reference on the same inputs.
+
+    PYTHONPATH=. python benchmarks/bench_sparse_attention.py [--heads 64,32,16,8] [--sweep] [--json out.json]
+
+Byte counts: "floor" = each input read once and the output written once (q, o, window, topk, the pool rows
+the topk touches) -> compared with the copy ceiling; "keys" = the key rows every program streams from L2/HBM
+(T * ceil(H/BMQ) * keys * Dh * 2), the traffic the kernel actually asks the memory system for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.sparse_attention.kernel import sparse_attention_pallas
+from pallas_kernels.sparse_attention.reference import sparse_attention_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    rows: int = 2048
+    heads: int = 16
+    head_dim: int = 512
+    window: int = 128
+    topk: int = 512
+    pool: int = 32768
+    first_pos: int = 100_000
+    batch: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    key_tile: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    head_tile: int | None = None
+
+    def label(self) -> str:
+        head = "" if self.head_tile is None else f" bmq{self.head_tile}"
+        return f"kt{self.key_tile} w{self.num_warps} s{self.num_stages}{head}"
+
+
+DEFAULT_SWEEP = (Tiling(), Tiling(num_stages=3), Tiling(num_warps=4), Tiling(key_tile=64))
+
+
+def make_inputs(shape: Shape, key):
+    """Random inputs on the device (sparse_attention's positional arguments)."""
+    b, t, h, d = shape.batch, shape.rows, shape.heads, shape.head_dim
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (b, t, h, d), jnp.bfloat16)
+    pool = jax.random.normal(ks[1], (b, shape.pool, d), jnp.bfloat16)
+    topk = jnp.sort(jax.random.randint(ks[2], (b, t, shape.topk), 0, shape.pool, jnp.int32), axis=-1)
+    window = jax.random.normal(ks[3], (b, t + shape.window - 1, d), jnp.bfloat16)
+    window_start = jnp.full((b,), shape.first_pos - (shape.window - 1), jnp.int32)
+    q_pos = jnp.broadcast_to(shape.first_pos + jnp.arange(t, dtype=jnp.int32), (b, t))
+    sinks = jax.random.normal(ks[4], (h,), jnp.float32)
+    return q, pool, topk, window, window_start, q_pos, sinks
+
+
+def time_ms(fn, arg_sets, repeats: int) -> float:
+    """Median wall time of one call, in ms. One jitted call runs fn on every input set (distinct inputs, so
+    nothing is cached or merged), which keeps the GPU queue full; median over `repeats` such calls."""
+    batched = jax.jit(lambda sets: [fn(*args) for args in sets])
+    jax.block_until_ready(batched(arg_sets))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(batched(arg_sets))
+        samples.append((time.perf_counter() - start) / len(arg_sets))
+    return statistics.median(samples) * 1e3
+
+
+def measure_ceilings(repeats: int) -> dict:
+    """Device copy bandwidth (bytes read + written) and a large bf16 matrix product, on random data."""
+    x = jax.random.normal(jax.random.key(1), (2**29,), jnp.bfloat16)                # 1 GiB
+    copy_ms = time_ms(lambda a: a + jnp.bfloat16(1), [(x,)], repeats)
+    a, b = (jax.random.normal(jax.random.key(i), (8192, 8192), jnp.bfloat16) for i in (2, 3))
+    gemm_ms = time_ms(lambda p, q: p @ q, [(a, b)], repeats)
+    return {"copy_TBps": 2 * x.nbytes / copy_ms / 1e9, "gemm_TFLOPs": 2 * 8192**3 / gemm_ms / 1e9}
+
+
+def work_counts(shape: Shape, arg_sets, head_tile: int) -> dict:
+    keys = shape.topk + shape.window
+    flops = 4 * shape.batch * shape.rows * shape.heads * shape.head_dim * keys        # QK and PV
+    q, _, topk = arg_sets[0][:3]
+    touched = int(jnp.unique(topk).size) * shape.head_dim * 2
+    floor = (2 * q.nbytes + arg_sets[0][3].nbytes + topk.nbytes + touched)
+    programs = shape.batch * shape.rows * -(-shape.heads // head_tile)
+    return {"flops": flops, "floor_bytes": floor, "key_bytes": programs * keys * shape.head_dim * 2}
+
+
+def relative_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    if not np.isfinite(out).all():
+        return float("nan")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def bench_heads(shape: Shape, tilings, num_sets: int, repeats: int, with_reference: bool) -> list[dict]:
+    arg_sets = [make_inputs(shape, jax.random.key(100 + i)) for i in range(num_sets)]
+    kw = dict(window_size=shape.window, scale=shape.head_dim ** -0.5)
+    upcast = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in arg_sets[0]]
+    ref = jax.jit(lambda *a: sparse_attention_reference(*a, **kw))(*upcast)
+    rows = []
+    for tiling in tilings:
+        head_tile = tiling.head_tile or min(32, shape.heads)
+        fn = lambda *a, t=tiling: sparse_attention_pallas(
+            *a, **kw, head_tile=t.head_tile, key_tile=t.key_tile, num_warps=t.num_warps,
+            num_stages=t.num_stages)
+        try:
+            err = relative_error(jax.jit(fn)(*arg_sets[0]), ref)
+            ms = time_ms(fn, arg_sets, repeats)
+        except Exception as exc:  # a tiling that does not compile is reported, not fatal
+            print(f"  H={shape.heads} {tiling.label()}: failed: {str(exc).splitlines()[0][:200]}", flush=True)
+            continue
+        rows.append({"heads": shape.heads, "impl": "pallas", "tiling": tiling.label(), "ms": ms, "rel_err": err,
+                     **work_counts(shape, arg_sets, head_tile)})
+        print(f"  H={shape.heads} pallas {tiling.label()}: {ms:.3f} ms, err {err:.1e}", flush=True)
+    if with_reference:
+        fn = lambda *a: sparse_attention_reference(*a, **kw)
+        ms = time_ms(fn, arg_sets[:2], max(3, repeats // 4))
+        rows.append({"heads": shape.heads, "impl": "reference (XLA, jit)", "tiling": "-", "ms": ms,
+                     "rel_err": relative_error(jax.jit(fn)(*arg_sets[0]), ref),
+                     **work_counts(shape, arg_sets, shape.heads)})
+        print(f"  H={shape.heads} reference: {ms:.3f} ms", flush=True)
+    return rows
+
+
+def print_table(rows, ceilings):
+    print(f"\nceilings: copy {ceilings['copy_TBps']:.2f} TB/s, bf16 GEMM {ceilings['gemm_TFLOPs']:.0f} TFLOP/s")
+    header = ("heads", "impl", "tiling", "ms", "TFLOP/s", "%GEMM", "floor TB/s", "%copy", "keys TB/s",
+              "vs ref", "rel err")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    ref_ms = {r["heads"]: r["ms"] for r in rows if r["impl"] != "pallas"}
+    for r in rows:
+        sec = r["ms"] * 1e-3
+        tflops = r["flops"] / sec / 1e12
+        floor = r["floor_bytes"] / sec / 1e12
+        speedup = f"{ref_ms[r['heads']] / r['ms']:.1f}x" if r["heads"] in ref_ms else "-"
+        cells = (r["heads"], r["impl"], r["tiling"], f"{r['ms']:.3f}", f"{tflops:.0f}",
+                 f"{100 * tflops / ceilings['gemm_TFLOPs']:.0f}%", f"{floor:.2f}",
+                 f"{100 * floor / ceilings['copy_TBps']:.0f}%", f"{r['key_bytes'] / sec / 1e12:.2f}", speedup,
+                 f"{r['rel_err']:.1e}")
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def bench_decode(heads_list, repeats: int) -> None:
+    """Decode shapes (T = 1): the kernel against the jitted reference, all heads of one shard."""
+    print("\ndecode (T = 1, 512 + 128 keys): | heads | batch | pallas ms | reference ms |")
+    for heads in heads_list:
+        for batch in (1, 16):
+            shape = Shape(rows=1, heads=heads, batch=batch)
+            sets = [make_inputs(shape, jax.random.key(7 + i)) for i in range(4)]
+            kw = dict(window_size=shape.window, scale=shape.head_dim ** -0.5)
+            kernel_ms = time_ms(lambda *a: sparse_attention_pallas(*a, **kw), sets, repeats)
+            ref_ms = time_ms(lambda *a: sparse_attention_reference(*a, **kw), sets, repeats)
+            print(f"| {heads} | {batch} | {kernel_ms:.3f} | {ref_ms:.3f} |", flush=True)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", default="64,32,16,8", help="comma-separated local head counts")
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--pool", type=int, default=32768, help="compressed pool entries per sequence")
+    parser.add_argument("--sweep", action="store_true", help="time several tilings, not only the default")
+    parser.add_argument("--sets", type=int, default=4, help="distinct input sets rotated while timing")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--decode", action="store_true", help="also time decode shapes (T = 1)")
+    parser.add_argument("--json", help="write all rows and ceilings to this file")
+    args = parser.parse_args(argv)
+    try:
+        args.heads = [int(h) for h in args.heads.split(",")]
+    except ValueError:
+        parser.exit(2, f"error: --heads must be comma-separated integers, got {args.heads!r}\n")
+    if any(not 1 <= h <= 64 for h in args.heads) or args.rows < 1 or args.pool < 1 or args.sets < 1:
+        parser.exit(2, "error: heads must be in 1..64; rows, pool and sets must be positive\n")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, device {device.device_kind}, "
+          f"jax {jax.__version__}, backend {jax.default_backend()}", flush=True)
+    if jax.default_backend() != "gpu":
+        print("error: this benchmark needs a GPU (the kernel only runs compiled there)", file=sys.stderr)
+        return 2
+    ceilings = measure_ceilings(args.repeats)
+    print(f"ceilings: {ceilings}", flush=True)
+    rows = []
+    for heads in args.heads:
+        tilings = list(DEFAULT_SWEEP if args.sweep else DEFAULT_SWEEP[:1])
+        if args.sweep and heads == 64:
+            tilings.append(Tiling(num_warps=16, head_tile=64))   # one program per row: wgmma, half the key reads
+        shape = Shape(rows=args.rows, heads=heads, pool=args.pool)
+        rows += bench_heads(shape, tilings, args.sets, args.repeats, not args.no_reference)
+    print_table(rows, ceilings)
+    if args.decode:
+        bench_decode([64, 16], args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "ceilings": ceilings, "rows": rows},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
