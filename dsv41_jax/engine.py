@@ -1,22 +1,32 @@
-"""Prefill in segments, then decode: static shapes, each step compiled once per shape.
+"""Prefill in segments, then decode: static shapes, each program compiled once per shape.
 
-The model is split once (``nnx.split``) into a graph definition and a state pytree; the jitted steps take the
-state as an argument and ``nnx.merge`` it inside, so weights are inputs, not constants baked into programs.
-Programs are compiled ahead of time (``jit(...).lower(...).compile()``) and kept in a table keyed by their
-input shapes: a shape seen before never compiles again, and compile seconds are measured apart from run time.
+The model is split once (``nnx.split``) into a graph definition and a state pytree; the programs take the state
+as an argument and ``nnx.merge`` it inside, so weights are inputs, not constants baked into programs. Programs
+are compiled ahead of time (``jit(...).lower(...).compile()``), all the shapes a request needs at once and in
+parallel, and kept in a table keyed by input shapes: a shape seen before never compiles again, and compile
+seconds are measured apart from run time.
 
-Prefill: the batch's prompts (ragged lengths) are cut into segments ``[start, start + T)`` over the longest
-prompt; sequence b contributes ``lengths[b] = clip(len_b - start, 0, T)`` real rows, the rest are padding the
-model ignores (DESIGN.md "Model API"). Each segment's row count is rounded up to a power-of-two bucket (at
-least ``min_bucket``, at most the segment size) so a handful of programs serve every prompt length.
+Three programs:
 
-Decode: one program per batch size; each call samples the next token of every running sequence from the
-previous logits, decides on device which sequences keep going (EOS, max new tokens) and feeds the new tokens
-back with ``lengths = keep_going`` so finished sequences' caches stay untouched.
+* ``forward[B, T]``: the model over a segment of T rows (``ids [B, T]``, ``lengths [B]``), keeping each
+  sequence's last real row's logits. Rows ``t >= lengths[b]`` are padding the model ignores (DESIGN.md "Model
+  API"), which gives ragged batches and lets a segment run in a larger bucket.
+* ``sample[B]``: picks every running sequence's next token and decides on device which keep going (an end id,
+  the max new tokens).
+* ``init[B]``: an empty cache.
+
+Prefill cuts the batch's longest prompt into the planner's segments ``[start, start + n)``; sequence b
+contributes ``clip(len_b - start, 0, n)`` real rows. A segment of more than ``short_rows`` rows runs as one
+``forward`` call whose T is n rounded up to a power-of-two bucket (so a handful of programs serve every prompt
+length); a *short* segment (PLANNER.md §A: ≤ 16 rows) runs row by row through ``forward[B, 1]`` — the decode
+program — which saves a compile for short prompts. Decode alternates ``sample`` and ``forward[B, 1]`` with
+``lengths = keep_going``, so finished sequences' caches stay untouched.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,6 +41,7 @@ from .config import ModelConfig
 from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
 
 FALLBACK_SEGMENT_ROWS = 2048  # until the planner says otherwise (PLANNER.md §A "Segment")
+SHORT_SEGMENT_ROWS = 16  # PLANNER.md §A: rows <= 16 form a short segment (decode row paths)
 
 
 class EngineInputError(ValueError):
@@ -58,7 +69,7 @@ class Generation:
 
 @dataclass
 class Timings:
-    """Wall seconds, compile kept apart from running."""
+    """Wall seconds; compiling is kept apart from running."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -80,9 +91,9 @@ class Timings:
 
 @dataclass
 class GenerateResult:
-    """Generations in request order; ``prefill_logits`` [prompt_len, V] and ``decode_logits`` [steps, V]
-    (f32, first request only, when asked): ``decode_logits[i]`` is the distribution ``token_ids[i]`` was drawn
-    from, so ``decode_logits[0]`` is the last prompt row's logits."""
+    """Generations in request order. With ``record_logits`` (first request only, f32): ``prefill_logits``
+    [prompt_len, V], one row per prompt position, and ``decode_logits`` [steps, V], where ``decode_logits[i]`` is
+    the distribution ``token_ids[i]`` was drawn from (so ``decode_logits[0]`` is the last prompt row's)."""
 
     generations: list[Generation]
     timings: Timings
@@ -101,17 +112,18 @@ def fixed_segments(prompt_len: int, rows: int = FALLBACK_SEGMENT_ROWS) -> list[i
     return [rows] * full + ([tail] if tail else [])
 
 
-def bucket_rows(rows: int, cap: int, min_bucket: int = 16) -> int:
-    """The program size serving a segment of ``rows``: next power of two >= max(rows, min_bucket), <= cap."""
-    return max(rows, min(cap, 1 << max(math.ceil(math.log2(max(rows, 1))), int(math.log2(min_bucket)))))
+def bucket_rows(rows: int, cap: int) -> int:
+    """The program size serving a multi-row segment: the next power of two >= rows, at most ``cap``
+    (never below ``rows``)."""
+    return max(rows, min(cap, 1 << math.ceil(math.log2(max(rows, 1)))))
 
 
-# ------------------------------------------------------------------------------------------- jitted steps
-def _prefill_step(graphdef, state, cache, ids, lengths, last_logits, keep_first_row: bool):
-    """ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32 -> (cache, last_logits, first [T,V] | None).
+# ------------------------------------------------------------------------------------------------ programs
+def _forward(graphdef, state, cache, ids, lengths, last_logits, keep_first_row: bool):
+    """ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32 -> (cache, last_logits, first [T,V] f32 | None).
 
-    ``last_logits[b]`` is replaced by the logits of row ``lengths[b] - 1`` wherever ``lengths[b] > 0``: after the
-    last segment it holds each prompt's final-row logits.
+    ``last_logits[b]`` becomes the logits of row ``lengths[b] - 1`` wherever ``lengths[b] > 0``; after a prompt's
+    last segment it holds the logits of the prompt's last row, after a decode step those of the fed token.
     """
     model = nnx.merge(graphdef, state)
     logits, cache = model(ids, cache, lengths=lengths)
@@ -122,57 +134,92 @@ def _prefill_step(graphdef, state, cache, ids, lengths, last_logits, keep_first_
     return cache, last_logits, (logits[0] if keep_first_row else None)
 
 
-def _decode_step(graphdef, state, cache, logits, running, eos_ids, max_new, sampling: SamplingArrays, step):
-    """Sample from logits [B,V], feed the tokens back; running [B] bool, eos_ids [E] i32, max_new [B] i32,
-    step: i32 scalar (tokens already produced). -> (cache, tokens [B], next logits [B,V], keep_going [B])."""
+def _sample_step(graphdef, logits, running, eos_ids, max_new, sampling: SamplingArrays, step):
+    """logits [B,V] f32, running [B] bool, eos_ids [E] i32, max_new [B] i32, step i32 (tokens produced so far)
+    -> (tokens [B] i32, keep_going [B] bool): keep going unless the token ends the sequence or it is full."""
+    del graphdef
     tokens = sample(logits, sampling, step)
     is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
-    keep_going = running & ~is_eos & (step + 1 < max_new)
-    model = nnx.merge(graphdef, state)
-    next_logits, cache = model(tokens[:, None], cache, lengths=keep_going.astype(jnp.int32))
-    return cache, tokens, next_logits[:, 0].astype(jnp.float32), keep_going
+    return tokens, running & ~is_eos & (step + 1 < max_new)
 
 
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+def _fresh_cache(graphdef, *, init, cfg, batch, max_context, dtype):
+    """An empty cache made by a program, so every leaf is its own buffer (donation needs that)."""
+    del graphdef
+    return init(cfg, batch, max_context, dtype)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def _key(name: str, static: dict, abstract_args: tuple) -> tuple:
+    leaves, treedef = jax.tree.flatten(abstract_args)
+    return name, tuple(sorted(static.items())), treedef, tuple((x.shape, str(x.dtype)) for x in leaves)
 
 
 @dataclass
 class _Programs:
-    """Compiled executables keyed by (step name, static flags, input shapes); counts compile time."""
+    """Compiled executables keyed by (name, static arguments, input shapes); times every compile.
+
+    The model state is the first argument of model programs; it is the same for the engine's lifetime, so it is
+    left out of the key.
+    """
 
     graphdef: object
     compiled: dict = field(default_factory=dict)
     compile_s: float = 0.0
 
-    def run(self, name: str, fn, static: dict, args: tuple, donate: tuple[int, ...]):
-        key = (name, tuple(sorted(static.items())), _signature(args[1:]))  # args[0] (the state) never changes
-        exe = self.compiled.get(key)
-        if exe is None:
-            start = time.perf_counter()
-            jitted = jax.jit(fn, static_argnums=(0,), static_argnames=tuple(static), donate_argnums=donate)
-            exe = jitted.lower(self.graphdef, *args, **static).compile()
-            self.compile_s += time.perf_counter() - start
-            self.compiled[key] = exe
-        return exe(*args)
+    def _compile(self, name, fn, static, args, donate):
+        # The graph definition is bound, not passed: it is static and need not be hashable.
+        jitted = jax.jit(functools.partial(fn, self.graphdef), static_argnames=tuple(static),
+                         donate_argnums=donate)
+        return jitted.lower(*args, **static).compile()
+
+    def ensure(self, specs: list[tuple]) -> None:
+        """Compile every (name, fn, static, abstract args, donate) not compiled yet, in parallel threads."""
+        todo = {}
+        for name, fn, static, args, donate in specs:
+            key = _key(name, static, args[1:] if fn is _forward else args)
+            if key not in self.compiled and key not in todo:
+                todo[key] = (name, fn, static, args, donate)
+        if not todo:
+            return
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(todo)) as pool:
+            futures = {key: pool.submit(self._compile, *spec) for key, spec in todo.items()}
+            for key, fut in futures.items():
+                self.compiled[key] = fut.result()
+        self.compile_s += time.perf_counter() - start
+
+    def run(self, name, fn, static, args, donate=()):
+        """Call the program for these arguments, compiling it first if this shape is new."""
+        abstract = _abstract(args[1:] if fn is _forward else args)
+        key = _key(name, static, abstract)
+        if key not in self.compiled:
+            self.ensure([(name, fn, static, (args[0], *abstract) if fn is _forward else abstract, donate)])
+        return self.compiled[key](*args)
 
 
 class Engine:
-    """Runs requests through one model. ``max_context``: cache capacity per sequence (positions)."""
+    """Runs batches of requests through one model. ``max_context``: cache capacity per sequence (positions).
+
+    ``segment_plan(longest prompt) -> sizes`` (default: fixed 2,048-row segments); segments of at most
+    ``short_rows`` rows run row by row through the decode program (0: never).
+    """
 
     def __init__(self, model: nnx.Module, cfg: ModelConfig, *, max_context: int, cache_dtype: str = "bfloat16",
                  eos_ids: Sequence[int] | None = None, segment_plan: SegmentPlan | None = None,
-                 min_bucket: int = 16, mesh=None):
-        from .model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light
-
+                 short_rows: int = SHORT_SEGMENT_ROWS, init_cache: Callable | None = None):
+        if init_cache is None:
+            from .model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light
         self.cfg = cfg
+        self.vocab_size = int(getattr(model, "vocab_size", cfg.vocab_size))
         self.max_context = int(max_context)
         self.cache_dtype = cache_dtype
         self.eos_ids = tuple(eos_ids if eos_ids is not None else cfg.eos_token_ids)
         self.segment_plan = segment_plan or fixed_segments
-        self.min_bucket = min_bucket
-        self.mesh = mesh
+        self.short_rows = short_rows
         self._init_cache = init_cache
         graphdef, self.state = nnx.split(model)
         self._programs = _Programs(graphdef=graphdef)
@@ -182,79 +229,119 @@ class Engine:
         """Raise EngineInputError for a request the engine cannot run."""
         if not requests:
             raise EngineInputError("no prompts given")
-        vocab = self.cfg.vocab_size
         for i, r in enumerate(requests):
             which = f"prompt {i + 1}" if len(requests) > 1 else "the prompt"
             if not r.prompt_ids:
                 raise EngineInputError(f"{which} is empty")
-            bad = [t for t in r.prompt_ids if not 0 <= t < vocab]
+            bad = [t for t in r.prompt_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise EngineInputError(f"{which} has ids outside the model's vocabulary 0..{vocab - 1}: "
+                raise EngineInputError(f"{which} has ids outside the model's vocabulary 0..{self.vocab_size - 1}: "
                                        f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}")
             if len(r.prompt_ids) > self.max_context:
                 raise EngineInputError(f"{which} has {len(r.prompt_ids)} tokens, longer than the context of "
-                                       f"{self.max_context} (raise --max-context)")
+                                       f"{self.max_context} tokens")
             if r.max_new_tokens < 1:
                 raise EngineInputError(f"max new tokens must be at least 1, got {r.max_new_tokens}")
+            # The last sampled token is never fed back, so it needs no cache row.
             if len(r.prompt_ids) + r.max_new_tokens - 1 > self.max_context:
                 raise EngineInputError(f"{which} ({len(r.prompt_ids)} tokens) plus {r.max_new_tokens} new tokens "
-                                       f"does not fit the context of {self.max_context}")
+                                       f"does not fit the context of {self.max_context} tokens")
             r.sampling.validate()
 
-    # ------------------------------------------------------------------------------------------ running
+    # ------------------------------------------------------------------------------------------ compiling
     @property
     def compile_count(self) -> int:
-        """Programs compiled so far by this engine (one per distinct step shape)."""
+        """Programs compiled so far by this engine (one per distinct shape)."""
         return len(self._programs.compiled)
 
+    def _plan(self, requests) -> tuple[list[int], list[int]]:
+        """(segment sizes, program rows per segment: 1 for short segments, else the bucket)."""
+        total = max(len(r.prompt_ids) for r in requests)
+        sizes = [int(n) for n in self.segment_plan(total)]
+        if sum(sizes) != total or min(sizes) < 1:
+            raise EngineInputError(f"segment plan {sizes} does not cover the {total}-token prompt")
+        cap = max(sizes)
+        rows = [1 if n <= self.short_rows else bucket_rows(n, cap) for n in sizes]
+        return sizes, rows
+
+    def _specs(self, batch: int, program_rows: Sequence[int], record: bool) -> list[tuple]:
+        """Everything a batch of ``batch`` with these prefill program sizes runs."""
+        static_init = {"init": self._init_cache, "cfg": self.cfg, "batch": batch, "max_context": self.max_context,
+                       "dtype": self.cache_dtype}
+        cache = jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context, self.cache_dtype))
+        i32, f32 = jnp.int32, jnp.float32
+        logits = jax.ShapeDtypeStruct((batch, self.vocab_size), f32)
+        vec = jax.ShapeDtypeStruct((batch,), i32)
+        sampling = _abstract(sampling_arrays([SamplingParams()] * batch))
+        specs = [("init", _fresh_cache, static_init, (), ()),
+                 ("sample", _sample_step, {}, (logits, jax.ShapeDtypeStruct((batch,), jnp.bool_),
+                                               jax.ShapeDtypeStruct((len(self.eos_ids or (-1,)),), i32), vec,
+                                               sampling, jax.ShapeDtypeStruct((), i32)), ())]
+        for t in sorted({1, *program_rows}):
+            ids = jax.ShapeDtypeStruct((batch, t), i32)
+            specs.append(("forward", _forward, {"keep_first_row": record},
+                          (self.state, cache, ids, vec, logits), (1, 4)))
+        return specs
+
+    def precompile(self, batch: int, prompt_len: int, record_logits: bool = False) -> float:
+        """Compile what a batch of ``batch`` prompts of up to ``prompt_len`` tokens needs; returns seconds."""
+        before = self._programs.compile_s
+        _, rows = self._plan([Request((0,) * prompt_len)])
+        self._programs.ensure(self._specs(batch, rows, record_logits))
+        return self._programs.compile_s - before
+
+    # ------------------------------------------------------------------------------------------ running
     def generate(self, requests: Sequence[Request], *, on_tokens: TokenCallback | None = None,
                  on_prefill: ProgressCallback | None = None, record_logits: bool = False) -> GenerateResult:
         """Prefill every request's prompt, then decode until each hits an end id or its max new tokens."""
         self.check(requests)
-        timings = Timings(prompt_tokens=sum(len(r.prompt_ids) for r in requests))
-        compile_before = self._programs.compile_s
-        count_before = self.compile_count
-        cache = self._init_cache(self.cfg, len(requests), self.max_context, self.cache_dtype)
-        cache, last_logits, prefill_logits = self._prefill(requests, cache, timings, on_prefill, record_logits)
-        generations, decode_logits = self._decode(requests, cache, last_logits, timings, on_tokens, record_logits)
+        sizes, rows = self._plan(requests)
+        timings = Timings(prompt_tokens=sum(len(r.prompt_ids) for r in requests), segments=tuple(sizes))
+        compile_before, count_before = self._programs.compile_s, self.compile_count
+        self._programs.ensure(self._specs(len(requests), rows, record_logits))
+        cache = self._programs.run("init", _fresh_cache, {
+            "init": self._init_cache, "cfg": self.cfg, "batch": len(requests), "max_context": self.max_context,
+            "dtype": self.cache_dtype}, ())
+        cache, logits, prefill_logits = self._prefill(requests, cache, sizes, rows, timings, on_prefill,
+                                                      record_logits)
+        generations, decode_logits = self._decode(requests, cache, logits, timings, on_tokens, record_logits)
         timings.compile_s = self._programs.compile_s - compile_before
         timings.programs_compiled = self.compile_count - count_before
         return GenerateResult(generations, timings, prefill_logits, decode_logits)
 
-    def _prefill(self, requests, cache, timings: Timings, on_prefill, record_logits):
+    def _forward(self, cache, ids, lengths, logits, record):
+        return self._programs.run("forward", _forward, {"keep_first_row": record},
+                                  (self.state, cache, ids, lengths, logits), donate=(1, 4))
+
+    def _prefill(self, requests, cache, sizes, rows, timings: Timings, on_prefill, record):
+        batch = len(requests)
         lengths = np.array([len(r.prompt_ids) for r in requests], np.int32)
         total = int(lengths.max())
-        sizes = [int(n) for n in self.segment_plan(total)]
-        if sum(sizes) != total or min(sizes) < 1:
-            raise EngineInputError(f"segment plan {sizes} does not cover the {total}-token prompt")
-        timings.segments = tuple(sizes)
-        padded = np.zeros((len(requests), total), np.int32)
+        padded = np.zeros((batch, total), np.int32)
         for b, r in enumerate(requests):
             padded[b, : lengths[b]] = r.prompt_ids
-        last_logits = jnp.zeros((len(requests), self.cfg.vocab_size), jnp.float32)
+        logits = np.zeros((batch, self.vocab_size), np.float32)
         first_rows = []
         start = 0
-        for size in sizes:
-            rows = bucket_rows(size, cap=max(sizes), min_bucket=self.min_bucket)
-            ids = np.zeros((len(requests), rows), np.int32)
-            ids[:, :size] = padded[:, start : start + size]
-            seg_lengths = np.clip(lengths - start, 0, size).astype(np.int32)
-            compile_mark = self._programs.compile_s
-            t0 = time.perf_counter()
-            cache, last_logits, first = self._programs.run(
-                "prefill", _prefill_step, {"keep_first_row": record_logits},
-                (self.state, cache, ids, seg_lengths, last_logits), donate=(2, 5))
-            if record_logits:
-                first_rows.append(np.asarray(first)[: min(size, max(0, int(lengths[0]) - start))])
-            jax.block_until_ready(last_logits)
-            timings.prefill_s += time.perf_counter() - t0 - (self._programs.compile_s - compile_mark)
+        t0 = time.perf_counter()
+        for size, t in zip(sizes, rows):
+            # A short segment runs as `size` one-row calls; a long one as one call of `t >= size` rows.
+            for sub_start, sub_size in [(start + i, 1) for i in range(size)] if t == 1 else [(start, size)]:
+                ids = np.zeros((batch, t), np.int32)
+                ids[:, :sub_size] = padded[:, sub_start : sub_start + sub_size]
+                sub_lengths = np.clip(lengths - sub_start, 0, sub_size).astype(np.int32)
+                cache, logits, first = self._forward(cache, ids, sub_lengths, logits, record)
+                if record:
+                    first_rows.append(np.asarray(first)[: min(sub_size, max(0, int(lengths[0]) - sub_start))])
             start += size
             if on_prefill:
+                jax.block_until_ready(logits)
                 on_prefill(start, total)
-        prefill_logits = np.concatenate(first_rows, axis=0) if record_logits else None
-        return cache, last_logits, prefill_logits
+        jax.block_until_ready(logits)
+        timings.prefill_s = time.perf_counter() - t0
+        return cache, logits, (np.concatenate(first_rows, axis=0) if record else None)
 
-    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record_logits):
+    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record):
         batch = len(requests)
         max_new = np.array([r.max_new_tokens for r in requests], np.int32)
         eos = np.array(self.eos_ids or (-1,), np.int32)
@@ -264,26 +351,59 @@ class Engine:
         finish = ["length"] * batch
         recorded = []
         step = 0
+        t0 = time.perf_counter()
         while running.any():
-            if record_logits and running[0]:
+            if record and running[0]:
                 recorded.append(np.asarray(logits)[0])
-            compile_mark = self._programs.compile_s
-            t0 = time.perf_counter()
-            cache, tokens, logits, keep_going = self._programs.run(
-                "decode", _decode_step, {},
-                (self.state, cache, logits, running, eos, max_new, sampling, np.int32(step)), donate=(2, 3))
+            tokens, keep_going = self._programs.run(
+                "sample", _sample_step, {}, (logits, running, eos, max_new, sampling, np.int32(step)))
             tokens_np, keep_np = np.asarray(tokens), np.asarray(keep_going)
-            timings.decode_s += time.perf_counter() - t0 - (self._programs.compile_s - compile_mark)
-            timings.decode_steps += 1
             for b in np.flatnonzero(running):
                 produced[b].append(int(tokens_np[b]))
                 if int(tokens_np[b]) in self.eos_ids:
                     finish[b] = "eos"
             if on_tokens:
                 on_tokens(step, tokens_np, running.copy())
+            if keep_np.any():  # feed the new tokens of the sequences that go on
+                cache, logits, _ = self._forward(cache, tokens_np[:, None], keep_np.astype(np.int32), logits, record)
             running = keep_np
             step += 1
+        timings.decode_s = time.perf_counter() - t0
+        timings.decode_steps = step
         timings.generated_tokens = sum(len(p) for p in produced)
         generations = [Generation(tuple(r.prompt_ids), tuple(p), f) for r, p, f in zip(requests, produced, finish)]
-        decode_logits = np.stack(recorded) if record_logits else None
-        return generations, decode_logits
+        return generations, (np.stack(recorded) if record else None)
+
+
+# --------------------------------------------------------------------------------------------- model building
+def build_model(cfg: ModelConfig, options, flat: dict[str, np.ndarray]) -> nnx.Module:
+    """A ``Transformer`` holding ``flat``'s weights (model names), built without running its random init.
+
+    The module tree is traced abstractly (``nnx.eval_shape``); parameters are cast on the host and placed;
+    the few non-parameter buffers (RoPE tables) come from one small program. Raises the model's
+    ``WeightsError`` naming the first missing, unexpected or mis-shaped tensor.
+    """
+    from .model.transformer import Transformer, WeightsError  # noqa: PLC0415
+
+    def construct():
+        return Transformer(cfg, options, rngs=nnx.Rngs(0))
+
+    graphdef, params, rest = nnx.split(nnx.eval_shape(construct), nnx.Param, ...)
+    flat_params = list(nnx.to_flat_state(params))
+    names = {".".join(map(str, path)): var for path, var in flat_params}
+    missing, extra = sorted(set(names) - set(flat)), sorted(set(flat) - set(names))
+    if missing:
+        raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    if extra:
+        raise WeightsError(f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
+    placed = []
+    for path, var in flat_params:
+        name = ".".join(map(str, path))
+        value = np.asarray(flat[name])
+        if tuple(value.shape) != tuple(var.shape):
+            raise WeightsError(f"tensor {name!r} has shape {tuple(value.shape)}, the model expects "
+                               f"{tuple(var.shape)}")
+        placed.append((path, var.replace(jax.device_put(value.astype(var.dtype)))))
+    if jax.tree.leaves(rest):
+        rest = jax.jit(lambda: nnx.split(construct(), nnx.Param, ...)[2])()
+    return nnx.merge(graphdef, nnx.from_flat_state(placed), rest)

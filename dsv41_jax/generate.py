@@ -1,0 +1,423 @@
+"""``python -m dsv41_jax.generate``: generate text with DeepSeek-V4.1 (or the embedded tiny model).
+
+Generated text goes to stdout (streamed for a single prompt); announcements, the prefill progress bar and the
+closing timing line go to stderr. ``--json`` prints one JSON object on stdout instead of text. Bad input gets
+one line on stderr and exit status 2.
+
+The tiny model (``configs/tiny.json``, random weights) has a 512-id vocabulary while the DeepSeek-V4 tokenizer
+has 129,280 ids. Text prompts are still tokenized with the real tokenizer and each id is *folded* into the
+model's vocabulary (``id mod vocab``, said on stderr); generated ids (all below 512) are decoded with the real
+tokenizer, so the text shows what those ids are: byte-level fragments of a random model, not language.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+EXAMPLES = """\
+examples:
+  python -m dsv41_jax.generate --prompt "The capital of France is" --max-new-tokens 16
+  python -m dsv41_jax.generate --chat --prompt "Why is the sky blue?" --no-thinking
+  python -m dsv41_jax.generate --prompt "a" --prompt "bb" --json             # a batch of two, JSON summary
+  python -m dsv41_jax.generate --prompt-ids 0,5,6,7 --greedy --logits-out run.npz
+  python -m dsv41_jax.generate --prompts-file prompts.jsonl --temperature 0.7 --top-p 0.9 --seed 1
+  python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi"
+
+--prompts-file holds one JSON object per line: {"prompt": "text"}, {"prompt_ids": [0, 5, 6]} or
+{"messages": [{"role": "user", "content": "Hi"}]}; each may add "max_new_tokens".
+Without --checkpoint the embedded tiny model runs: configs/tiny.json (or --config) with random weights
+(seed 0). Its vocabulary is 512 ids, so text prompt ids are folded into it (id mod 512) and the output is noise.
+"""
+
+
+class UsageError(ValueError):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m dsv41_jax.generate", description="Generate text with DeepSeek-V4.1 in JAX.",
+                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("prompts (at least one; they run together as a batch)")
+    src.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="prompt text (repeatable)")
+    src.add_argument("--prompts-file", metavar="FILE", help="one JSON object per line (see below)")
+    src.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
+                     help="raw token ids, no tokenizer (repeatable)")
+    src.add_argument("--chat", action="store_true", help="wrap text prompts in the V4 chat template")
+    src.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
+                     help="with --chat: open the answer with <think> (default: off, answer directly)")
+    model = p.add_argument_group("model")
+    model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
+    model.add_argument("--config", metavar="FILE", help="config.json for the random-weight model (default: tiny)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                       help="activations and weights (default: bfloat16)")
+    model.add_argument("--world", type=_positive_int, default=1, metavar="N",
+                       help="devices to shard over (default 1: unsharded)")
+    model.add_argument("--max-context", type=_positive_int, metavar="N",
+                       help="cache capacity per sequence (default: fits the longest prompt + new tokens)")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="(default 32)")
+    gen.add_argument("--greedy", action="store_true", help="argmax (the default when --temperature is 0)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="sampling temperature (default 0 = greedy; 1.0 when --top-k/--top-p is given)")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="one JSON summary on stdout instead of text")
+    out.add_argument("--logits-out", metavar="FILE.npz",
+                     help="save f32 logits of the first prompt: prefill [prompt_len, V], decode [steps, V], "
+                          "tokens [steps]")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt before tokenizing: text, chat messages or raw ids; its own max new tokens if given."""
+
+    text: str | None = None
+    messages: tuple | None = None
+    ids: tuple[int, ...] | None = None
+    max_new_tokens: int | None = None
+    label: str = "prompt"
+
+
+def _parse_ids(text: str, label: str) -> tuple[int, ...]:
+    parts = [s.strip() for s in text.split(",") if s.strip()]
+    try:
+        return tuple(int(s) for s in parts)
+    except ValueError:
+        raise UsageError(f"{label}: {text!r} is not a comma-separated list of integer ids") from None
+
+
+def _file_prompt(obj, where: str) -> PromptSpec:
+    from .tokenizer import ROLES, ChatMessage  # noqa: PLC0415
+
+    if not isinstance(obj, dict):
+        raise UsageError(f"{where}: expected a JSON object")
+    given = [k for k in ("prompt", "prompt_ids", "messages") if k in obj]
+    if len(given) != 1:
+        raise UsageError(f"{where}: give exactly one of \"prompt\", \"prompt_ids\", \"messages\"")
+    max_new = obj.get("max_new_tokens")
+    if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
+        raise UsageError(f"{where}: max_new_tokens must be a positive integer")
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise UsageError(f"{where}: \"prompt\" must be a string")
+        return PromptSpec(text=obj["prompt"], max_new_tokens=max_new, label=where)
+    if "prompt_ids" in obj:
+        ids = obj["prompt_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise UsageError(f"{where}: \"prompt_ids\" must be a list of integers")
+        return PromptSpec(ids=tuple(ids), max_new_tokens=max_new, label=where)
+    msgs = obj["messages"]
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in ROLES
+                                             and isinstance(m.get("content"), str) for m in msgs):
+        raise UsageError(f"{where}: \"messages\" must be a list of {{\"role\": {'|'.join(ROLES)}, "
+                         f"\"content\": text}}")
+    return PromptSpec(messages=tuple(ChatMessage(m["role"], m["content"]) for m in msgs), max_new_tokens=max_new,
+                      label=where)
+
+
+def gather_prompts(args) -> list[PromptSpec]:
+    """All prompts in command-line order: --prompt, --prompt-ids, then the file's lines."""
+    specs = [PromptSpec(text=t, label=f"--prompt {i + 1}") for i, t in enumerate(args.prompt)]
+    specs += [PromptSpec(ids=_parse_ids(t, "--prompt-ids"), label="--prompt-ids") for t in args.prompt_ids]
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise UsageError(f"prompts file {path} does not exist")
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            specs.append(_file_prompt(obj, f"{path.name}:{n}"))
+    if not specs:
+        raise UsageError("no prompt given: use --prompt, --prompt-ids or --prompts-file")
+    for s in specs:
+        if (s.text is not None and not s.text.strip()) or (s.ids is not None and not s.ids) or (
+                s.messages is not None and not s.messages):
+            raise UsageError(f"{s.label}: the prompt is empty")
+    return specs
+
+
+def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int) -> tuple[list[tuple[int, ...]], bool]:
+    """Ids per prompt, and whether any text ids were folded into a smaller model vocabulary."""
+    from .tokenizer import ChatMessage, chat_ids  # noqa: PLC0415
+
+    out, folded = [], False
+    for s in specs:
+        if s.ids is not None:
+            out.append(tuple(s.ids))  # raw ids are checked against the vocabulary, never folded
+            continue
+        if s.messages is not None:
+            ids = chat_ids(tokenizer, s.messages, thinking=args.thinking)
+        elif args.chat:
+            ids = chat_ids(tokenizer, [ChatMessage("user", s.text)], thinking=args.thinking)
+        else:
+            ids = tokenizer.encode(s.text, add_bos=True)
+        if model_vocab < tokenizer.vocab_size and any(i >= model_vocab for i in ids):
+            ids, folded = [i % model_vocab for i in ids], True
+        out.append(tuple(ids))
+    return out, folded
+
+
+# ----------------------------------------------------------------------------------------------- model
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_world(world: int) -> None:
+    """Exit-2 errors for a world the machine or the code cannot give."""
+    import jax  # noqa: PLC0415
+
+    available, backend = len(jax.devices()), jax.default_backend()
+    if world > available:
+        hint = (f"; to simulate CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count={world}"
+                if backend == "cpu" else "")
+        raise UsageError(f"--world {world} asks for {world} devices but only {available} {backend.upper()} "
+                         f"device{'s' if available != 1 else ''} exist{'s' if available == 1 else ''}{hint}")
+
+
+def load_model_inputs(args):
+    """(cfg, flat weights, description) from --checkpoint, or --config / tiny with random weights."""
+    from .config import ConfigError, ModelConfig, load_named  # noqa: PLC0415
+
+    if args.checkpoint:
+        from .checkpoint import load_checkpoint  # noqa: PLC0415
+
+        path = Path(args.checkpoint)
+        if not path.is_dir():
+            raise UsageError(f"checkpoint directory {path} does not exist")
+        cfg_override = ModelConfig.from_json(args.config) if args.config else None
+        cfg, flat = load_checkpoint(path, cfg_override, dtype="float32")
+        return cfg, flat, f"checkpoint {path}"
+    from .make_tiny import random_weights  # noqa: PLC0415
+
+    if args.config:
+        if not Path(args.config).is_file():
+            raise UsageError(f"config file {args.config} does not exist")
+        cfg = ModelConfig.from_json(args.config)
+        name = args.config
+    else:
+        cfg, name = load_named("tiny"), "configs/tiny.json"
+    if cfg.vocab_size <= 0:
+        raise ConfigError("vocab_size must be positive")
+    return cfg, random_weights(cfg, seed=0), f"{name} with RANDOM weights (seed 0): the output is not language"
+
+
+def build(cfg, flat, args):
+    """(model, mesh | None) for --world."""
+    from .engine import build_model  # noqa: PLC0415
+    from .model.transformer import ModelOptions  # noqa: PLC0415
+
+    options = ModelOptions(dtype=args.dtype)
+    if args.world == 1:
+        return build_model(cfg, options, flat), None
+    try:
+        import sharding  # noqa: PLC0415
+    except ImportError:
+        raise UsageError(f"--world {args.world}: sharding over several devices is not available yet") from None
+    return sharding.prepare(cfg, flat, args.world, options)
+
+
+def segment_plan(cfg, world: int):
+    """The planner's segment sizes (PLANNER.md §A), or fixed 2,048-row segments without a planner."""
+    from .engine import fixed_segments  # noqa: PLC0415
+
+    try:
+        from . import planner  # noqa: PLC0415
+    except ImportError:
+        return fixed_segments
+    return lambda prompt_len: planner.segment_sizes(cfg, world, prompt_len, 0)
+
+
+def default_max_context(cfg, longest_prompt: int, max_new: int) -> int:
+    """A power of two >= what the longest request needs (at least 256), capped at the model's limit."""
+    need = longest_prompt + max_new - 1
+    return min(cfg.max_position_embeddings, max(256, 1 << math.ceil(math.log2(max(need, 1)))))
+
+
+# ----------------------------------------------------------------------------------------------- output
+class _Streamer:
+    """Streams the first (only) sequence's text to stdout as tokens arrive."""
+
+    def __init__(self, tokenizer, enabled: bool):
+        self.decoder = tokenizer.stream() if enabled else None
+
+    def __call__(self, step, tokens, emitted):
+        if self.decoder is not None and emitted[0]:
+            sys.stdout.write(self.decoder.push(int(tokens[0])))
+            sys.stdout.flush()
+
+    def close(self):
+        if self.decoder is not None:
+            sys.stdout.write(self.decoder.flush() + "\n")
+            sys.stdout.flush()
+
+
+def _progress(total_rows: int, enabled: bool):
+    """A rich progress bar on stderr for a prompt of several segments, else a no-op; (callback, stop)."""
+    if not enabled:
+        return None, lambda: None
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    bar = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("prefill", total=total_rows)
+    bar.start()
+    return (lambda done, total: bar.update(task, completed=done)), bar.stop
+
+
+def summary_line(t) -> str:
+    return (f"prompt {t.prompt_tokens} tokens ({len(t.segments)} segment{'s' if len(t.segments) != 1 else ''}) · "
+            f"prefill {t.prefill_s:.2f} s = {t.prefill_tok_s:,.1f} tok/s · "
+            f"decode {t.generated_tokens} tokens in {t.decode_s:.2f} s = {t.decode_tok_s:,.1f} tok/s · "
+            f"compile {t.compile_s:.1f} s ({t.programs_compiled} programs)")
+
+
+def _timings_dict(t) -> dict:
+    return {"prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens, "segments": list(t.segments),
+            "prefill_s": t.prefill_s, "prefill_tok_s": t.prefill_tok_s, "decode_s": t.decode_s,
+            "decode_tok_s": t.decode_tok_s, "decode_steps": t.decode_steps, "compile_s": t.compile_s,
+            "programs_compiled": t.programs_compiled}
+
+
+# ----------------------------------------------------------------------------------------------- main
+def run(args) -> int:
+    from .sampling import SamplingParams  # noqa: PLC0415
+
+    specs = gather_prompts(args)
+    temperature = args.temperature
+    if temperature is None:
+        temperature = 1.0 if (args.top_k or args.top_p < 1.0) and not args.greedy else 0.0
+    if args.greedy:
+        temperature = 0.0
+    SamplingParams(temperature, args.top_k, args.top_p, args.seed).validate()
+    if args.logits_out and not Path(args.logits_out).resolve().parent.is_dir():
+        raise UsageError(f"--logits-out: directory {Path(args.logits_out).parent} does not exist")
+    check_world(args.world)
+
+    from .engine import Engine, Request  # noqa: PLC0415
+    from .tokenizer import DeepSeekTokenizer  # noqa: PLC0415
+
+    cfg, flat, description = load_model_inputs(args)
+    _say(f"model: {description}")
+    for feature in cfg.unsupported_features():
+        _say(f"note: the config has {feature}; this engine runs the text model without it")
+    tokenizer = DeepSeekTokenizer()
+    prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size)
+    if folded:
+        _say(f"note: the model's vocabulary ({cfg.vocab_size} ids) is smaller than the tokenizer's "
+             f"({tokenizer.vocab_size:,}): text prompt ids are folded into it (id mod {cfg.vocab_size}); "
+             f"generated ids are decoded with the DeepSeek-V4 tokenizer as they are")
+    longest = max(len(p) for p in prompt_ids)
+    max_news = [s.max_new_tokens or args.max_new_tokens for s in specs]
+    max_context = args.max_context or default_max_context(cfg, longest, max(max_news))
+    if longest > max_context:
+        raise UsageError(f"the prompt has {longest} tokens, longer than the context of {max_context} tokens"
+                         + ("" if args.max_context else " (the model's max_position_embeddings)"))
+    fitted = [min(m, max_context - len(p) + 1) for m, p in zip(max_news, prompt_ids)]
+    if fitted != max_news:
+        _say(f"note: max new tokens cut to {min(fitted)} to fit the context of {max_context} tokens")
+    requests = [Request(p, m, SamplingParams(temperature, args.top_k, args.top_p, args.seed + i))
+                for i, (p, m) in enumerate(zip(prompt_ids, fitted))]
+
+    model, _mesh = build(cfg, flat, args)
+    del flat
+    engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype,
+                    segment_plan=segment_plan(cfg, args.world))
+    engine.check(requests)
+    stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
+    show_bar = not args.json and len(engine.segment_plan(longest)) > 1
+    on_prefill, stop_bar = _progress(longest, show_bar)
+    if not args.json:
+        _say("compiling (the first run of each shape) ...")
+    try:
+        result = engine.generate(requests, on_tokens=stream, on_prefill=on_prefill,
+                                 record_logits=bool(args.logits_out))
+    finally:
+        stop_bar()
+    stream.close()
+    texts = [tokenizer.decode(g.token_ids) for g in result.generations]
+    if args.json:
+        print(json.dumps({
+            "model": description, "max_context": max_context,
+            "results": [{"prompt_ids": list(g.prompt_ids), "generated_ids": list(g.token_ids), "text": text,
+                         "finish_reason": g.finish_reason} for g, text in zip(result.generations, texts)],
+            "timings": _timings_dict(result.timings)}, ensure_ascii=False))
+    elif len(requests) > 1:
+        for i, (g, text) in enumerate(zip(result.generations, texts)):
+            print(f"--- prompt {i + 1} ({len(g.prompt_ids)} tokens, {g.finish_reason}) ---\n{text}")
+    if args.logits_out:
+        import numpy as np  # noqa: PLC0415
+
+        np.savez(args.logits_out, prefill=result.prefill_logits, decode=result.decode_logits,
+                 tokens=np.array(result.generations[0].token_ids, np.int64))
+        _say(f"logits of prompt 1 saved to {args.logits_out}")
+    _say(summary_line(result.timings))
+    return 0
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input (one line, exit 2), from whichever modules exist."""
+    from .config import ConfigError  # noqa: PLC0415
+    from .engine import EngineInputError  # noqa: PLC0415
+    from .sampling import SamplingError  # noqa: PLC0415
+    from .tokenizer import TokenizerError  # noqa: PLC0415
+
+    errors: list[type[BaseException]] = [UsageError, ConfigError, EngineInputError, SamplingError, TokenizerError]
+    for module, name in (("dsv41_jax.checkpoint", "CheckpointError"), ("dsv41_jax.planner", "PlanRefused"),
+                         ("dsv41_jax.model.transformer", "WeightsError"), ("sharding.mesh", "ShardingError")):
+        try:
+            errors.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for bad input, with one line on stderr)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or an argument error (2, one line already printed)
+        return int(e.code or 0)
+    try:
+        return run(args)
+    except user_errors() as e:
+        _say(f"error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
