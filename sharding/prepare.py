@@ -48,7 +48,10 @@ class ShardedTransformer(nnx.Module):
             padded_ids = self.plan.padded_token_ids(ids)
             logits, cache = self.inner(padded_ids, cache, lengths=lengths)
             logits = context.constrain(logits, "logits_shards")
-            logits = context.constrain(self.plan.real_logits(logits), "logits")  # the head's gather (§F.4)
+            # The head's gather (§F.4) moves every rank's padded slice (equal sizes: one all-gather); dropping
+            # the padding afterwards is local. Dropping it first would make the slices uneven and cost
+            # permutes and all-to-alls.
+            logits = self.plan.real_logits(context.constrain(logits, "logits"))
         return logits, cache
 
 

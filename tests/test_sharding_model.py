@@ -1,0 +1,166 @@
+"""The sharded model against one device: worlds 2, 4, 8 on the 8 simulated CPU devices (tests/conftest.py).
+
+Reference: the plain ``Transformer`` with ``load_weights`` on one device (no sharding code involved).
+Both configs run f32 with the §C.2 rounding points off (MODEL.md §C.4: the tight comparison).
+
+Tolerance of the logits: atol 1e-4 on logits of size ~3. The only differences are the order of f32 sums:
+per-rank partial sums of wo_b and of the experts are all-reduced, the vocabulary-parallel embedding is summed
+over ranks; each reorders a sum of a few hundred terms (~1e-7 relative), amplified by ten layers to a few 1e-6
+(observed ≤ 6e-6). Without rounding points there is no quantisation boundary to amplify a last-bit change.
+Greedy tokens must be identical.
+
+Greedy decoding is done by recomputation: one program per world over a fixed [B, 52] buffer from an empty
+cache, ``lengths`` growing by one each step (rows ≥ length are padding, docs/DESIGN.md), so a single compile
+gives both the prefill logits and the greedy tokens. The cached decode path is covered by the
+``generate --world 4`` test.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sharding
+from dsv41_jax import planner
+from dsv41_jax.config import load_named
+from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.model.cache import init_cache
+from dsv41_jax.model.transformer import ModelOptions, Transformer, load_weights
+
+OPTIONS = ModelOptions(dtype="float32", quant_rounding=False)
+BATCH, PROMPT, NEW = 2, 48, 4  # ≥ 48 prompt tokens: the window evicts and the indexer selects (MODEL.md §A.3)
+LOGITS_ATOL = 1e-4
+
+
+def mirror_config():
+    """Heads and groups per rank as the full model (16 heads, 2 groups a rank at world 4: 64 heads, 8 groups),
+    small dims; expert width 9 and vocabulary 5 blocks of 128, so every world > 1 pads unevenly."""
+    return load_named("tiny").replace(
+        num_attention_heads=64, o_groups=8, head_dim=32, qk_rope_head_dim=16, o_lora_rank=16,
+        vocab_size=640, moe_intermediate_size=1152, n_routed_experts=16, num_experts_per_tok=2,
+        num_hidden_layers=4, compress_ratios=(0, 0, 2, 2), kv_source_layer_ids=(2,), index_source_layer_ids=(2,),
+        candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=())
+
+
+CONFIGS = {"tiny": lambda: load_named("tiny"), "mirror": mirror_config}
+_cache: dict = {}
+
+
+def setup(name: str):
+    """(cfg, weights, prompt ids, reference logits, reference greedy tokens), computed once per config."""
+    if name not in _cache:
+        cfg = CONFIGS[name]()
+        flat = random_weights(cfg, seed=0)
+        prompt = np.random.default_rng(1).integers(3, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
+        model = Transformer(cfg, OPTIONS)
+        load_weights(model, flat)
+        logits, tokens, _ = greedy(model, cfg, prompt, None)
+        _cache[name] = cfg, flat, prompt, logits, tokens
+    return _cache[name]
+
+
+def greedy(model, cfg, prompt, mesh):
+    """Prefill logits [B, PROMPT, V] and NEW greedy tokens [B, NEW], plus the compiled program's HLO text."""
+    graphdef, state = nnx.split(model)
+    cache = init_cache(cfg, batch=BATCH, max_context=64, dtype="float32")
+
+    def run(state, ids, lengths, cache):
+        return nnx.merge(graphdef, state)(ids, cache, lengths)[0]
+
+    if mesh is None:
+        program = jax.jit(run)
+    else:
+        rep = sharding.replicated(mesh)
+        program = jax.jit(run, in_shardings=(sharding.state_sharding(model), rep, rep,
+                                             sharding.cache_sharding(mesh, cache)),
+                          out_shardings=sharding.logits_sharding(mesh))
+    ids = np.zeros((BATCH, PROMPT + NEW), np.int32)
+    ids[:, :PROMPT] = prompt
+    compiled = program.lower(state, ids, np.full(BATCH, PROMPT, np.int32), cache).compile()
+    first = None
+    for step in range(NEW):
+        length = PROMPT + step
+        logits = np.asarray(compiled(state, ids, np.full(BATCH, length, np.int32), cache))
+        first = logits[:, :PROMPT] if first is None else first
+        if length < PROMPT + NEW:
+            ids[:, length] = logits[:, length - 1].argmax(-1)
+    return first, ids[:, PROMPT:], compiled.as_text()
+
+
+def collectives(hlo: str) -> list[tuple[str, str]]:
+    """(op, result shape) of every collective in the compiled program (tuple results as one entry)."""
+    pattern = r"= (\([^)]*\)|\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\("
+    return [(op, shape) for shape, op in re.findall(pattern, hlo)]
+
+
+@pytest.mark.parametrize("name,world", [("tiny", 2), ("tiny", 4), ("tiny", 8),
+                                        ("mirror", 2), ("mirror", 4), ("mirror", 8)])
+def test_sharded_prefill_and_greedy_match_one_device(name, world):
+    cfg, flat, prompt, ref_logits, ref_tokens = setup(name)
+    model, mesh = sharding.prepare(cfg, flat, world, OPTIONS)
+    logits, tokens, hlo = greedy(model, cfg, prompt, mesh)
+    assert logits.shape == ref_logits.shape  # the real vocabulary: padded logits never reach the sampler
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    # MODEL.md §F.4: one all-reduce after wo_b and one after the MoE per layer, one for the vocabulary-parallel
+    # embedding; the only other data movement is the logits' gather (f32[B, T, ·]): no weight is ever gathered.
+    found = collectives(hlo)
+    assert Counter(op for op, _ in found)["all-reduce"] == 2 * cfg.num_hidden_layers + 1, found
+    moved = [shape for op, shape in found if op != "all-reduce"]
+    assert moved and all(shape.startswith(f"f32[{BATCH},{PROMPT + NEW},") for shape in moved), found
+
+
+def test_expert_parallel_layout_matches_one_device():
+    cfg, flat, prompt, ref_logits, ref_tokens = setup("mirror")
+    model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout="ep")
+    assert model.run_cfg.moe_intermediate_size == cfg.moe_intermediate_size  # whole experts: no F padding
+    w1 = model.inner.layers[0].ffn.experts.w1.weight[...]
+    assert {s.data.shape for s in w1.addressable_shards} == {(4, 1152, cfg.hidden_size)}  # 16 experts / 4
+    logits, tokens, _ = greedy(model, cfg, prompt, mesh)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_param_bytes_per_device_equal_planner(world):
+    cfg = mirror_config()
+    model, mesh = sharding.prepare(cfg, random_weights(cfg, seed=0), world, OPTIONS)
+    held = sharding.param_bytes_per_device(model)
+    for rank, device in enumerate(mesh.devices.flat):
+        assert held[device.id] == planner.param_bytes_per_rank(cfg, world, rank, experts="f32", dense="f32",
+                                                               padded=True)
+
+
+def test_padding_is_zero_and_real_shards_are_the_checkpoint_slices():
+    """World 4 of the mirror config: expert width 384/256/256/256 in 384-wide shards, vocab 256/128/128/128."""
+    cfg = mirror_config()
+    flat = random_weights(cfg, seed=0)
+    model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS)
+    adm = planner.admit(cfg, 4)
+    w2 = model.inner.layers[1].ffn.experts.w2.weight[...]   # [E, D, F_pad], F split on the last axis
+    embed = model.inner.embed.weight[...]                   # [V_pad, D], rows split
+    for rank, device in enumerate(mesh.devices.flat):
+        lo, hi = adm.expert_split.real_range(rank)
+        shard = np.asarray(next(s.data for s in w2.addressable_shards if s.device == device))
+        np.testing.assert_array_equal(shard[..., : hi - lo], flat["layers.1.ffn.experts.w2.weight"][..., lo:hi])
+        assert not shard[..., hi - lo:].any()
+        lo, hi = adm.vocab_split.real_range(rank)
+        shard = np.asarray(next(s.data for s in embed.addressable_shards if s.device == device))
+        np.testing.assert_array_equal(shard[: hi - lo], flat["embed.weight"][lo:hi])
+        assert not shard[hi - lo:].any()
+
+
+@pytest.mark.parametrize("world", [3, 16])
+def test_world_not_admitted_is_refused_with_the_planner_message(world):
+    cfg = load_named("tiny")
+    with pytest.raises(planner.PlanRefused) as expected:
+        planner.admit(cfg, world)
+    with pytest.raises(planner.PlanRefused) as refused:
+        sharding.prepare(cfg, random_weights(cfg, seed=0), world, OPTIONS)
+    assert str(refused.value) == str(expected.value) and refused.value.rule == expected.value.rule
