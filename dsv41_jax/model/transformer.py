@@ -113,6 +113,12 @@ class Transformer(nnx.Module):
         self.head = Head(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, ids, cache: Cache, lengths=None):
+        logits, cache, _ = self.forward(ids, cache, lengths)
+        return logits, cache
+
+    def forward(self, ids, cache: Cache, lengths=None):
+        """``__call__`` plus the per-call selections (for tests and diagnostics): returns
+        (logits [B,T,V] f32, new Cache, {index-source layer: top-k [B,T,K] int32, −1 = none})."""
         b, t = ids.shape
         s = self.cfg.hc_mult
         lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
@@ -129,7 +135,8 @@ class Transformer(nnx.Module):
             streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared)
             new_layers.append(layer_cache)
         logits = self.head(self.norm(collapse(streams, pre)))
-        return logits, Cache(offset=offset + lengths, layers=tuple(new_layers))
+        selections = {key[1]: v for key, v in shared.items() if isinstance(key, tuple) and key[0] == "topk"}
+        return logits, Cache(offset=offset + lengths, layers=tuple(new_layers)), selections
 
 
 class WeightsError(ValueError):
