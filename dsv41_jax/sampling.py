@@ -37,6 +37,8 @@ class SamplingParams:
             raise SamplingError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**32:
+            raise SamplingError(f"--seed must be in 0 .. 2^32 - 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -58,7 +60,8 @@ class SamplingArrays:
 
 def sampling_arrays(params: list[SamplingParams]) -> SamplingArrays:
     """Stack per-sequence ``params`` into the arrays the jitted step takes."""
-    keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(p.seed, impl="threefry2x32"))) for p in params])
+    seeds = jnp.asarray([p.seed for p in params], jnp.uint32)
+    keys = np.asarray(jax.random.key_data(jax.vmap(lambda s: jax.random.key(s, impl="threefry2x32"))(seeds)))
     return SamplingArrays(
         temperature=np.array([p.temperature for p in params], np.float32),
         top_k=np.array([p.top_k for p in params], np.int32),
