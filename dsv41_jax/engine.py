@@ -118,6 +118,30 @@ def bucket_rows(rows: int, cap: int) -> int:
     return max(rows, min(cap, 1 << math.ceil(math.log2(max(rows, 1)))))
 
 
+def check_requests(requests: Sequence[Request], vocab_size: int, max_context: int) -> None:
+    """Raise EngineInputError for a request a model of ``vocab_size`` ids and this context cannot run."""
+    if not requests:
+        raise EngineInputError("no prompts given")
+    for i, r in enumerate(requests):
+        which = f"prompt {i + 1}" if len(requests) > 1 else "the prompt"
+        if not r.prompt_ids:
+            raise EngineInputError(f"{which} is empty")
+        bad = [t for t in r.prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise EngineInputError(f"{which} has ids outside the model's vocabulary 0..{vocab_size - 1}: "
+                                   f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}")
+        if len(r.prompt_ids) > max_context:
+            raise EngineInputError(f"{which} has {len(r.prompt_ids)} tokens, longer than the context of "
+                                   f"{max_context} tokens")
+        if r.max_new_tokens < 1:
+            raise EngineInputError(f"max new tokens must be at least 1, got {r.max_new_tokens}")
+        # The last sampled token is never fed back, so it needs no cache row.
+        if len(r.prompt_ids) + r.max_new_tokens - 1 > max_context:
+            raise EngineInputError(f"{which} ({len(r.prompt_ids)} tokens) plus {r.max_new_tokens} new tokens "
+                                   f"does not fit the context of {max_context} tokens")
+        r.sampling.validate()
+
+
 # ------------------------------------------------------------------------------------------------ programs
 def _forward(graphdef, state, cache, ids, lengths, last_logits, keep_first_row: bool):
     """ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32 -> (cache, last_logits, first [T,V] f32 | None).
@@ -201,6 +225,19 @@ class _Programs:
         return self.compiled[key](*args)
 
 
+_PROGRAMS: dict[str, _Programs] = {}
+
+
+def _shared_programs(graphdef, state) -> _Programs:
+    """One program table per model structure: engines over models with the same graph definition and state
+    shapes (e.g. the same config loaded twice in one process) share compiled programs, which take the weights
+    as an argument. The graph definition's text is the fingerprint (it holds no arrays)."""
+    fingerprint = repr(graphdef) + repr(_key("state", {}, _abstract(state)))
+    if fingerprint not in _PROGRAMS:
+        _PROGRAMS[fingerprint] = _Programs(graphdef=graphdef)
+    return _PROGRAMS[fingerprint]
+
+
 class Engine:
     """Runs batches of requests through one model. ``max_context``: cache capacity per sequence (positions).
 
@@ -222,36 +259,16 @@ class Engine:
         self.short_rows = short_rows
         self._init_cache = init_cache
         graphdef, self.state = nnx.split(model)
-        self._programs = _Programs(graphdef=graphdef)
+        self._programs = _shared_programs(graphdef, self.state)
 
-    # ------------------------------------------------------------------------------------------ checks
     def check(self, requests: Sequence[Request]) -> None:
         """Raise EngineInputError for a request the engine cannot run."""
-        if not requests:
-            raise EngineInputError("no prompts given")
-        for i, r in enumerate(requests):
-            which = f"prompt {i + 1}" if len(requests) > 1 else "the prompt"
-            if not r.prompt_ids:
-                raise EngineInputError(f"{which} is empty")
-            bad = [t for t in r.prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise EngineInputError(f"{which} has ids outside the model's vocabulary 0..{self.vocab_size - 1}: "
-                                       f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}")
-            if len(r.prompt_ids) > self.max_context:
-                raise EngineInputError(f"{which} has {len(r.prompt_ids)} tokens, longer than the context of "
-                                       f"{self.max_context} tokens")
-            if r.max_new_tokens < 1:
-                raise EngineInputError(f"max new tokens must be at least 1, got {r.max_new_tokens}")
-            # The last sampled token is never fed back, so it needs no cache row.
-            if len(r.prompt_ids) + r.max_new_tokens - 1 > self.max_context:
-                raise EngineInputError(f"{which} ({len(r.prompt_ids)} tokens) plus {r.max_new_tokens} new tokens "
-                                       f"does not fit the context of {self.max_context} tokens")
-            r.sampling.validate()
+        check_requests(requests, self.vocab_size, self.max_context)
 
     # ------------------------------------------------------------------------------------------ compiling
     @property
     def compile_count(self) -> int:
-        """Programs compiled so far by this engine (one per distinct shape)."""
+        """Programs compiled so far for this model structure (one per distinct shape)."""
         return len(self._programs.compiled)
 
     def _plan(self, requests) -> tuple[list[int], list[int]]:

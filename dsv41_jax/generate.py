@@ -325,13 +325,13 @@ def run(args) -> int:
         raise UsageError(f"--logits-out: directory {Path(args.logits_out).parent} does not exist")
     check_world(args.world)
 
-    from .engine import Engine, Request  # noqa: PLC0415
+    from .engine import Engine, Request, check_requests  # noqa: PLC0415
     from .tokenizer import DeepSeekTokenizer  # noqa: PLC0415
 
     cfg, flat, description = load_model_inputs(args)
     _say(f"model: {description}")
     for feature in cfg.unsupported_features():
-        _say(f"note: the config has {feature}; this engine runs the text model without it")
+        _say(f"note: not run by this engine: {feature}")
     tokenizer = DeepSeekTokenizer()
     prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size)
     if folded:
@@ -350,11 +350,13 @@ def run(args) -> int:
     requests = [Request(p, m, SamplingParams(temperature, args.top_k, args.top_p, args.seed + i))
                 for i, (p, m) in enumerate(zip(prompt_ids, fitted))]
 
+    check_requests(requests, cfg.vocab_size, max_context)  # before the (slow) model build
+    plan = segment_plan(cfg, args.world)
+    plan(longest)  # the planner may refuse the prompt
+
     model, _mesh = build(cfg, flat, args)
     del flat
-    engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype,
-                    segment_plan=segment_plan(cfg, args.world))
-    engine.check(requests)
+    engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan)
     stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
     show_bar = not args.json and len(engine.segment_plan(longest)) > 1
     on_prefill, stop_bar = _progress(longest, show_bar)
@@ -366,6 +368,9 @@ def run(args) -> int:
     finally:
         stop_bar()
     stream.close()
+    if folded and not args.json:  # the tiny model's text is noise; its ids are the real output
+        for i, g in enumerate(result.generations):
+            _say(f"generated ids{f' {i + 1}' if len(requests) > 1 else ''}: {' '.join(map(str, g.token_ids))}")
     texts = [tokenizer.decode(g.token_ids) for g in result.generations]
     if args.json:
         print(json.dumps({

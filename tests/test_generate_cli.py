@@ -1,0 +1,149 @@
+"""``python -m dsv41_jax.generate``: every bad input is one line on stderr and exit status 2; a real run's
+JSON summary, streamed text and ``--logits-out`` arrays agree with the tokenizer and with each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsv41_jax import make_tiny
+from dsv41_jax.generate import main
+from dsv41_jax.tokenizer import DeepSeekTokenizer
+from test_engine import mini_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def mini_config_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(json.dumps(mini_config().to_dict()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A complete mini checkpoint, one with a shard deleted, one with no weights, one of another model."""
+    root = tmp_path_factory.mktemp("ckpt")
+    cfg = mini_config()
+    make_tiny.write_checkpoint(root / "incomplete", cfg, make_tiny.random_weights(cfg, 0), "none",
+                               shard_bytes=1 << 16)
+    index = json.loads((root / "incomplete" / "model.safetensors.index.json").read_text())
+    (root / "incomplete" / sorted(set(index["weight_map"].values()))[-1]).unlink()
+    (root / "no_weights").mkdir()
+    (root / "no_weights" / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (root / "other").mkdir()
+    (root / "other" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    return root
+
+
+def _bad_config(tmp_path: Path) -> Path:
+    raw = mini_config().to_dict()
+    raw["compress_ratios"] = [0, 4, 1, 1, 1]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def _bad_jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    return path
+
+
+CASES = {
+    "no prompt": ([], "no prompt given"),
+    "empty prompt": (["--prompt", "  "], "empty"),
+    "empty ids": (["--prompt-ids", ","], "empty"),
+    "ids not numbers": (["--prompt-ids", "1,x"], "not a comma-separated list"),
+    "ids outside the vocabulary": (["--prompt-ids", "0,5,512"], "outside the model's vocabulary 0..511"),
+    "prompt longer than the context": (["--prompt", "one two three four five six", "--max-context", "4"],
+                                       "longer than the context of 4"),
+    "checkpoint missing": (["--checkpoint", "{ckpt}/nope", "--prompt", "x"], "does not exist"),
+    "checkpoint incomplete": (["--checkpoint", "{ckpt}/incomplete", "--prompt", "x"], "does not exist"),
+    "checkpoint without weights": (["--checkpoint", "{ckpt}/no_weights", "--prompt", "x"], "model.safetensors"),
+    "checkpoint of another model": (["--checkpoint", "{ckpt}/other", "--prompt", "x"], "not DeepSeek-V4.1"),
+    "config the engine cannot run": (["--config", "{bad_config}", "--prompt", "x"], "compress_ratios[1] = 4"),
+    "config file missing": (["--config", "{ckpt}/none.json", "--prompt", "x"], "does not exist"),
+    "more devices than exist": (["--world", "16", "--prompt", "x"], "asks for 16 devices but only 8"),
+    "top-p out of range": (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    "negative temperature": (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+    "zero new tokens": (["--prompt", "x", "--max-new-tokens", "0"], "must be at least 1"),
+    "unknown flag": (["--prompt", "x", "--frobnicate"], "unrecognized arguments"),
+    "bad prompts file": (["--prompts-file", "{bad_jsonl}"], "prompts.jsonl:2: not valid JSON"),
+    "logits dir missing": (["--prompt", "x", "--logits-out", "{ckpt}/no/dir/x.npz"], "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(case, checkpoints, tmp_path, capsys):
+    argv, message = CASES[case]
+    fill = {"ckpt": str(checkpoints), "bad_config": str(_bad_config(tmp_path)), "bad_jsonl": str(_bad_jsonl(tmp_path))}
+    assert main([a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, err
+    assert "Traceback" not in err
+
+
+def test_subprocess_exit_status_and_no_traceback():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "dsv41_jax.generate", "--prompt-ids", "0,99999"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: the prompt has ids outside")
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_lists_flags_and_examples(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--prompt", "--prompts-file", "--prompt-ids", "--chat", "--thinking", "--checkpoint", "--config",
+                 "--max-new-tokens", "--greedy", "--temperature", "--top-k", "--top-p", "--seed", "--dtype",
+                 "--world", "--max-context", "--json", "--logits-out"):
+        assert flag in out
+    assert "examples:" in out
+
+
+def test_json_run_folds_text_ids_and_saves_consistent_logits(mini_config_file, tmp_path, capsys):
+    npz = tmp_path / "out.npz"
+    text = "The capital of France is"
+    rc = main(["--config", str(mini_config_file), "--prompt", text, "--max-new-tokens", "5", "--greedy",
+               "--dtype", "float32", "--json", "--logits-out", str(npz)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    summary = json.loads(captured.out)  # stdout is exactly one JSON object
+    (result,) = summary["results"]
+    tok = DeepSeekTokenizer()
+    # Independent expectation: the real tokenizer's ids (BOS first) folded into the 512-id vocabulary.
+    assert result["prompt_ids"] == [i % 512 for i in tok.encode(text, add_bos=True)]
+    assert "folded" in captured.err and "RANDOM weights" in captured.err
+    generated = result["generated_ids"]
+    assert 1 <= len(generated) <= 5 and result["text"] == tok.decode(generated)
+    assert summary["timings"]["prompt_tokens"] == len(result["prompt_ids"])
+    arrays = np.load(npz)
+    assert arrays["prefill"].shape == (len(result["prompt_ids"]), 512) and arrays["prefill"].dtype == np.float32
+    assert arrays["decode"].shape == (len(generated), 512) and list(arrays["tokens"]) == generated
+    # Greedy: each token is the argmax of the logits it was drawn from; the first of those is the last prompt row.
+    assert list(np.argmax(arrays["decode"], axis=-1)) == generated
+    np.testing.assert_array_equal(arrays["decode"][0], arrays["prefill"][-1])
+
+
+def test_streamed_text_and_closing_line(mini_config_file, tmp_path, capsys):
+    npz = tmp_path / "out.npz"
+    rc = main(["--config", str(mini_config_file), "--prompt-ids", "0,17,33,250", "--max-new-tokens", "4",
+               "--dtype", "float32", "--logits-out", str(npz)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    tokens = [int(t) for t in np.load(npz)["tokens"]]
+    assert captured.out == DeepSeekTokenizer().decode(tokens) + "\n"  # streamed piece by piece, then a newline
+    closing = captured.err.strip().splitlines()[-1]
+    assert closing.startswith("prompt 4 tokens (1 segment)")
+    for part in ("prefill", "tok/s", f"decode {len(tokens)} tokens", "compile"):
+        assert part in closing
