@@ -167,14 +167,16 @@ def _sample_step(graphdef, logits, running, eos_ids, max_new, sampling: Sampling
     return tokens, running & ~is_eos & (step + 1 < max_new)
 
 
-def _fresh_cache(graphdef, *, init, cfg, batch, max_context, dtype):
-    """An empty cache made by a program, so every leaf is its own buffer (donation needs that)."""
+def _fresh_cache(graphdef, *, init, cfg, batch, max_context, dtype, sharding):
+    """An empty cache made by a program, so every leaf is its own buffer (donation needs that); replicated over
+    the mesh when ``sharding`` is given (caches are replicated, `MODEL.md` §F.1)."""
     del graphdef
-    return init(cfg, batch, max_context, dtype)
+    cache = init(cfg, batch, max_context, dtype)
+    return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+def _abstract(tree, sharding=None):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding), tree)
 
 
 def _key(name: str, static: dict, abstract_args: tuple) -> tuple:
@@ -216,9 +218,9 @@ class _Programs:
                 self.compiled[key] = fut.result()
         self.compile_s += time.perf_counter() - start
 
-    def run(self, name, fn, static, args, donate=()):
+    def run(self, name, fn, static, args, donate=(), sharding=None):
         """Call the program for these arguments, compiling it first if this shape is new."""
-        abstract = _abstract(args[1:] if fn is _forward else args)
+        abstract = _abstract(args[1:] if fn is _forward else args, sharding)
         key = _key(name, static, abstract)
         if key not in self.compiled:
             self.ensure([(name, fn, static, (args[0], *abstract) if fn is _forward else abstract, donate)])
@@ -247,7 +249,7 @@ class Engine:
 
     def __init__(self, model: nnx.Module, cfg: ModelConfig, *, max_context: int, cache_dtype: str = "bfloat16",
                  eos_ids: Sequence[int] | None = None, segment_plan: SegmentPlan | None = None,
-                 short_rows: int = SHORT_SEGMENT_ROWS, init_cache: Callable | None = None):
+                 short_rows: int = SHORT_SEGMENT_ROWS, init_cache: Callable | None = None, mesh=None):
         if init_cache is None:
             from .model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light
         self.cfg = cfg
@@ -258,6 +260,8 @@ class Engine:
         self.segment_plan = segment_plan or fixed_segments
         self.short_rows = short_rows
         self._init_cache = init_cache
+        # With a mesh (a sharded model) every input but the weights is replicated over it.
+        self._replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         graphdef, self.state = nnx.split(model)
         self._programs = _shared_programs(graphdef, self.state)
 
@@ -283,22 +287,28 @@ class Engine:
 
     def _specs(self, batch: int, program_rows: Sequence[int], record: bool) -> list[tuple]:
         """Everything a batch of ``batch`` with these prefill program sizes runs."""
-        static_init = {"init": self._init_cache, "cfg": self.cfg, "batch": batch, "max_context": self.max_context,
-                       "dtype": self.cache_dtype}
-        cache = jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context, self.cache_dtype))
-        i32, f32 = jnp.int32, jnp.float32
-        logits = jax.ShapeDtypeStruct((batch, self.vocab_size), f32)
-        vec = jax.ShapeDtypeStruct((batch,), i32)
-        sampling = _abstract(sampling_arrays([SamplingParams()] * batch))
-        specs = [("init", _fresh_cache, static_init, (), ()),
-                 ("sample", _sample_step, {}, (logits, jax.ShapeDtypeStruct((batch,), jnp.bool_),
-                                               jax.ShapeDtypeStruct((len(self.eos_ids or (-1,)),), i32), vec,
-                                               sampling, jax.ShapeDtypeStruct((), i32)), ())]
+        cache = _abstract(jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context,
+                                                                  self.cache_dtype)), self._replicated)
+
+        def arg(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+
+        i32 = jnp.int32
+        logits, vec = arg((batch, self.vocab_size), jnp.float32), arg((batch,), i32)
+        sampling = _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
+        specs = [("init", _fresh_cache, self._init_static(batch), (), ()),
+                 ("sample", _sample_step, {}, (logits, arg((batch,), jnp.bool_),
+                                               arg((len(self.eos_ids or (-1,)),), i32), vec, sampling,
+                                               arg((), i32)), ())]
         for t in sorted({1, *program_rows}):
-            ids = jax.ShapeDtypeStruct((batch, t), i32)
+            ids = arg((batch, t), i32)
             specs.append(("forward", _forward, {"keep_first_row": record},
                           (self.state, cache, ids, vec, logits), (1, 4)))
         return specs
+
+    def _init_static(self, batch: int) -> dict:
+        return {"init": self._init_cache, "cfg": self.cfg, "batch": batch, "max_context": self.max_context,
+                "dtype": self.cache_dtype, "sharding": self._replicated}
 
     def precompile(self, batch: int, prompt_len: int, record_logits: bool = False) -> float:
         """Compile what a batch of ``batch`` prompts of up to ``prompt_len`` tokens needs; returns seconds."""
@@ -316,9 +326,7 @@ class Engine:
         timings = Timings(prompt_tokens=sum(len(r.prompt_ids) for r in requests), segments=tuple(sizes))
         compile_before, count_before = self._programs.compile_s, self.compile_count
         self._programs.ensure(self._specs(len(requests), rows, record_logits))
-        cache = self._programs.run("init", _fresh_cache, {
-            "init": self._init_cache, "cfg": self.cfg, "batch": len(requests), "max_context": self.max_context,
-            "dtype": self.cache_dtype}, ())
+        cache = self._programs.run("init", _fresh_cache, self._init_static(len(requests)), ())
         cache, logits, prefill_logits = self._prefill(requests, cache, sizes, rows, timings, on_prefill,
                                                       record_logits)
         generations, decode_logits = self._decode(requests, cache, logits, timings, on_tokens, record_logits)
@@ -328,7 +336,7 @@ class Engine:
 
     def _forward(self, cache, ids, lengths, logits, record):
         return self._programs.run("forward", _forward, {"keep_first_row": record},
-                                  (self.state, cache, ids, lengths, logits), donate=(1, 4))
+                                  (self.state, cache, ids, lengths, logits), donate=(1, 4), sharding=self._replicated)
 
     def _prefill(self, requests, cache, sizes, rows, timings: Timings, on_prefill, record):
         batch = len(requests)
@@ -373,7 +381,8 @@ class Engine:
             if record and running[0]:
                 recorded.append(np.asarray(logits)[0])
             tokens, keep_going = self._programs.run(
-                "sample", _sample_step, {}, (logits, running, eos, max_new, sampling, np.int32(step)))
+                "sample", _sample_step, {}, (logits, running, eos, max_new, sampling, np.int32(step)),
+                sharding=self._replicated)
             tokens_np, keep_np = np.asarray(tokens), np.asarray(keep_going)
             for b in np.flatnonzero(running):
                 produced[b].append(int(tokens_np[b]))

@@ -354,9 +354,9 @@ def run(args) -> int:
     plan = segment_plan(cfg, args.world)
     plan(longest)  # the planner may refuse the prompt
 
-    model, _mesh = build(cfg, flat, args)
+    model, mesh = build(cfg, flat, args)
     del flat
-    engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan)
+    engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh)
     stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
     show_bar = not args.json and len(engine.segment_plan(longest)) > 1
     on_prefill, stop_bar = _progress(longest, show_bar)

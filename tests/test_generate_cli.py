@@ -147,3 +147,19 @@ def test_streamed_text_and_closing_line(mini_config_file, tmp_path, capsys):
     assert closing.startswith("prompt 4 tokens (1 segment)")
     for part in ("prefill", "tok/s", f"decode {len(tokens)} tokens", "compile"):
         assert part in closing
+
+
+def test_world_2_matches_world_1(mini_config_file, tmp_path, capsys):
+    """Sharded over 2 of the 8 simulated devices: the same greedy ids, and logits within 2e-4 (float32; the
+    tensor-parallel partial sums only change summation order)."""
+    runs = {}
+    for world in (1, 2):
+        npz = tmp_path / f"w{world}.npz"
+        rc = main(["--config", str(mini_config_file), "--prompt-ids", "0,17,33,250", "--max-new-tokens", "4",
+                   "--dtype", "float32", "--json", "--logits-out", str(npz), "--world", str(world)])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        runs[world] = json.loads(captured.out)["results"][0]["generated_ids"], np.load(npz)
+    assert runs[1][0] == runs[2][0]
+    for name in ("prefill", "decode"):
+        np.testing.assert_allclose(runs[2][1][name], runs[1][1][name], atol=2e-4)
