@@ -49,6 +49,7 @@ class KernelConfig:
     gate_up_stages: int = 4
     down_warps: int = 4
     down_stages: int = 4
+    fp4_decode: str = "asm"  # "asm" (inline PTX, GPU only) or "alu" (plain jnp ops; used in interpret mode)
 
 
 _TRANS_B = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k]^T
@@ -58,29 +59,94 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, _TRANS_B, preferred_element_type=jnp.float32)
 
 
-def _e2m1_to_bf16(nibble: jax.Array, scale_bits: jax.Array) -> jax.Array:
-    """nibble: int32 e2m1 codes in [0, 16); scale_bits: int32 ue8m0 bytes, same shape. Returns bf16.
+def _e2m1_to_bf16(nibble: jax.Array, scale: jax.Array) -> jax.Array:
+    """nibble: int32 e2m1 codes in [0, 16); scale: f32 2^(s - 127 + 14), same shape. Returns bf16.
 
     The code's 3 magnitude bits land in an f16's exponent/mantissa (bits 9-11) and its sign in bit 15: that
-    f16 is the e2m1 value times 2^-14 (code 1 becomes the f16 subnormal 2^-15, exact). The f32 scale
-    2^(s - 127 + 14) undoes the 2^-14.
+    f16 is the e2m1 value times 2^-14 (code 1 becomes the f16 subnormal 2^-15, exact); the scale carries
+    the 2^14 back.
     """
     bits = ((nibble << 9) & 0x0E00) | ((nibble << 12) & 0x8000)
     value = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-    scale = jax.lax.bitcast_convert_type((scale_bits + 14) << 23, jnp.float32)
     return (value * scale).astype(jnp.bfloat16)
 
 
-def _fp4_halves(codes_ref, scale_ref, expert, rows, chunk, chunk_len):
-    """Dequantise one [len(rows), chunk_len] block of an fp4 matrix [E, R, C/2] (+ scales [E, R, C/32]).
+def _alu_scale(scale_bits: jax.Array) -> jax.Array:
+    """ue8m0 bytes (int32) -> f32 2^(s - 127 + 14), the factor ``_e2m1_to_bf16`` expects."""
+    return jax.lax.bitcast_convert_type((scale_bits + 14) << 23, jnp.float32)
 
-    Returns (low, high): [len(rows), chunk_len/2] bf16, the even and the odd columns of the chunk.
+
+# Inline-PTX decode (GPU only): one instance takes 4 code bytes (one 32-bit register, $2) and their 4 bf16
+# scales (two bf16x2 registers, $3 $4) and writes the 4 bf16 values of the low (or high) nibbles ($0 $1).
+# ``prmt`` spreads bytes 0,1 (then 2,3) of the codes to bytes 0 and 2 of a word; shifts and masks put each
+# nibble's 3 magnitude bits at bf16 bits 6-8 (exponent low bits + first mantissa bit) and its sign at bit
+# 15, which is the e2m1 value times 2^-126 (code 1 becomes a bf16 subnormal); one bf16x2 fma by 2^126
+# makes it exact and a second applies the scale. Half-precision fma keeps subnormals (PTX ISA).
+# (One asm per nibble: the Pallas Triton lowering takes one result per inline asm.)
+PRMT_BYTES_01, PRMT_BYTES_23 = 0x4140, 0x4342
+MAG_MASK, SIGN_MASK = 0x01C001C0, 0x80008000
+LOW_SHIFTS, HIGH_SHIFTS = (6, 12), (2, 8)  # (magnitude, sign) left shifts for the low / high nibble
+BF16X2_2_POW_126, BF16X2_NEG_ZERO = 0x7E807E80, 0x80008000
+
+
+def _nibble_ptx(dst: str, word: str, shifts: tuple[int, int], scale: str) -> str:
+    mag, sign = shifts
+    return (
+        f"shl.b32 a, {word}, {mag}; and.b32 a, a, {MAG_MASK:#x}; "
+        f"shl.b32 b, {word}, {sign}; and.b32 b, b, {SIGN_MASK:#x}; or.b32 a, a, b; "
+        f"fma.rn.bf16x2 a, a, k, z; fma.rn.bf16x2 {dst}, a, {scale}, z;"
+    )
+
+
+def _fp4_ptx(shifts: tuple[int, int]) -> str:
+    return " ".join([
+        "{ .reg .b32 t0, t1, a, b, k, z, zero, s01, s23;",
+        f"mov.b32 k, {BF16X2_2_POW_126:#x}; mov.b32 z, {BF16X2_NEG_ZERO:#x}; mov.b32 zero, 0;",
+        f"mov.b32 s01, {PRMT_BYTES_01:#x}; mov.b32 s23, {PRMT_BYTES_23:#x};",
+        "prmt.b32 t0, $2, zero, s01; prmt.b32 t1, $2, zero, s23;",
+        _nibble_ptx("$0", "t0", shifts, "$3"),
+        _nibble_ptx("$1", "t1", shifts, "$4"),
+        "}",
+    ])
+
+
+_FP4_PTX_LOW, _FP4_PTX_HIGH = _fp4_ptx(LOW_SHIFTS), _fp4_ptx(HIGH_SHIFTS)
+
+
+def _load_scales(scale_ref, expert, rows, chunk, chunk_len):
+    """uint8 [R, chunk_len/32]: the ue8m0 scales of one chunk of an fp4 matrix (scales [E, ., C/32]).
+
+    Too narrow for the asynchronous copies Triton pipelines, so the loops fetch them one step ahead.
     """
-    half = chunk_len // 2
-    codes = codes_ref[expert, rows, pl.ds(chunk * half, half)].astype(jnp.int32)
-    group = chunk * (chunk_len // 32) + jax.lax.broadcasted_iota(jnp.int32, (1, half), 1) // 16
-    scale_bits = scale_ref[expert, rows[:, None], group].astype(jnp.int32)
-    return _e2m1_to_bf16(codes & 0xF, scale_bits), _e2m1_to_bf16(codes >> 4, scale_bits)
+    groups = chunk_len // 32
+    return scale_ref[expert, rows, pl.ds(chunk * groups, groups)]
+
+
+def _fp4_halves(codes_ref, scale_bits, expert, rows, chunk, chunk_len, use_asm):
+    """Dequantise one [R, chunk_len] block of an fp4 matrix [E, ., C/2] given its scales [R, chunk_len/32].
+
+    rows: [R] row indices. Returns (low, high): [R, chunk_len/2] bf16, the even and the odd columns.
+    """
+    half, groups = chunk_len // 2, chunk_len // 32
+    n_rows = rows.shape[0]
+    codes = codes_ref[expert, rows, pl.ds(chunk * half, half)]  # uint8 [R, half]
+
+    def per_code_byte(small):  # [R, groups] -> [R, half]: 16 code bytes share one scale
+        wide = jnp.broadcast_to(small[:, :, None], (n_rows, groups, 16))
+        return wide.reshape(n_rows, half)
+
+    if use_asm:
+        scale = jax.lax.bitcast_convert_type(scale_bits.astype(jnp.uint16) << 7, jnp.bfloat16)
+        out = [jax.ShapeDtypeStruct((n_rows, half), jnp.bfloat16)]
+        args = [codes, per_code_byte(scale)]
+        [low] = plt.elementwise_inline_asm(
+            _FP4_PTX_LOW, args=args, constraints="=r,=r,r,r,r", pack=4, result_shape_dtypes=out)
+        [high] = plt.elementwise_inline_asm(
+            _FP4_PTX_HIGH, args=args, constraints="=r,=r,r,r,r", pack=4, result_shape_dtypes=out)
+        return low, high
+    scale = per_code_byte(_alu_scale(scale_bits.astype(jnp.int32)))
+    codes = codes.astype(jnp.int32)
+    return _e2m1_to_bf16(codes & 0xF, scale), _e2m1_to_bf16(codes >> 4, scale)
 
 
 def _even_odd_order(n: int) -> jax.Array:
@@ -91,7 +157,7 @@ def _even_odd_order(n: int) -> jax.Array:
 
 def _gate_up_kernel(
     tile_expert_ref, tile_first_ref, tile_count_ref, pair_token_ref, x_ref, *refs,
-    fp4: bool, permute_out: bool, cfg: KernelConfig, limit: float,
+    fp4: bool, permute_out: bool, cfg: KernelConfig, limit: float, use_asm: bool,
 ):
     if fp4:
         w1_ref, w1s_ref, w3_ref, w3s_ref, act_ref = refs
@@ -109,24 +175,35 @@ def _gate_up_kernel(
         local = _even_odd_order(bf) if permute_out else jax.lax.broadcasted_iota(jnp.int32, (bf,), 0)
         rows = f_block * bf + local  # which rows of w1/w3 this program's act columns come from
 
-        def step(kk, acc):
+        n_steps = x_ref.shape[1] // bk
+
+        def step_bf16(kk, acc):
             g, u = acc
-            if fp4:
-                x_even = x_ref[tokens, pl.ds(kk * bk, bk // 2)]
-                x_odd = x_ref[tokens, pl.ds(kk * bk + bk // 2, bk // 2)]
-                w1_even, w1_odd = _fp4_halves(w1_ref, w1s_ref, expert, rows, kk, bk)
-                w3_even, w3_odd = _fp4_halves(w3_ref, w3s_ref, expert, rows, kk, bk)
-                g = g + _dot(x_even, w1_even) + _dot(x_odd, w1_odd)
-                u = u + _dot(x_even, w3_even) + _dot(x_odd, w3_odd)
-            else:
-                xk = x_ref[tokens, pl.ds(kk * bk, bk)]
-                g = g + _dot(xk, w1_ref[expert, rows, pl.ds(kk * bk, bk)])
-                u = u + _dot(xk, w3_ref[expert, rows, pl.ds(kk * bk, bk)])
+            xk = x_ref[tokens, pl.ds(kk * bk, bk)]
+            g = g + _dot(xk, w1_ref[expert, rows, pl.ds(kk * bk, bk)])
+            u = u + _dot(xk, w3_ref[expert, rows, pl.ds(kk * bk, bk)])
             return g, u
 
+        def step_fp4(kk, carry):
+            g, u, s1, s3 = carry
+            ahead = jnp.minimum(kk + 1, n_steps - 1)
+            s1_next = _load_scales(w1s_ref, expert, rows, ahead, bk)
+            s3_next = _load_scales(w3s_ref, expert, rows, ahead, bk)
+            x_even = x_ref[tokens, pl.ds(kk * bk, bk // 2)]
+            x_odd = x_ref[tokens, pl.ds(kk * bk + bk // 2, bk // 2)]
+            w1_even, w1_odd = _fp4_halves(w1_ref, s1, expert, rows, kk, bk, use_asm)
+            w3_even, w3_odd = _fp4_halves(w3_ref, s3, expert, rows, kk, bk, use_asm)
+            g = g + _dot(x_even, w1_even) + _dot(x_odd, w1_odd)
+            u = u + _dot(x_even, w3_even) + _dot(x_odd, w3_odd)
+            return g, u, s1_next, s3_next
+
         zeros = jnp.zeros((bm, bf), jnp.float32)
-        n_steps = x_ref.shape[1] // bk
-        g, u = jax.lax.fori_loop(0, n_steps, step, (zeros, zeros))
+        if fp4:
+            first_scales = (_load_scales(w1s_ref, expert, rows, 0, bk),
+                            _load_scales(w3s_ref, expert, rows, 0, bk))
+            g, u, _, _ = jax.lax.fori_loop(0, n_steps, step_fp4, (zeros, zeros, *first_scales))
+        else:
+            g, u = jax.lax.fori_loop(0, n_steps, step_bf16, (zeros, zeros))
         act = swiglu(g, u, limit).astype(act_ref.dtype)
         mask = jnp.broadcast_to(row_ok[:, None], (bm, bf))
         plt.store(act_ref.at[pl.ds(first, bm), pl.ds(f_block * bf, bf)], act, mask=mask)
@@ -134,6 +211,7 @@ def _gate_up_kernel(
 
 def _down_kernel(
     tile_expert_ref, tile_first_ref, tile_count_ref, act_ref, *refs, fp4: bool, cfg: KernelConfig,
+    use_asm: bool,
 ):
     if fp4:
         w2_ref, w2s_ref, y_ref = refs
@@ -150,19 +228,34 @@ def _down_kernel(
 
         # act rows past `count` belong to other tiles (or are unwritten padding); each only feeds its own
         # output row, which the masked store drops, so they are read unmasked.
-        def step(kk, acc):
-            if fp4:
-                a_even = act_ref[pl.ds(first, bm), pl.ds(kk * bk, bk // 2)]
-                a_odd = act_ref[pl.ds(first, bm), pl.ds(kk * bk + bk // 2, bk // 2)]
-                w_even, w_odd = _fp4_halves(w2_ref, w2s_ref, expert, rows, kk, bk)
-                return acc + _dot(a_even, w_even) + _dot(a_odd, w_odd)
+        n_steps = act_ref.shape[1] // bk
+
+        def step_bf16(kk, acc):
             a = act_ref[pl.ds(first, bm), pl.ds(kk * bk, bk)]
             return acc + _dot(a, w2_ref[expert, rows, pl.ds(kk * bk, bk)])
 
-        n_steps = act_ref.shape[1] // bk
-        y = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((bm, bn), jnp.float32))
+        def step_fp4(kk, carry):
+            acc, scales = carry
+            scales_next = _load_scales(w2s_ref, expert, rows, jnp.minimum(kk + 1, n_steps - 1), bk)
+            a_even = act_ref[pl.ds(first, bm), pl.ds(kk * bk, bk // 2)]
+            a_odd = act_ref[pl.ds(first, bm), pl.ds(kk * bk + bk // 2, bk // 2)]
+            w_even, w_odd = _fp4_halves(w2_ref, scales, expert, rows, kk, bk, use_asm)
+            return acc + _dot(a_even, w_even) + _dot(a_odd, w_odd), scales_next
+
+        zeros = jnp.zeros((bm, bn), jnp.float32)
+        if fp4:
+            y, _ = jax.lax.fori_loop(
+                0, n_steps, step_fp4, (zeros, _load_scales(w2s_ref, expert, rows, 0, bk)))
+        else:
+            y = jax.lax.fori_loop(0, n_steps, step_bf16, zeros)
         row_ok = jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < count
         plt.store(y_ref.at[pl.ds(first, bm), pl.ds(n_block * bn, bn)], y, mask=row_ok)
+
+
+def _use_asm(cfg: KernelConfig, interpret: bool) -> bool:
+    if cfg.fp4_decode not in ("asm", "alu"):
+        raise ValueError(f"fp4_decode must be 'asm' or 'alu', got {cfg.fp4_decode!r}")
+    return cfg.fp4_decode == "asm" and not interpret
 
 
 def gate_up(
@@ -175,7 +268,8 @@ def gate_up(
     rows_out = plan.pair_token.shape[0]
     weights = (w1, w1_scale, w3, w3_scale) if fp4 else (w1, w3)
     kernel = lambda *refs: _gate_up_kernel(
-        *refs, fp4=fp4, permute_out=permute_out, cfg=cfg, limit=limit)
+        *refs, fp4=fp4, permute_out=permute_out, cfg=cfg, limit=limit,
+        use_asm=_use_asm(cfg, interpret))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((rows_out, width), jnp.bfloat16),
@@ -194,7 +288,7 @@ def down(
     fp4 = w2_scale is not None
     n_tiles = plan.tile_count.shape[0]
     weights = (w2, w2_scale) if fp4 else (w2,)
-    kernel = lambda *refs: _down_kernel(*refs, fp4=fp4, cfg=cfg)
+    kernel = lambda *refs: _down_kernel(*refs, fp4=fp4, cfg=cfg, use_asm=_use_asm(cfg, interpret))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((act.shape[0], dim), jnp.float32),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import ExpertWeights, routed_experts
 from pallas_kernels.moe.grouping import max_tiles, plan_tiles
-from pallas_kernels.moe.kernel import _e2m1_to_bf16
+from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.reference import dequantize_fp4, routed_experts_reference
 
 LIMIT = 10.0
@@ -81,12 +81,52 @@ def test_dequantize_fp4_matches_ml_dtypes():
     np.testing.assert_array_equal(got, expect)  # every e2m1 x 2^k is exact in bf16
 
 
-def test_kernel_e2m1_bit_trick_is_exact():
+def _all_codes_and_scales():
     nibble = np.arange(16, dtype=np.int32)[:, None].repeat(5, 1)
-    scale = np.array([100, 120, 127, 130, 140], np.int32)[None, :].repeat(16, 0)
+    scale = np.array([100, 120, 127, 128, 140], np.int32)[None, :].repeat(16, 0)
     expect = nibble.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64) * 2.0 ** (scale - 127.0)
-    got = np.asarray(_e2m1_to_bf16(jnp.asarray(nibble), jnp.asarray(scale)), np.float64)
-    np.testing.assert_array_equal(got, expect)
+    return nibble, scale, expect
+
+
+def test_kernel_alu_e2m1_decode_is_exact():
+    nibble, scale, expect = _all_codes_and_scales()
+    got = moe_kernel._e2m1_to_bf16(jnp.asarray(nibble), moe_kernel._alu_scale(jnp.asarray(scale)))
+    np.testing.assert_array_equal(np.asarray(got, np.float64), expect)
+
+
+def _emulate_fp4_ptx(byte_word: int, scales: list[int]) -> tuple[list[float], list[float]]:
+    """The inline-PTX decode's integer steps in Python (prmt, shifts, masks), then the two bf16 products in
+    float64 (exact here). Returns the low- and high-nibble values of the 4 bytes of ``byte_word``."""
+    def prmt(a, selector):
+        src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [0, 0, 0, 0]
+        return sum(src[(selector >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+    def bf16(bits):
+        return float(np.array([bits], np.uint16).view(ml_dtypes.bfloat16)[0])
+
+    def decode(word, shifts, scale_pair):
+        mag = ((word << shifts[0]) & 0xFFFFFFFF) & moe_kernel.MAG_MASK
+        sign = ((word << shifts[1]) & 0xFFFFFFFF) & moe_kernel.SIGN_MASK
+        bits = mag | sign
+        k = bf16(moe_kernel.BF16X2_2_POW_126 & 0xFFFF)
+        return [bf16((bits >> 16 * h) & 0xFFFF) * k * 2.0 ** (s - 127) for h, s in enumerate(scale_pair)]
+
+    t0, t1 = prmt(byte_word, moe_kernel.PRMT_BYTES_01), prmt(byte_word, moe_kernel.PRMT_BYTES_23)
+    low = decode(t0, moe_kernel.LOW_SHIFTS, scales[:2]) + decode(t1, moe_kernel.LOW_SHIFTS, scales[2:])
+    high = decode(t0, moe_kernel.HIGH_SHIFTS, scales[:2]) + decode(t1, moe_kernel.HIGH_SHIFTS, scales[2:])
+    return low, high
+
+
+def test_ptx_fp4_decode_constants_emulated():
+    rng = _rng()
+    for _ in range(64):
+        codes = rng.integers(0, 256, 4, dtype=np.uint8)
+        scales = [int(s) for s in rng.integers(100, 140, 4)]
+        low, high = _emulate_fp4_ptx(int(codes.view(np.uint32)[0]), scales)
+        f4 = lambda n: n.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+        factor = 2.0 ** (np.array(scales) - 127.0)
+        np.testing.assert_array_equal(low, f4(codes & 0xF) * factor)
+        np.testing.assert_array_equal(high, f4(codes >> 4) * factor)
 
 
 @pytest.mark.parametrize("n,k,e,block_m", [(1, 6, 16, 16), (37, 3, 8, 16), (200, 6, 16, 64)])

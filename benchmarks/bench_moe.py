@@ -1,0 +1,296 @@
+"""Routed-expert (x3gm) benchmark on one GPU: the Pallas kernel vs jax.lax.ragged_dot vs the weight-read floor.
+
+python benchmarks/bench_moe.py [--quick] [--json PATH]
+
+Shape (PLANNER.md §E, issue 7): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
+F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 8 rows. The floor is the
+bytes of the touched experts' weights over the copy bandwidth measured in the same run. Prints GPU
+correctness checks (compiled kernel vs the f32 reference) first and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.moe import ExpertWeights, routed_experts
+from pallas_kernels.moe.kernel import KernelConfig
+from pallas_kernels.moe.ops import default_config
+from pallas_kernels.moe.reference import routed_experts_reference
+
+E, D, K, ROWS = 384, 5120, 6, 2048
+LIMIT = 10.0
+INTERPRET = False  # True only for a CPU dry run of this script
+QUICK_CHECKS = False
+
+
+def timed(fn, *args, reps: int = 10) -> float:
+    """Median seconds of ``reps`` synchronised calls after two warm-up calls."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device elementwise pass over 4 GiB (read + write counted)."""
+    a = random_bf16(jax.random.key(0), (2 << 30,))
+    f = jax.jit(lambda v: v * 2)
+    seconds = timed(f, a)
+    return 2 * a.nbytes / seconds
+
+
+def random_bf16(key, shape) -> jax.Array:
+    """Random bf16 with magnitudes in [2^-7, 2^-5) and random signs (no zeros, no denormals)."""
+    bits = jax.random.bits(key, shape, jnp.uint16)
+    bits = (bits & 0x807F) | 0x3C00 | ((bits & 0x0100) >> 1)  # exponent 120 or 121
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def make_weights(key, width: int, fp4: bool, experts: int | None = None, dim: int | None = None):
+    experts, dim = experts or E, dim or D
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    if not fp4:
+        return ExpertWeights(w1=random_bf16(k1, (experts, width, dim)),
+                             w3=random_bf16(k2, (experts, width, dim)),
+                             w2=random_bf16(k3, (experts, dim, width)))
+
+    def codes(k, shape):
+        return jax.random.bits(k, shape, jnp.uint8)
+
+    def scales(k, shape):
+        return jax.random.randint(k, shape, 118, 122).astype(jnp.uint8)
+    s1, s2, s3 = jax.random.split(k4, 3)
+    return ExpertWeights.from_fp4(
+        codes(k1, (experts, width, dim // 2)), scales(s1, (experts, width, dim // 32)),
+        codes(k2, (experts, width, dim // 2)), scales(s2, (experts, width, dim // 32)),
+        codes(k3, (experts, dim, width // 2)), scales(s3, (experts, dim, width // 32)))
+
+
+def make_routing(key, rows: int, experts: int | None = None, hot: int | None = None):
+    """Router-like top-k (distinct per row) of random scores; ``hot`` wins slot 0 on ~45% of rows."""
+    experts = experts or E
+    ks, kw, kh = jax.random.split(key, 3)
+    scores = jax.random.normal(ks, (rows, experts))
+    if hot is not None:
+        boost = jnp.where(jax.random.uniform(kh, (rows,)) < 0.45, 100.0, 0.0)
+        scores = scores.at[:, hot].add(boost)
+    _, ids = jax.lax.top_k(scores, K)
+    weights = jax.random.uniform(kw, (rows, K), minval=0.1, maxval=0.5)
+    return ids.astype(jnp.int32), weights
+
+
+def weight_bytes(weights: ExpertWeights, touched: int) -> int:
+    total = sum(a.nbytes for a in jax.tree.leaves(weights))
+    return total * touched // weights.num_experts
+
+
+# ----------------------------------------------------------------------------------------------------
+# jax.lax.ragged_dot baseline (weights pre-transposed to the layout it takes; the transposes are untimed)
+
+def ragged_layout(weights: ExpertWeights):
+    w = weights.dequantized()
+    w13 = jnp.concatenate([w.w1, w.w3], axis=1).swapaxes(1, 2)  # [E, D, 2F]
+    return w13, w.w2.swapaxes(1, 2)  # [E, F, D]
+
+
+@jax.jit
+def ragged_moe(x, ids, topk_weights, w13, w2t):
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=w13.shape[0]).astype(jnp.int32)
+    xg = x[order // k]
+    h = jax.lax.ragged_dot(xg, w13, sizes, preferred_element_type=jnp.float32)
+    f = w2t.shape[1]
+    g, u = h[:, :f], h[:, f:]
+    act = (jnp.minimum(g, LIMIT) * jax.nn.sigmoid(jnp.minimum(g, LIMIT)) * jnp.clip(u, -LIMIT, LIMIT))
+    y = jax.lax.ragged_dot(act.astype(jnp.bfloat16), w2t, sizes, preferred_element_type=jnp.float32)
+    y = y * topk_weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n, y.shape[1]), jnp.float32).at[order // k].add(y)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def pallas_fn(cfg: KernelConfig | None):
+    return jax.jit(lambda x, ids, w, wts: routed_experts(
+        x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", interpret=INTERPRET, config=cfg))
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("nan")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def gpu_checks(key) -> list[str]:
+    """The compiled kernel vs the f32 reference on fresh inputs (bound 1e-2, NaN fails)."""
+    cases = [  # name, rows, experts, width, dim, fp4, hot
+        ("decode-1", 1, 64, 576, 1024, False, None),
+        ("decode-64", 64, 64, 640, 1024, False, None),
+        ("segment-700 skewed", 700, 64, 576, 1024, False, 3),
+        ("segment-2048 w1152", 2048, 32, 1152, 512, False, None),
+        ("fp4 decode-8", 8, 64, 576, 1024, True, None),
+        ("fp4 segment-700 skewed", 700, 64, 512, 1024, True, 5),
+        ("fp4 segment-300 w2304", 300, 16, 2304, 512, True, None),
+    ]
+    if QUICK_CHECKS:
+        cases = [cases[i] for i in (2, 4, 5, 6)]
+    lines = []
+    ref_fn = jax.jit(routed_experts_reference, static_argnames="swiglu_limit")
+    run = pallas_fn(None)
+    for name, rows, experts, width, dim, fp4, hot in cases:
+        key, kx, kr, kw = jax.random.split(key, 4)
+        x = jax.random.normal(kx, (rows, dim)).astype(jnp.bfloat16)
+        ids, w = make_routing(kr, rows, experts, hot)
+        wts = make_weights(kw, width, fp4, experts, dim)
+        deq = wts.dequantized()
+        ref = ref_fn(x, ids, w, deq.w1, deq.w3, deq.w2, swiglu_limit=LIMIT)
+        try:
+            err = rel_err(run(x, ids, w, wts), ref)
+        except Exception as exc:  # report and go on
+            print(f"check {name}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+            err = float("nan")
+        ok = err <= 1e-2
+        lines.append(f"check {name:26s} rel_err {err:.2e} {'ok' if ok else 'FAIL'}")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def breakdown(label, x, ids, w, wts) -> None:
+    """Times of the pieces of the default path: plan, gate/up kernel, down kernel, gather-sum."""
+    from pallas_kernels.moe import kernel as kern
+    from pallas_kernels.moe import ops
+    from pallas_kernels.moe.grouping import plan_tiles
+    cfg = default_config(ids.size, wts)
+    plan_fn = jax.jit(lambda i: plan_tiles(i, wts.num_experts, cfg.block_m))
+    plan = plan_fn(ids)
+    xk = ops._even_odd_chunks(x, cfg.block_k) if wts.is_fp4 else x
+    gate_up = jax.jit(lambda p, xx, ww: kern.gate_up(
+        p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
+        limit=LIMIT, cfg=cfg, interpret=INTERPRET))
+    act = gate_up(plan, xk, wts)
+    down = jax.jit(lambda p, a, ww: kern.down(p, a, ww.w2, ww.w2_scale, dim=ww.dim, cfg=cfg, interpret=INTERPRET))
+    y_pairs = down(plan, act, wts)
+    gather = jax.jit(ops._weighted_gather_sum)
+    parts = dict(plan=timed(plan_fn, ids), gate_up=timed(gate_up, plan, xk, wts),
+                 down=timed(down, plan, act, wts),
+                 gather_sum=timed(gather, y_pairs, plan.pair_pos, plan.pair_valid, w))
+    print(f"breakdown {label}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in parts.items()), flush=True)
+
+
+def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_ragged, hot=None,
+               do_breakdown=False):
+    kx, kr, kw = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
+    ids, w = make_routing(kr, rows, E, hot)
+    wts = make_weights(kw, width, fp4)
+    touched = int(jnp.unique(ids).size)
+    nbytes = weight_bytes(wts, touched)
+    floor = nbytes / bandwidth
+    outs = {}
+    for cfg_name, cfg in configs:
+        try:
+            fn = pallas_fn(cfg)
+            seconds = timed(fn, x, ids, w, wts)
+            outs[cfg_name] = fn(x, ids, w, wts)
+        except Exception as exc:  # a config that fails to compile should not end the run
+            print(f"{label} {cfg_name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        rows_out.append(dict(case=label, impl=f"pallas {cfg_name}", ms=seconds * 1e3, floor_ms=floor * 1e3,
+                             gbps=nbytes / seconds / 1e9, touched=touched))
+        print(rows_out[-1], flush=True)
+    if do_breakdown and width == 576 and rows == ROWS:
+        breakdown(label, x, ids, w, wts)
+    if with_ragged:
+        w13, w2t = ragged_layout(wts)
+        seconds = timed(ragged_moe, x, ids, w, w13, w2t, reps=3)
+        ragged_out = ragged_moe(x, ids, w, w13, w2t)
+        rows_out.append(dict(case=label, impl="ragged_dot", ms=seconds * 1e3, floor_ms=floor * 1e3,
+                             gbps=nbytes / seconds / 1e9, touched=touched))
+        print(rows_out[-1], flush=True)
+        for cfg_name, out in outs.items():
+            print(f"{label} pallas {cfg_name} vs ragged_dot rel_err {rel_err(out, ragged_out):.2e}", flush=True)
+        del w13, w2t
+    del wts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="world-4 width only, default config only")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--time-budget", type=float, default=1e9, help="skip sections started after S s")
+    parser.add_argument("--ragged", action="store_true", help="also time ragged_dot at 2,048 rows")
+    parser.add_argument("--breakdown", action="store_true", help="time the pieces at F=576")
+    parser.add_argument("--quick-checks", action="store_true", help="4 of the 7 GPU checks")
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        print("bench_moe.py needs a GPU (jax.default_backend() is %r)" % jax.default_backend(), file=sys.stderr)
+        return 2
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
+    key = jax.random.key(7)
+    global QUICK_CHECKS
+    QUICK_CHECKS = args.quick_checks
+    checks = gpu_checks(key)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+
+    start = time.perf_counter()
+    rows_out: list[dict] = []
+
+    def section(label, width, fp4, rows, configs, with_ragged=False, hot=None, seed=0):
+        if time.perf_counter() - start > args.time_budget:
+            print(f"skipped (time budget): {label}", flush=True)
+            return
+        bench_case(rows_out, label, width, fp4, rows, bandwidth, jax.random.key(seed), configs,
+                   with_ragged=with_ragged, hot=hot, do_breakdown=args.breakdown)
+        print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
+
+    fp4_base = default_config(ROWS * K, make_weights(key, 576, True, 2, 64))
+    fp4_configs = [("default", None)]
+    if not args.quick:
+        fp4_configs.append(("bk128-s3", dataclasses.replace(fp4_base, block_k=128, gate_up_stages=3)))
+    section("2048 rows F=576 bf16", 576, False, ROWS, [("default", None)], with_ragged=args.ragged, seed=1)
+    section("2048 rows F=576 fp4", 576, True, ROWS, fp4_configs, seed=2)
+    for fp4 in (False, True):
+        section(f"8 rows F=576 {'fp4' if fp4 else 'bf16'}", 576, fp4, 8, [("default", None)],
+                with_ragged=not fp4, seed=3)
+    if not args.quick:
+        for width, fp4 in ((2304, False), (2304, True), (1152, True), (1152, False)):
+            section(f"2048 rows F={width} {'fp4' if fp4 else 'bf16'}", width, fp4, ROWS,
+                    [("default", None)], seed=width + fp4)
+        for fp4 in (False, True):
+            section(f"2048 rows F=576 {'fp4' if fp4 else 'bf16'} skewed", 576, fp4, ROWS,
+                    [("default", None)], hot=11, seed=5)
+        section("2048 rows F=576 fp4", 576, True, ROWS,
+                [("alu-decode", dataclasses.replace(fp4_base, fp4_decode="alu"))], seed=2)
+
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                           bandwidth=bandwidth, checks=checks, rows=rows_out), fh, indent=1)
+    print(f"\njax {jax.__version__} on {jax.devices()[0].device_kind}; copy {bandwidth / 1e12:.2f} TB/s")
+    print("\n".join(checks))
+    print(f"| case | impl | ms | floor ms | x floor | GB/s | experts touched |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows_out:
+        print(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+              f"{r['ms'] / r['floor_ms']:.2f} | {r['gbps']:.0f} | {r['touched']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
