@@ -27,9 +27,15 @@ LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
 
-def _lanes_for(head_tile: int) -> int:
+def lanes_for(head_tile: int) -> int:
     """MMA rows for a head tile: a power of two, at least 16 (PLANNER §D rule 2)."""
     return max(16, pl.next_power_of_2(head_tile))
+
+
+def default_tiling(lanes: int) -> tuple[int, int, int]:
+    """(key_tile, num_warps, num_stages) measured fastest on an H200 for this MMA row count
+    (docs/benchmarks/sparse_attention.md)."""
+    return (32, 4, 2)
 
 
 def _online_softmax_step(carry, q, keys, key_ok, scale_log2):
@@ -105,7 +111,8 @@ def _kernel(q_pos_ref, first_row_ref, q_ref, pool_ref, topk_ref, window_ref, sin
     "window_size", "scale", "head_tile", "key_tile", "num_warps", "num_stages", "interpret"))
 def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks, out_init=None, *,
                             window_size: int, scale: float, head_tile: int | None = None,
-                            key_tile: int = 32, num_warps: int = 8, num_stages: int = 2,
+                            key_tile: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None,
                             interpret: bool = False):
     """Pallas sparse attention; contract of `ops.sparse_attention` (shapes checked there).
 
@@ -116,7 +123,11 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
     """
     batch, num_q, num_heads, head_dim = q.shape
     head_tile = min(32, num_heads) if head_tile is None else head_tile
-    lanes = _lanes_for(head_tile)
+    lanes = lanes_for(head_tile)
+    defaults = default_tiling(lanes)
+    key_tile = defaults[0] if key_tile is None else key_tile
+    num_warps = defaults[1] if num_warps is None else num_warps
+    num_stages = defaults[2] if num_stages is None else num_stages
     num_comp = topk.shape[-1]
     num_comp_tiles = pl.cdiv(num_comp, key_tile)
     padded = max(num_comp_tiles, 1) * key_tile   # at least one (unused) tile so the ref is never empty

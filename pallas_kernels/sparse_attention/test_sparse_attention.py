@@ -68,10 +68,13 @@ def reference_f32(args, window: int):
     return np.asarray(sparse_attention_reference(*upcast, window_size=window, scale=args[0].shape[-1] ** -0.5))
 
 
-def run_kernel(args, window: int, head_tile=None):
+def run_kernel(args, window: int, head_tile=None, tiling=(None, None, None)):
+    """The kernel on a NaN-poisoned output buffer; tiling = (key_tile, num_warps, num_stages), None = default."""
     poison = jnp.full(args[0].shape, jnp.nan, args[0].dtype)
+    key_tile, num_warps, num_stages = tiling
     out = sparse_attention_pallas(*args, poison, window_size=window, scale=args[0].shape[-1] ** -0.5,
-                                  head_tile=head_tile, interpret=INTERPRET)
+                                  head_tile=head_tile, key_tile=key_tile, num_warps=num_warps,
+                                  num_stages=num_stages, interpret=INTERPRET)
     return np.asarray(out.astype(jnp.float32))
 
 
@@ -99,6 +102,14 @@ def test_kernel_matches_reference(name):
     case = CASES[name]
     args = make_inputs(case, seed=zlib.crc32(name.encode()))
     assert_close(run_kernel(args, case.window), reference_f32(args, case.window))
+
+
+@pytest.mark.parametrize("tiling", [(16, 4, 3), (64, 8, 2)])
+def test_other_key_tiles(tiling):
+    """The benchmark's alternative tilings compute the same function (ragged last compressed/window tile)."""
+    case = Case(rows=3, heads=16, head_dim=64, topk=70, window=20, first_pos=(30,))
+    args = make_inputs(case, seed=tiling[0])
+    assert_close(run_kernel(args, case.window, tiling=tiling), reference_f32(args, case.window))
 
 
 def test_rows_without_keys_are_zero():
