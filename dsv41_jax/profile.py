@@ -1,0 +1,339 @@
+"""Where time and memory go: compile, analyse, time and trace the prefill and decode steps of a config.
+
+    python -m dsv41_jax.profile --config tiny|dsv41_flash|FILE --world N --rows N --position P[,P2,...]
+        [--layers K] [--decode] [--impl reference|pallas] [--dtype bfloat16|float32] [--batch B]
+        [--repeats R] [--trace DIR] [--json] [--compile-only] [--fast-compile]
+
+For every position: the model's step over ``rows`` rows at that position (prefill) and, with ``--decode``, one
+row (decode), each compiled with its shardings on ``world`` devices. Per device it reports compile seconds;
+XLA's FLOPs and bytes accessed against the spec's arithmetic (``profiling/flops.py``); XLA's argument, output
+and temporary bytes against the planner's weights, cache and workspace, with the difference in percent; the
+median step time over ``--repeats`` runs and the tokens/s it implies; with ``--trace DIR``, a ``jax.profiler``
+trace per step (``DIR/<step>_p<position>``, XProf/TensorBoard open it) and its slowest ops and per-module totals.
+
+Weights are random and made on the devices, sharded (``profiling/build.py``); ``--layers K`` cuts a full-width
+model to K layers that keep its layer roles (``profiling/cut.py``). The cache holds random entries with its
+offset at the position, sized position + rows. On CPU, ``--world N`` simulated devices are requested before JAX
+starts. ``--compile-only`` allocates nothing (abstract weights): analyses of models too big to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv41_jax.config import ConfigError, ModelConfig, load_named
+from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, admit, cache_pool_bytes,
+                               param_bytes_per_rank, plan_segment)
+from dsv41_jax.profiling.cut import cut_layers, kept_layers
+from dsv41_jax.profiling.flops import step_flops
+
+WORLDS = (1, 2, 4, 8)
+
+
+class UsageError(ValueError):
+    """A bad command line; printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to profile (the parsed command line)."""
+
+    config_name: str
+    cfg: ModelConfig
+    layers: tuple[int, ...]  # original ids of the layers kept
+    world: int
+    rows: int
+    positions: tuple[int, ...]
+    batch: int
+    decode: bool
+    impl: str
+    dtype: str
+    repeats: int
+    trace_dir: Path | None
+    compile_only: bool
+    fast_compile: bool
+    as_json: bool
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+def parse_args(argv: list[str] | None) -> Request:
+    p = argparse.ArgumentParser(prog="python -m dsv41_jax.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="tiny", help="tiny, dsv41_flash, or a config.json / checkpoint dir")
+    p.add_argument("--world", type=int, default=1, help="devices (tensor parallel): 1, 2, 4 or 8")
+    p.add_argument("--rows", type=int, default=2048, help="prefill rows per sequence (segment size)")
+    p.add_argument("--position", default="0", help="start position(s) of the segment, comma-separated")
+    p.add_argument("--layers", type=int, default=None, help="cut the model to K layers (keeps its layer roles)")
+    p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
+    p.add_argument("--impl", choices=("reference", "pallas"), default="reference", help="attention and MoE ops")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per step (median reported)")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write jax.profiler traces under DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--compile-only", action="store_true", help="abstract weights: compile and analyse, no runs")
+    p.add_argument("--fast-compile", action="store_true",
+                   help="XLA CPU: LLVM optimisation off (quick smoke runs; step times not representative)")
+    a = p.parse_args(argv)
+    try:
+        positions = tuple(int(x) for x in str(a.position).split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--position must be integers separated by commas, got {a.position!r}") from None
+    checks = [(a.world in WORLDS, f"--world must be one of {', '.join(map(str, WORLDS))}, got {a.world}"),
+              (a.rows >= 1, f"--rows must be at least 1, got {a.rows}"),
+              (bool(positions) and min(positions) >= 0, f"--position must be >= 0, got {a.position!r}"),
+              (a.batch >= 1, f"--batch must be at least 1, got {a.batch}"),
+              (a.repeats >= 1, f"--repeats must be at least 1, got {a.repeats}"),
+              (a.layers is None or a.layers >= 1, f"--layers must be at least 1, got {a.layers}")]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
+    cfg = load_named(a.config)
+    layers = tuple(kept_layers(cfg, a.layers) if a.layers else range(cfg.num_hidden_layers))
+    if a.layers:
+        cfg = cut_layers(cfg, a.layers)
+    last = max(positions) + a.rows
+    if last > cfg.max_position_embeddings:
+        raise UsageError(f"position {max(positions):,} + {a.rows:,} rows passes the model's "
+                         f"{cfg.max_position_embeddings:,} positions")
+    admit(cfg, a.world)  # PlanRefused names the rule and the worlds that work
+    return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
+                   a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json)
+
+
+# ------------------------------------------------------------------------------------------------- planner
+def planner_bytes(req: Request, rows: int, position: int) -> dict:
+    """The planner's per-device predictions for one step: weights, cache, workspace (None + note if refused).
+
+    Formats as the model holds them: weights in ``--dtype``; cache rows bf16 (``kv="bf16"``), sized like the
+    profiled cache (``position + rows`` tokens a sequence, ``batch`` slots).
+    """
+    fmt = "bf16" if req.dtype == "bfloat16" else "f32"
+    options = PlanOptions(kv="bf16", experts=fmt, dense=fmt, slots=req.batch)
+    capacity = req.batch * (position + req.rows)
+    out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=fmt, dense=fmt),
+           "cache": cache_pool_bytes(req.cfg, req.world, options, MemoryBudget(kv_tokens=capacity)),
+           "workspace": None, "refused": None}
+    try:
+        out["workspace"] = plan_segment(req.cfg, req.world, 0, rows, position, options).workspace_total
+    except PlanRefused as e:
+        out["refused"] = str(e)
+    return out
+
+
+def _diff_pct(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return 100.0 * (predicted - measured) / measured
+
+
+# --------------------------------------------------------------------------------------------------- running
+def run(req: Request) -> dict:
+    """Build, compile, analyse, time and trace; returns the report (the ``--json`` object)."""
+    import jax
+
+    from dsv41_jax.model import ModelOptions
+    from dsv41_jax.profiling import build, measure
+
+    measure.COMPILER_OPTIONS.clear()
+    if req.fast_compile:
+        measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
+    options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl)
+    _check_fits(req, jax.devices()[0])
+    start = time.perf_counter()
+    model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)
+    weights_on_device = build.bytes_per_device(_params(model))
+    if not req.compile_only:
+        jax.block_until_ready(jax.tree.leaves(_params(model)))
+    report = _header(req, jax)
+    report["build_s"] = time.perf_counter() - start
+    report["weights_per_device"] = weights_on_device
+    for position in req.positions:
+        cache = build.build_cache(req.cfg, mesh, batch=req.batch, position=position, rows=req.rows,
+                                  dtype=req.dtype, abstract=req.compile_only)
+        cache_bytes = build.bytes_per_device(cache)
+        makers = [("prefill", lambda: measure.prefill_step(model, cache, rows=req.rows, position=position))]
+        if req.decode:
+            makers.append(("decode", lambda: measure.decode_step(model, cache, position=position)))
+        for kind, make in makers:
+            step = make()
+            if not req.compile_only:
+                measure.time_step(step, repeats=req.repeats)
+            entry = _step_report(req, step, weights_on_device, cache_bytes)
+            if req.trace_dir is not None and step.result.times_s:
+                entry["trace"] = _trace(req, step, jax, measure)
+            report["steps"].append(entry)
+            del step
+        del cache
+    return report
+
+
+def _params(model):
+    from flax import nnx
+    return nnx.state(model, nnx.Param)
+
+
+def _check_fits(req: Request, device) -> None:
+    """Refuse (one line) a run whose planned weights + caches cannot fit the device's memory."""
+    if req.compile_only:
+        return
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit:
+        return
+    plan = planner_bytes(req, req.rows, max(req.positions))
+    need = plan["weights"] + plan["cache"]
+    if need > limit:
+        raise UsageError(f"weights + cache need {need / GiB:,.1f} GiB per device, {device.device_kind} has "
+                         f"{limit / GiB:,.1f} GiB: use --layers K, a larger --world, or --compile-only")
+
+
+def _header(req: Request, jax) -> dict:
+    device = jax.devices()[0]
+    return {"config": req.config_name, "layers": list(req.layers), "num_layers": req.cfg.num_hidden_layers,
+            "roles": [req.cfg.role(i) for i in range(req.cfg.num_hidden_layers)],
+            "world": req.world, "rows": req.rows, "batch": req.batch, "impl": req.impl, "dtype": req.dtype,
+            "compile_only": req.compile_only, "fast_compile": req.fast_compile,
+            "platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "steps": []}
+
+
+def _step_report(req: Request, step, weights: int, cache: int) -> dict:
+    r = step.result
+    spec = step_flops(req.cfg, r.rows, r.position, req.world, req.batch)
+    spec_total = sum(spec.values())
+    plan = planner_bytes(req, r.rows, r.position)
+    mem = r.memory
+    inputs = req.batch * r.rows * 4 + req.batch * 4  # ids [B, T] and lengths [B], int32
+    logits_out = req.batch * req.cfg.vocab_size * 4 + req.batch * 4  # last-row logits f32 + next token
+    memory = {
+        "weights": _pair(plan["weights"], weights),
+        "cache": _pair(plan["cache"], cache),
+        "arguments": _pair(plan["weights"] + plan["cache"] + inputs, mem.get("argument")),
+        "outputs": _pair(plan["cache"] + logits_out, mem.get("output")),
+        "temporaries": _pair(plan["workspace"], mem.get("temp")),
+    }
+    return {
+        "kind": r.kind, "rows": r.rows, "position": r.position, "compile_s": r.compile_s,
+        "flops": {"xla": r.xla_flops, "spec": spec_total, "spec_parts": spec,
+                  "xla_over_spec": (r.xla_flops / spec_total) if r.xla_flops and spec_total else None},
+        "bytes_accessed_xla": r.xla_bytes_accessed,
+        "memory": memory, "planner_refused": plan["refused"],
+        "times_s": r.times_s, "median_s": r.median_s, "tokens_per_s": r.tokens_per_s, "error": r.error,
+    }
+
+
+def _pair(predicted: int | None, xla: int | None) -> dict:
+    return {"xla": xla, "predicted": predicted, "diff_pct": _diff_pct(predicted, xla)}
+
+
+def _trace(req: Request, step, jax, measure) -> dict:
+    from dsv41_jax.profiling import trace
+
+    folder = req.trace_dir / f"{step.result.kind}_p{step.result.position}"
+    steps = min(req.repeats, 3)
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for _ in range(steps):
+            step.run()
+    found = trace.perfetto_file(folder)
+    if found is None:
+        return {"dir": str(folder), "error": "no Perfetto trace written"}
+    ops = trace.op_times(trace.load_events(found), measure.hlo_sources(step), steps, req.world)
+    return {"dir": str(folder), "file": str(found), "op_seconds": sum(o.seconds for o in ops),
+            "components": [{"source": s, "seconds": t} for s, t in trace.by_component(ops)],
+            "top_ops": [{"op": o.name, "source": o.source, "seconds": o.seconds, "launches": o.count}
+                        for o in ops[:15]]}
+
+
+# -------------------------------------------------------------------------------------------------- printing
+def _fmt_bytes(b) -> str:
+    if b is None:
+        return "—"
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(b) >= size:
+            return f"{b / size:,.2f} {unit}"
+    return f"{b:,} B"
+
+
+def _fmt_pct(x) -> str:
+    return "—" if x is None else f"{x:+.1f} %"
+
+
+def print_report(report: dict, out=sys.stdout) -> None:
+    w = out.write
+    w(f"{report['config']} layers {report['layers']} ({', '.join(report['roles'])}) · world {report['world']} · "
+      f"batch {report['batch']} · {report['dtype']} · impl {report['impl']}\n")
+    w(f"{report['device']} ({report['platform']}) · jax {report['jax']} · {report['date']} · "
+      f"weights {_fmt_bytes(report['weights_per_device'])} per device · built in {report['build_s']:.1f} s\n")
+    for s in report["steps"]:
+        w(f"\n== {s['kind']} · {s['rows']:,} rows at position {s['position']:,} ==\n")
+        if s["error"]:
+            w(f"  error: {s['error']}\n")
+        f = s["flops"]
+        w(f"  compile {s['compile_s']:.1f} s · FLOPs/device XLA {_num(f['xla'])} vs spec {_num(f['spec'])} "
+          f"(x{f['xla_over_spec']:.2f})\n" if f["xla_over_spec"] else
+          f"  compile {s['compile_s']:.1f} s · FLOPs/device spec {_num(f['spec'])} (XLA: none)\n")
+        w(f"  bytes accessed (XLA) {_fmt_bytes(s['bytes_accessed_xla'])}\n")
+        w(f"  {'memory/device':<14}{'XLA':>14}{'planner':>14}{'diff':>10}\n")
+        for name, m in s["memory"].items():
+            w(f"  {name:<14}{_fmt_bytes(m['xla']):>14}{_fmt_bytes(m['predicted']):>14}{_fmt_pct(m['diff_pct']):>10}\n")
+        if s["planner_refused"]:
+            w(f"  planner refused this segment: {s['planner_refused']}\n")
+        if s["median_s"]:
+            w(f"  median {s['median_s'] * 1e3:,.2f} ms over {len(s['times_s'])} runs · "
+              f"{s['tokens_per_s']:,.1f} tokens/s\n")
+        if "trace" in s:
+            _print_trace(s["trace"], w)
+
+
+def _print_trace(t: dict, w) -> None:
+    if "error" in t:
+        w(f"  trace: {t['error']}\n")
+        return
+    total = t["op_seconds"] or 1.0
+    w(f"  trace {t['dir']} · ops {t['op_seconds'] * 1e3:,.2f} ms a step\n")
+    w("  by module: " + ", ".join(f"{c['source']} {100 * c['seconds'] / total:.0f} %" for c in t["components"][:8])
+      + "\n")
+    for o in t["top_ops"][:10]:
+        w(f"    {o['seconds'] * 1e3:9.3f} ms {100 * o['seconds'] / total:5.1f} %  {o['op']:<36} {o['source']}\n")
+
+
+def _num(x) -> str:
+    if x is None:
+        return "—"
+    for unit, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(x) >= size:
+            return f"{x / size:,.2f} {unit}"
+    return f"{x:,.0f}"
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    try:
+        req = parse_args(argv)
+    except (UsageError, ConfigError, PlanRefused) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from sharding import ShardingError, request_host_devices
+
+    request_host_devices(req.world)  # CPU: simulated devices; only effective before JAX starts
+    try:
+        report = run(req)
+    except (UsageError, ShardingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if req.as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_report(report)
+    return 1 if any(s["error"] for s in report["steps"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

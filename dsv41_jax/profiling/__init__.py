@@ -1,0 +1,10 @@
+"""Pieces of ``python -m dsv41_jax.profile`` (docs/DESIGN.md, issue #8).
+
+* ``cut.py``: ``cut_layers`` — a K-layer model of a config that keeps its interesting layer roles.
+* ``flops.py``: the spec's arithmetic per segment (``MODEL.md`` shapes), per device.
+* ``build.py``: random weights and a filled cache made on the devices, already sharded (JAX).
+* ``measure.py``: compile, XLA cost / memory analysis and timed runs of one step (JAX).
+* ``trace.py``: a ``jax.profiler`` Perfetto trace parsed into a per-op / per-component time table (stdlib).
+
+``cut`` and ``flops`` import no JAX, so the CLI can set ``XLA_FLAGS`` before JAX starts.
+"""

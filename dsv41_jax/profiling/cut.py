@@ -1,0 +1,87 @@
+"""``cut_layers``: a K-layer config of a full-width model that still exercises its layer roles.
+
+Which layers are kept (in priority order, each with the layers it reads — its kv source, index source and
+index-key source, `MODEL.md` §B.9 — as long as the whole set fits in K):
+
+1. the first ratio-2 full layer (compressor with a gate, index keys, indexer);
+2. the first ratio-1 full layer, preferring the candidate source (level-1 candidate blocks);
+3. the first reindex layer (its own indexer, candidate-masked);
+4. the first window-only layer;
+5. then reuse layers, and finally every other layer in order.
+
+So for the full config K = 1 keeps layer 2, K = 2 keeps layers 2 and 20 (a ratio-2 full layer and the ratio-1
+candidate source), K = 3 adds reindex layer 24, K = 4 adds window layer 0. The kept layers keep their order and
+are renumbered 0..K−1; kv / index / candidate source ids are remapped. Because every kept compressed layer keeps
+its sources and no other source lies between a layer and its source, every kept layer keeps its role. Engram and
+DSpark are dropped (the text model does not run them).
+"""
+
+from __future__ import annotations
+
+from dsv41_jax.config import ConfigError, ModelConfig
+
+
+def cut_layers(cfg: ModelConfig, k: int) -> ModelConfig:
+    """``cfg`` cut to ``k`` decoder layers (see the module docstring); validates; ``k`` ≥ the layer count
+    returns ``cfg`` with Engram and DSpark dropped."""
+    n = cfg.num_hidden_layers
+    if k < 1:
+        raise ConfigError(f"--layers must be at least 1, got {k}")
+    kept = list(range(n)) if k >= n else _pick_layers(cfg, k)
+    return _renumber(cfg, kept)
+
+
+def kept_layers(cfg: ModelConfig, k: int) -> list[int]:
+    """The original ids of the layers ``cut_layers(cfg, k)`` keeps, in order."""
+    return list(range(cfg.num_hidden_layers)) if k >= cfg.num_hidden_layers else _pick_layers(cfg, k)
+
+
+def _sources(cfg: ModelConfig, layer: int) -> set[int]:
+    """The layer and every layer it reads, transitively (kv, index and index-key sources, §B.9)."""
+    out, todo = set(), [layer]
+    while todo:
+        lid = todo.pop()
+        if lid in out:
+            continue
+        out.add(lid)
+        for src in (cfg.kv_source(lid), cfg.index_source(lid), cfg.index_key_source(lid)):
+            if src is not None and src not in out:
+                todo.append(src)
+    return out
+
+
+def _priority(cfg: ModelConfig) -> list[int]:
+    layers = range(cfg.num_hidden_layers)
+    full2 = [i for i in layers if cfg.role(i) == "full" and cfg.ratio(i) == 2]
+    full1 = sorted((i for i in layers if cfg.role(i) == "full" and cfg.ratio(i) == 1),
+                   key=lambda i: (i != cfg.candidate_source_layer_id, i))
+    reindex = [i for i in layers if cfg.role(i) == "reindex"]
+    window = [i for i in layers if cfg.role(i) == "window"]
+    reuse = [i for i in layers if cfg.role(i) == "reuse"]
+    order = full2[:1] + full1[:1] + reindex[:1] + window[:1] + reuse
+    return order + [i for i in layers if i not in order]
+
+
+def _pick_layers(cfg: ModelConfig, k: int) -> list[int]:
+    kept: set[int] = set()
+    for layer in _priority(cfg):
+        need = _sources(cfg, layer)
+        if len(kept | need) <= k:
+            kept |= need
+        if len(kept) == k:
+            break
+    return sorted(kept)
+
+
+def _renumber(cfg: ModelConfig, kept: list[int]) -> ModelConfig:
+    new_id = {old: new for new, old in enumerate(kept)}
+    cand = cfg.candidate_source_layer_id
+    return cfg.replace(
+        num_hidden_layers=len(kept),
+        compress_ratios=tuple(cfg.ratio(i) for i in kept),
+        kv_source_layer_ids=tuple(new_id[i] for i in cfg.kv_source_layer_ids if i in new_id),
+        index_source_layer_ids=tuple(new_id[i] for i in cfg.index_source_layer_ids if i in new_id),
+        candidate_source_layer_id=new_id.get(cand, -1),
+        engram_layer_ids=(), engram_num_embeddings=(),
+        num_nextn_predict_layers=0, dspark_target_layer_ids=(),
+    )

@@ -1,0 +1,163 @@
+"""One step (prefill or decode) compiled with its shardings, XLA's analyses of it, and timed runs.
+
+A step is the engine's model program: ``logits, cache = model(ids, cache, lengths)`` and the last row's logits
+kept (what ``engine`` compiles for a segment; a decode step is the same program on one row, followed by greedy
+sampling of the next token). It is compiled ahead of time with explicit in/out shardings (weights by the rule
+table, caches and small inputs replicated: ``sharding.prepare``'s contract). The cache is not donated, so each
+repeat runs from the same input cache at the same position (the same work every time); XLA's output bytes
+therefore hold a fresh cache copy.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sharding import replicated
+
+
+@dataclass
+class StepResult:
+    """What one compiled step showed. Bytes and FLOPs are per device (XLA's SPMD program is per device)."""
+
+    kind: str  # "prefill" | "decode"
+    rows: int
+    position: int
+    batch: int
+    compile_s: float = 0.0
+    xla_flops: float | None = None
+    xla_bytes_accessed: float | None = None
+    memory: dict[str, int] = field(default_factory=dict)  # argument / output / alias / temp / code bytes
+    times_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.times_s) if self.times_s else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        m = self.median_s
+        return self.batch * self.rows / m if m else None
+
+
+@dataclass
+class Step:
+    """A compiled step and its arguments, ready to run."""
+
+    result: StepResult
+    compiled: object
+    args: tuple
+
+    def run(self):
+        out = self.compiled(*self.args)
+        jax.block_until_ready(out)
+        return out
+
+
+def prefill_step(model, cache, *, rows: int, position: int, seed: int = 2) -> Step:
+    """The prefill step over ``rows`` random token ids per sequence, at the cache's offset ``position``."""
+    return _model_step(model, cache, rows, position, "prefill", seed)
+
+
+def decode_step(model, cache, *, position: int, seed: int = 3) -> Step:
+    """The decode step: one row per sequence at the cache's offset, then the greedy next token."""
+    return _model_step(model, cache, 1, position, "decode", seed)
+
+
+def _model_step(model, cache, rows: int, position: int, kind: str, seed: int) -> Step:
+    graphdef, state = nnx.split(model)
+    rep = replicated(model.mesh)
+    batch, vocab = cache.offset.shape[0], model.vocab_size
+    ids = jax.device_put(np.random.default_rng(seed).integers(0, vocab, (batch, rows), dtype=np.int32), rep)
+    lengths = jax.device_put(np.full((batch,), rows, np.int32), rep)
+
+    def step(state, cache, ids, lengths):
+        """-> (cache, last-row logits [B, V] f32, greedy next token [B] i32)."""
+        logits, cache = nnx.merge(graphdef, state)(ids, cache, lengths=lengths)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+        return cache, last, jnp.argmax(last, axis=-1).astype(jnp.int32)
+
+    cache_sh = jax.tree.map(lambda _: rep, cache)
+    args = (state, cache, ids, lengths)
+    result = StepResult(kind, rows, position, batch)
+    try:
+        compiled = _compile(step, (_shardings(state), cache_sh, rep, rep), (cache_sh, rep, rep), args, result)
+    except Exception as e:  # noqa: BLE001 - a step that does not compile is reported, the others still run
+        result.error = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        compiled = None
+    return Step(result, compiled, args)
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda a: a.sharding, tree)
+
+
+COMPILER_OPTIONS: dict = {}  # e.g. FAST_CPU_COMPILE for CPU smoke runs
+FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _compile(fn, in_shardings, out_shardings, args, result: StepResult):
+    start = time.perf_counter()
+    lowered = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings).lower(*args)
+    compiled = lowered.compile(dict(COMPILER_OPTIONS)) if COMPILER_OPTIONS else lowered.compile()
+    result.compile_s = time.perf_counter() - start
+    result.xla_flops, result.xla_bytes_accessed = _cost(compiled)
+    result.memory = _memory(compiled)
+    return compiled
+
+
+def _cost(compiled) -> tuple[float | None, float | None]:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends have none
+        return None, None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    if not cost:
+        return None, None
+    return cost.get("flops"), cost.get("bytes accessed")
+
+
+def _memory(compiled) -> dict[str, int]:
+    try:
+        mem = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001
+        return {}
+    if mem is None:
+        return {}
+    names = {"argument": "argument_size_in_bytes", "output": "output_size_in_bytes",
+             "alias": "alias_size_in_bytes", "temp": "temp_size_in_bytes", "code": "generated_code_size_in_bytes"}
+    return {k: int(getattr(mem, v)) for k, v in names.items() if getattr(mem, v, None) is not None}
+
+
+def time_step(step: Step, *, repeats: int, warmup: int = 1) -> None:
+    """Run ``warmup`` + ``repeats`` times; record each timed run's wall seconds (or the error that stopped it)."""
+    if step.compiled is None:
+        return
+    try:
+        for i in range(warmup + repeats):
+            start = time.perf_counter()
+            out = step.run()
+            elapsed = time.perf_counter() - start
+            del out
+            if i >= warmup:
+                step.result.times_s.append(elapsed)
+    except Exception as e:  # noqa: BLE001 - an out-of-memory run is a result to report, not a crash
+        step.result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+
+
+def hlo_sources(step: Step) -> dict[str, str]:
+    """HLO instruction name → where in the model it comes from (``trace.source_label``), for the trace table."""
+    try:
+        text = step.compiled.as_text()
+    except Exception:  # noqa: BLE001
+        return {}
+    from dsv41_jax.profiling.trace import instruction_sources
+    return instruction_sources(text)

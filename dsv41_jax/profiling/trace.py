@@ -1,0 +1,177 @@
+"""Per-op and per-component time from a ``jax.profiler`` trace (stdlib only: the gzipped Perfetto JSON).
+
+``jax.profiler.trace(dir, create_perfetto_trace=True)`` writes ``plugins/profile/<run>/*.xplane.pb`` (what
+XProf / TensorBoard open) and ``perfetto_trace.json.gz`` (Chrome trace events). An event is an XLA op when its
+``args.hlo_op`` (GPU kernels) or its name (CPU thunks) is an instruction of the traced program; its
+component is the model source file (and line) in that instruction's metadata (``measure.hlo_sources``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """``name``: HLO instruction; ``source``: model file:line; ``seconds``: per traced step; ``count``: launches."""
+
+    name: str
+    source: str
+    seconds: float
+    count: int
+
+
+def perfetto_file(trace_dir: str | Path) -> Path | None:
+    """The newest ``perfetto_trace.json.gz`` (or ``*.trace.json.gz``) under ``trace_dir``."""
+    files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz")) or sorted(Path(trace_dir).rglob("*.trace.json.gz"))
+    return max(files, key=lambda p: p.stat().st_mtime) if files else None
+
+
+def load_events(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return data.get("traceEvents", []) if isinstance(data, dict) else data
+
+
+def op_times(events: list[dict], sources: dict[str, str], steps: int, devices: int = 1) -> list[OpTime]:
+    """Complete events of known HLO instructions, summed per instruction, per step and per device; slowest first.
+
+    GPU: each kernel event names its instruction in ``args.hlo_op`` and sits in a ``/device:GPU:N`` process;
+    only the first device's process is counted. CPU (simulated devices share one process): all XLA threads are
+    counted and the sum divided by ``devices``.
+    """
+    device_pids = sorted((str(e.get("args", {}).get("name", "")), e["pid"]) for e in events
+                         if e.get("ph") == "M" and e.get("name") == "process_name"
+                         and "/device:" in str(e.get("args", {}).get("name", "")))
+    keep_pid = device_pids[0][1] if device_pids else None
+    share = 1 if device_pids else max(devices, 1)
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if keep_pid is not None and e.get("pid") != keep_pid:
+            continue
+        name = str(e.get("args", {}).get("hlo_op") or e.get("name", ""))
+        if name not in sources:
+            continue
+        slot = totals.setdefault(name, [0.0, 0])
+        slot[0] += float(e["dur"]) * 1e-6  # µs -> s
+        slot[1] += 1
+    per = max(steps, 1) * share
+    ops = [OpTime(n, sources[n], t / per, c // per) for n, (t, c) in totals.items()]
+    return sorted(ops, key=lambda o: -o.seconds)
+
+
+def by_component(ops: list[OpTime]) -> list[tuple[str, float]]:
+    """Seconds per model source file (attention.py, moe.py, indexer.py, hc.py, ...), largest first."""
+    out: dict[str, float] = {}
+    for op in ops:
+        key = op.source.split(" ")[-1].split(":", 1)[0] or "other"
+        out[key] = out.get(key, 0.0) + op.seconds
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
+# --------------------------------------------------------------------------------------- HLO source metadata
+_HELPERS = ("norms.py", "quant.py", "rope.py")  # shared helpers: attribute their ops to the caller
+_WRAPPERS = ("transformer.py", "prepare.py", "measure.py")
+
+
+def instruction_sources(hlo_text: str) -> dict[str, str]:
+    """Instruction name → ``file:function`` label of the model code that made it ("" when unknown).
+
+    The optimised HLO text ends its header with ``FileNames``, ``FunctionNames``, ``FileLocations`` and
+    ``StackFrames`` tables; each instruction's ``metadata={... stack_frame_id=N}`` points into them (a printed
+    ``parent_frame_id`` P means frame P − 1; 0 = none). An ``op_name`` with a ``layers.N`` / ``layer_N`` scope
+    adds the layer to the label.
+    """
+    tables = _tables(hlo_text)
+    frames = _frames(tables)
+    out = {}
+    for line in hlo_text.splitlines():
+        line = line.strip()
+        if not line.startswith(("%", "ROOT %")) or " = " not in line:
+            continue
+        name = line.removeprefix("ROOT ").split(" ", 1)[0].lstrip("%")
+        frame = _int_after(line, "stack_frame_id=")
+        label = source_label(frames, frame) if frame else ""
+        layer = _layer_of(line)
+        out[name] = f"L{layer} {label}".strip() if layer is not None else label
+    return out
+
+
+def source_label(frames: dict[int, tuple[str, str, int]], frame: int) -> str:
+    """``file:function`` of the innermost model frame that is not a shared helper (helpers name their caller)."""
+    chain = []
+    seen = set()
+    while frame and frame in frames and frame not in seen:
+        seen.add(frame)
+        file, function, parent = frames[frame]
+        chain.append((file, function))
+        frame = parent
+    model = [(f, fn) for f, fn in chain if f.endswith(".py") and not f.endswith(_WRAPPERS)
+             and ("/model/" in f or "pallas_kernels" in f or "/sharding/" in f)]
+    for file, function in model:
+        base = file.rsplit("/", 1)[-1]
+        if base not in _HELPERS:
+            return f"{base}:{function}"
+    if model:
+        return f"{model[0][0].rsplit('/', 1)[-1]}:{model[0][1]}"
+    heads = [(f, fn) for f, fn in chain if f.endswith("transformer.py")]
+    return f"transformer.py:{heads[0][1]}" if heads else ""
+
+
+def _tables(text: str) -> dict[str, dict[int, str]]:
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in text.splitlines()[:200000]:
+        word = line.strip()
+        if word in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(word, {})
+            continue
+        if current is None:
+            continue
+        head = word.split(" ", 1)
+        if len(head) == 2 and head[0].isdigit():
+            current[int(head[0])] = head[1]
+        elif word.startswith(("ENTRY", "%", "HloModule")) or (word and not head[0].isdigit()):
+            current = None
+    return tables
+
+
+def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[str, str, int]]:
+    """frame id → (file, function, parent frame id or 0)."""
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    locations = {k: (_int_after(v, "file_name_id="), _int_after(v, "function_name_id="))
+                 for k, v in tables.get("FileLocations", {}).items()}
+    out = {}
+    for k, v in tables.get("StackFrames", {}).items():
+        file_id, function_id = locations.get(_int_after(v, "file_location_id="), (0, 0))
+        out[k] = (files.get(file_id, ""), functions.get(function_id, ""),
+                  max(_int_after(v, "parent_frame_id=") - 1, 0))
+    return out
+
+
+def _int_after(text: str, key: str) -> int:
+    if key not in text:
+        return 0
+    digits = ""
+    for ch in text.split(key, 1)[1]:
+        if not ch.isdigit():
+            break
+        digits += ch
+    return int(digits) if digits else 0
+
+
+def _layer_of(line: str) -> int | None:
+    if 'op_name="' not in line:
+        return None
+    op_name = line.split('op_name="', 1)[1].split('"', 1)[0]
+    for part in op_name.split("/"):
+        for prefix in ("layers.", "layer_", "layers_", "layer"):
+            if part.startswith(prefix) and part[len(prefix):].isdigit():
+                return int(part[len(prefix):])
+    return None
