@@ -358,15 +358,18 @@ def run(args) -> int:
     del flat
     engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh)
     stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
-    show_bar = not args.json and len(engine.segment_plan(longest)) > 1
-    on_prefill, stop_bar = _progress(longest, show_bar)
     if not args.json:
-        _say("compiling (the first run of each shape) ...")
+        _say("compiling ...")
+    count_before = engine.compile_count
+    compile_s = engine.precompile(len(requests), longest, record_logits=bool(args.logits_out))
+    on_prefill, stop_bar = _progress(longest, enabled=not args.json and len(plan(longest)) > 1)
     try:
         result = engine.generate(requests, on_tokens=stream, on_prefill=on_prefill,
                                  record_logits=bool(args.logits_out))
     finally:
         stop_bar()
+    result.timings.compile_s += compile_s
+    result.timings.programs_compiled = engine.compile_count - count_before
     stream.close()
     if folded and not args.json:  # the tiny model's text is noise; its ids are the real output
         for i, g in enumerate(result.generations):
