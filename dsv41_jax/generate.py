@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -311,23 +310,90 @@ def _timings_dict(t) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- main
-def run(args) -> int:
+def sampling_temperature(args) -> float:
+    """--greedy wins; no --temperature means greedy, unless --top-k/--top-p ask for sampling (then 1.0)."""
+    if args.greedy:
+        return 0.0
+    if args.temperature is not None:
+        return args.temperature
+    return 1.0 if args.top_k or args.top_p < 1.0 else 0.0
+
+
+def make_requests(specs, prompt_ids, cfg, args) -> tuple[list, int]:
+    """(requests, max_context): new tokens cut to fit the context (said on stderr), seeds seed + i."""
+    from .engine import Request  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
 
+    longest = max(len(p) for p in prompt_ids)
+    max_news = [s.max_new_tokens or args.max_new_tokens for s in specs]
+    max_context = args.max_context or default_max_context(cfg, longest, max(max_news))
+    if longest > max_context:
+        raise UsageError(f"the prompt has {longest} tokens, longer than the context of {max_context} tokens"
+                         + ("" if args.max_context else " (the model's max_position_embeddings)"))
+    fitted = [min(m, max_context - len(p) + 1) for m, p in zip(max_news, prompt_ids)]
+    if fitted != max_news:
+        _say(f"note: max new tokens cut to {min(fitted)} to fit the context of {max_context} tokens")
+    temperature = sampling_temperature(args)
+    requests = [Request(p, m, SamplingParams(temperature, args.top_k, args.top_p, args.seed + i))
+                for i, (p, m) in enumerate(zip(prompt_ids, fitted))]
+    return requests, max_context
+
+
+def generate_with_output(engine, requests, tokenizer, args):
+    """Compile, then generate with streamed text and the prefill progress bar; compile time folded in."""
+    longest = max(len(r.prompt_ids) for r in requests)
+    record = bool(args.logits_out)
+    stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
+    if not args.json:
+        _say("compiling ...")
+    count_before = engine.compile_count
+    compile_s = engine.precompile(len(requests), longest, record_logits=record)
+    on_prefill, stop_bar = _progress(longest, enabled=not args.json and len(engine.segment_plan(longest)) > 1)
+    try:
+        result = engine.generate(requests, on_tokens=stream, on_prefill=on_prefill, record_logits=record)
+    finally:
+        stop_bar()
+    stream.close()
+    result.timings.compile_s += compile_s
+    result.timings.programs_compiled = engine.compile_count - count_before
+    return result
+
+
+def report(result, tokenizer, args, description: str, max_context: int, folded: bool) -> None:
+    """Texts of a batch (or the JSON summary) on stdout; ids, the logits file and the closing line."""
+    gens = result.generations
+    if folded and not args.json:  # the tiny model's text is noise; its ids are the real output
+        for i, g in enumerate(gens):
+            _say(f"generated ids{f' {i + 1}' if len(gens) > 1 else ''}: {' '.join(map(str, g.token_ids))}")
+    texts = [tokenizer.decode(g.token_ids) for g in gens]
+    if args.json:
+        print(json.dumps({
+            "model": description, "max_context": max_context,
+            "results": [{"prompt_ids": list(g.prompt_ids), "generated_ids": list(g.token_ids), "text": text,
+                         "finish_reason": g.finish_reason} for g, text in zip(gens, texts)],
+            "timings": _timings_dict(result.timings)}, ensure_ascii=False))
+    elif len(gens) > 1:
+        for i, (g, text) in enumerate(zip(gens, texts)):
+            print(f"--- prompt {i + 1} ({len(g.prompt_ids)} tokens, {g.finish_reason}) ---\n{text}")
+    if args.logits_out:
+        import numpy as np  # noqa: PLC0415
+
+        np.savez(args.logits_out, prefill=result.prefill_logits, decode=result.decode_logits,
+                 tokens=np.array(gens[0].token_ids, np.int64))
+        _say(f"logits of prompt 1 saved to {args.logits_out}")
+    _say(summary_line(result.timings))
+
+
+def run(args) -> int:
+    from .engine import Engine, check_requests  # noqa: PLC0415
+    from .sampling import SamplingParams  # noqa: PLC0415
+    from .tokenizer import DeepSeekTokenizer  # noqa: PLC0415
+
     specs = gather_prompts(args)
-    temperature = args.temperature
-    if temperature is None:
-        temperature = 1.0 if (args.top_k or args.top_p < 1.0) and not args.greedy else 0.0
-    if args.greedy:
-        temperature = 0.0
-    SamplingParams(temperature, args.top_k, args.top_p, args.seed).validate()
+    SamplingParams(sampling_temperature(args), args.top_k, args.top_p, args.seed).validate()
     if args.logits_out and not Path(args.logits_out).resolve().parent.is_dir():
         raise UsageError(f"--logits-out: directory {Path(args.logits_out).parent} does not exist")
     check_world(args.world)
-
-    from .engine import Engine, Request, check_requests  # noqa: PLC0415
-    from .tokenizer import DeepSeekTokenizer  # noqa: PLC0415
-
     cfg, flat, description = load_model_inputs(args)
     _say(f"model: {description}")
     for feature in cfg.unsupported_features():
@@ -338,59 +404,15 @@ def run(args) -> int:
         _say(f"note: the model's vocabulary ({cfg.vocab_size} ids) is smaller than the tokenizer's "
              f"({tokenizer.vocab_size:,}): text prompt ids are folded into it (id mod {cfg.vocab_size}); "
              f"generated ids are decoded with the DeepSeek-V4 tokenizer as they are")
-    longest = max(len(p) for p in prompt_ids)
-    max_news = [s.max_new_tokens or args.max_new_tokens for s in specs]
-    max_context = args.max_context or default_max_context(cfg, longest, max(max_news))
-    if longest > max_context:
-        raise UsageError(f"the prompt has {longest} tokens, longer than the context of {max_context} tokens"
-                         + ("" if args.max_context else " (the model's max_position_embeddings)"))
-    fitted = [min(m, max_context - len(p) + 1) for m, p in zip(max_news, prompt_ids)]
-    if fitted != max_news:
-        _say(f"note: max new tokens cut to {min(fitted)} to fit the context of {max_context} tokens")
-    requests = [Request(p, m, SamplingParams(temperature, args.top_k, args.top_p, args.seed + i))
-                for i, (p, m) in enumerate(zip(prompt_ids, fitted))]
-
+    requests, max_context = make_requests(specs, prompt_ids, cfg, args)
     check_requests(requests, cfg.vocab_size, max_context)  # before the (slow) model build
     plan = segment_plan(cfg, args.world)
-    plan(longest)  # the planner may refuse the prompt
-
+    plan(max(len(p) for p in prompt_ids))  # the planner may refuse the prompt
     model, mesh = build(cfg, flat, args)
     del flat
     engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh)
-    stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
-    if not args.json:
-        _say("compiling ...")
-    count_before = engine.compile_count
-    compile_s = engine.precompile(len(requests), longest, record_logits=bool(args.logits_out))
-    on_prefill, stop_bar = _progress(longest, enabled=not args.json and len(plan(longest)) > 1)
-    try:
-        result = engine.generate(requests, on_tokens=stream, on_prefill=on_prefill,
-                                 record_logits=bool(args.logits_out))
-    finally:
-        stop_bar()
-    result.timings.compile_s += compile_s
-    result.timings.programs_compiled = engine.compile_count - count_before
-    stream.close()
-    if folded and not args.json:  # the tiny model's text is noise; its ids are the real output
-        for i, g in enumerate(result.generations):
-            _say(f"generated ids{f' {i + 1}' if len(requests) > 1 else ''}: {' '.join(map(str, g.token_ids))}")
-    texts = [tokenizer.decode(g.token_ids) for g in result.generations]
-    if args.json:
-        print(json.dumps({
-            "model": description, "max_context": max_context,
-            "results": [{"prompt_ids": list(g.prompt_ids), "generated_ids": list(g.token_ids), "text": text,
-                         "finish_reason": g.finish_reason} for g, text in zip(result.generations, texts)],
-            "timings": _timings_dict(result.timings)}, ensure_ascii=False))
-    elif len(requests) > 1:
-        for i, (g, text) in enumerate(zip(result.generations, texts)):
-            print(f"--- prompt {i + 1} ({len(g.prompt_ids)} tokens, {g.finish_reason}) ---\n{text}")
-    if args.logits_out:
-        import numpy as np  # noqa: PLC0415
-
-        np.savez(args.logits_out, prefill=result.prefill_logits, decode=result.decode_logits,
-                 tokens=np.array(result.generations[0].token_ids, np.int64))
-        _say(f"logits of prompt 1 saved to {args.logits_out}")
-    _say(summary_line(result.timings))
+    result = generate_with_output(engine, requests, tokenizer, args)
+    report(result, tokenizer, args, description, max_context, folded)
     return 0
 
 
