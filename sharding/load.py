@@ -1,8 +1,9 @@
 """Weights straight into their shards: each device receives only its own slice, read from the host source.
 
 The source is a mapping (or an iterator of pairs) of model name → host array in the *real* (unpadded) shape:
-the flat dict of ``checkpoint.load_checkpoint`` / ``make_tiny.random_weights``, or a lazy mapping over
-memory-mapped safetensors (basic slicing then reads only the requested range). No device ever holds a whole
+the flat dict of ``make_tiny.random_weights`` / ``checkpoint.load_checkpoint``, the tensor-by-tensor iterator
+``Checkpoint.iter_tensors()`` (one host tensor alive at a time), or ``checkpoint_source(open_checkpoint(dir))``,
+which decodes each device's slice on demand (routed experts expert by expert). No device ever holds a whole
 split tensor, and no array of the padded shape is built on the host.
 """
 
@@ -69,8 +70,53 @@ def place_all(source: Mapping[str, Any] | Iterable[tuple[str, Any]],
             continue
         target = targets[name]
         placed[name] = place(name, host, tuple(target.shape), target.dtype, mesh, plan)
+        if hasattr(host, "release"):
+            host.release()  # a lazily read tensor drops its host copy once every shard is placed
     missing = sorted(set(targets) - set(placed))
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing[:5]}{'…' if len(missing) > 5 else ''}"
                          f", unexpected {sorted(unexpected)[:5]}{'…' if len(unexpected) > 5 else ''}")
     return placed
+
+
+class CheckpointTensor:
+    """One model tensor of an opened ``checkpoint.Checkpoint``, decoded only when sliced.
+
+    A stacked routed-expert tensor ``[E, ·, ·]`` is decoded expert by expert and only for the experts and rows
+    the slice asks for, so each device's shard is built without the whole stacked tensor ever existing on the
+    host (expert parallelism: each device decodes only its own experts). Other tensors are decoded once and
+    kept until ``release`` (every device's slice of a replicated tensor comes from one read).
+    """
+
+    def __init__(self, ckpt: Any, name: str, shape: tuple[int, ...], dtype: str):
+        self.ckpt, self.name, self.shape, self.dtype = ckpt, name, tuple(shape), dtype
+        self.stacked = ".ffn.experts." in name
+        self._whole: np.ndarray | None = None
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (len(self.shape) - len(index))
+        if not self.stacked:
+            if self._whole is None:
+                self._whole = self.ckpt.read(self.name, dtype=self.dtype)
+            return self._whole[index]
+        experts = range(self.shape[0])[index[0]]
+        rest = index[1:]
+        rows = np.broadcast_to(np.empty((), np.float32), self.shape[1:])[rest].shape
+        out = None
+        for i, e in enumerate(experts):
+            one = self.ckpt.read(self.name, dtype=self.dtype, experts=[e])[0][rest]
+            out = np.empty((len(experts), *rows), one.dtype) if out is None else out
+            out[i] = one
+        return out if out is not None else np.empty((0, *rows), np.float32)
+
+    def release(self) -> None:
+        self._whole = None
+
+
+def checkpoint_source(ckpt: Any, dtype: str = "float32") -> dict[str, CheckpointTensor]:
+    """Model name → lazily decoded tensor for ``prepare`` (``ckpt`` from ``checkpoint.open_checkpoint``).
+
+    ``dtype``: "float32" or "bfloat16" (what ``Checkpoint.read`` decodes to; f32 parameters stay f32).
+    """
+    return {name: CheckpointTensor(ckpt, name, shape, dtype) for name, shape in ckpt.model_shapes.items()}

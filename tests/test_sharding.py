@@ -120,7 +120,7 @@ def _moe_reference(x, ids, w, weights, *, swiglu_limit):
     return jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * w[..., None], axis=1)
 
 
-@pytest.mark.parametrize("world,layout", [(2, "tp"), (4, "tp"), (8, "tp"), (4, "ep"), (8, "ep")])
+@pytest.mark.parametrize("world,layout", [(4, "tp"), (8, "tp"), (8, "ep")])
 def test_routed_experts_wrapper_matches_one_device(world, layout):
     rng = np.random.default_rng(1)
     n_exp, dim, width, n_tok, k = 8, 16, 640, 5, 2
@@ -158,7 +158,7 @@ def _attention_reference(q, kv_pool, topk, window, window_start, q_pos, sinks, *
     return jnp.einsum("bthj,btjd->bthd", p / denom, keys)
 
 
-@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("world", [4])
 def test_sparse_attention_wrapper_matches_one_device(world):
     rng = np.random.default_rng(2)
     b, t, h, dh, n, s, k = 2, 3, 16, 8, 6, 5, 4
