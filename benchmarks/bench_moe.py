@@ -1,10 +1,10 @@
 """Routed-expert (x3gm) benchmark on one GPU: the Pallas kernel vs jax.lax.ragged_dot vs the weight-read floor.
 
-python benchmarks/bench_moe.py [--quick] [--json PATH]
+PYTHONPATH=. python benchmarks/bench_moe.py [--quick] [--ragged] [--breakdown] [--json PATH]
 
 Shape (PLANNER.md §E, issue 7): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
 F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 8 rows. The floor is the
-bytes of the touched experts' weights over the copy bandwidth measured in the same run. Prints GPU
+bytes of the touched experts' weights over 4.3 TB/s (the copy bandwidth measured on this H200 kind). Prints GPU
 correctness checks (compiled kernel vs the f32 reference) first and a table last.
 """
 
@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from pallas_kernels.moe.reference import routed_experts_reference
 
 E, D, K, ROWS = 384, 5120, 6, 2048
 LIMIT = 10.0
+FLOOR_BANDWIDTH = 4.3e12  # B/s: device-to-device copy measured on this H200 kind (KINDS.md), the issue's floor
 INTERPRET = False  # True only for a CPU dry run of this script
 QUICK_CHECKS = False
 
@@ -45,17 +47,22 @@ def timed(fn, *args, reps: int = 10) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device elementwise pass over 4 GiB (read + write counted)."""
+    """Bytes/s of an XLA elementwise pass over 4 GiB (read + write counted); printed as a sanity probe
+    only (it read 2.95 TB/s where a plain copy reads 4.3), the floors use FLOOR_BANDWIDTH."""
     a = random_bf16(jax.random.key(0), (2 << 30,))
     f = jax.jit(lambda v: v * 2)
     seconds = timed(f, a)
     return 2 * a.nbytes / seconds
 
 
+@partial(jax.jit, static_argnums=1)
 def random_bf16(key, shape) -> jax.Array:
-    """Random bf16 with magnitudes in [2^-7, 2^-5) and random signs (no zeros, no denormals)."""
-    bits = jax.random.bits(key, shape, jnp.uint16)
-    bits = (bits & 0x807F) | 0x3C00 | ((bits & 0x0100) >> 1)  # exponent 120 or 121
+    """Random bf16 with magnitudes in [2^-7, 2^-6) and random signs (no zeros, no denormals).
+
+    Built from 32-bit draws split in two under one jit, so the peak is twice the result, not more."""
+    bits = jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(bits, jnp.uint16).reshape(shape)
+    bits = (bits & 0x807F) | 0x3C00  # sign, 7 mantissa bits, exponent 120
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
@@ -245,8 +252,10 @@ def main() -> int:
     global QUICK_CHECKS
     QUICK_CHECKS = args.quick_checks
     checks = gpu_checks(key)
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    probe = copy_bandwidth()
+    print(f"XLA elementwise probe {probe / 1e12:.2f} TB/s; floors use {FLOOR_BANDWIDTH / 1e12:.1f} TB/s",
+          flush=True)
+    bandwidth = FLOOR_BANDWIDTH
 
     start = time.perf_counter()
     rows_out: list[dict] = []
@@ -282,7 +291,7 @@ def main() -> int:
         with open(args.json, "w") as fh:
             json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
                            bandwidth=bandwidth, checks=checks, rows=rows_out), fh, indent=1)
-    print(f"\njax {jax.__version__} on {jax.devices()[0].device_kind}; copy {bandwidth / 1e12:.2f} TB/s")
+    print(f"\njax {jax.__version__} on {jax.devices()[0].device_kind}; floor at {bandwidth / 1e12:.1f} TB/s")
     print("\n".join(checks))
     print(f"| case | impl | ms | floor ms | x floor | GB/s | experts touched |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

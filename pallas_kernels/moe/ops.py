@@ -104,7 +104,7 @@ def _largest_block(size: int, candidates: tuple[int, ...], what: str) -> int:
 def default_config(num_pairs: int, weights: ExpertWeights) -> moe_kernel.KernelConfig:
     """Block sizes for this shape: BM by the mean rows per expert, the rest the largest that divide.
 
-    bf16 takes wider K and N blocks than fp4, whose in-register dequantisation wants smaller tiles
+    bf16 streams 128-wide K chunks (3 stages); fp4, dequantised in registers, did best with 64
     (measured on an H200: docs/benchmarks/moe.md).
     """
     block_m = default_block_m(num_pairs, weights.num_experts)
@@ -117,7 +117,7 @@ def default_config(num_pairs: int, weights: ExpertWeights) -> moe_kernel.KernelC
     return moe_kernel.KernelConfig(
         block_m=block_m, block_f=block_f,
         block_k=_largest_block(weights.dim, (128, 64, 32), "model width D"), gate_up_stages=3,
-        block_n=_largest_block(weights.dim, (256, 128, 64, 32), "model width D"), down_warps=8)
+        block_n=_largest_block(weights.dim, (128, 64, 32), "model width D"))
 
 
 def _even_odd_chunks(x: jax.Array, chunk: int) -> jax.Array:
