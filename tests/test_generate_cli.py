@@ -29,11 +29,12 @@ def mini_config_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A complete mini checkpoint, one with a shard deleted, one with no weights, one of another model."""
+    """The mini model's random weights (seed 0) as a checkpoint, the same with a shard deleted, a directory with
+    no weights, one of another model."""
     root = tmp_path_factory.mktemp("ckpt")
     cfg = mini_config()
-    make_tiny.write_checkpoint(root / "incomplete", cfg, make_tiny.random_weights(cfg, 0), "none",
-                               shard_bytes=1 << 16)
+    for name in ("complete", "incomplete"):
+        make_tiny.write_checkpoint(root / name, cfg, make_tiny.random_weights(cfg, 0), "none", shard_bytes=1 << 16)
     index = json.loads((root / "incomplete" / "model.safetensors.index.json").read_text())
     (root / "incomplete" / sorted(set(index["weight_map"].values()))[-1]).unlink()
     (root / "no_weights").mkdir()
@@ -147,6 +148,19 @@ def test_streamed_text_and_closing_line(mini_config_file, tmp_path, capsys):
     assert closing.startswith("prompt 4 tokens (1 segment)")
     for part in ("prefill", "tok/s", f"decode {len(tokens)} tokens", "compile"):
         assert part in closing
+
+
+def test_checkpoint_run_equals_embedded_weights(mini_config_file, checkpoints, tmp_path, capsys):
+    """The checkpoint holds ``random_weights(cfg, 0)`` stored exactly, so it generates what --config does.
+    (--logits-out only so the runs share the other tests' compiled programs.)"""
+    ids = []
+    for source in (["--config", str(mini_config_file)], ["--checkpoint", str(checkpoints / "complete")]):
+        rc = main([*source, "--prompt-ids", "0,17,33,250", "--max-new-tokens", "4", "--dtype", "float32", "--json",
+                   "--logits-out", str(tmp_path / "x.npz")])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        ids.append(json.loads(captured.out)["results"][0]["generated_ids"])
+    assert "checkpoint" in captured.err and ids[0] == ids[1]
 
 
 def test_world_2_matches_world_1(mini_config_file, tmp_path, capsys):
