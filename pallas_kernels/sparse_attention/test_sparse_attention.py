@@ -104,7 +104,7 @@ def test_kernel_matches_reference(name):
     assert_close(run_kernel(args, case.window), reference_f32(args, case.window))
 
 
-@pytest.mark.parametrize("tiling", [(16, 4, 3), (64, 8, 2)])
+@pytest.mark.parametrize("tiling", [(16, 4, 3), (32, 4, 2)])
 def test_other_key_tiles(tiling):
     """The benchmark's alternative tilings compute the same function (ragged last compressed/window tile)."""
     case = Case(rows=3, heads=16, head_dim=64, topk=70, window=20, first_pos=(30,))
