@@ -5,8 +5,8 @@ The partitioner cannot split a Pallas call, so under a mesh the kernels run per 
 * ``sparse_attention``: q and sinks split on heads (``rules`` "q" / attn_sink); the KV latent, window, top-k
   and positions are replicated (shared by every head); o comes back split on heads. No collective.
 * ``routed_experts``: x, top-k ids and weights replicated (every rank routes identically); layout "tp": each
-  device's expert weights hold its F columns (padding columns are zero); layout "ep": its whole experts, with
-  the other experts' picks given weight 0. Each device's y is a partial sum; one ``psum`` in f32 (§F.4).
+  device's expert weights hold its F columns (padding columns are zero); layout "ep": its whole experts, the
+  other ranks' picks passed as id -1 (outside [0, E): no work, no contribution) with weight 0. Each device's y is a partial sum; one ``psum`` in f32 (§F.4).
 
 Both have the ops' signatures (docs/DESIGN.md) plus ``mesh``/``layout`` (default: the active ones of
 ``context.activate``; with neither, the op runs unsharded) and ``op`` (default: the ``pallas_kernels`` entry).
@@ -85,7 +85,8 @@ def _expert_spec(path, layout: str) -> P:
 
 
 def _local_experts(ids, w, experts_here: int):
-    """Global expert ids → this rank's (ids of other ranks' experts get id 0 and weight 0)."""
+    """Global expert ids → this rank's; other ranks' picks get id -1 (outside [0, E): "contributes nothing"
+    in the kernel contract, and no work) and, should an op still look one up, weight 0."""
     local = ids - jax.lax.axis_index(TP) * experts_here
     mine = (local >= 0) & (local < experts_here)
-    return jnp.where(mine, local, 0).astype(ids.dtype), jnp.where(mine, w, 0.0).astype(w.dtype)
+    return jnp.where(mine, local, -1).astype(ids.dtype), jnp.where(mine, w, 0.0).astype(w.dtype)
