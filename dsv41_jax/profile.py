@@ -59,6 +59,7 @@ class Request:
     compile_only: bool
     fast_compile: bool
     as_json: bool
+    json_out: Path | None = None
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -76,6 +77,7 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per step (median reported)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write jax.profiler traces under DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON report to FILE")
     p.add_argument("--compile-only", action="store_true", help="abstract weights: compile and analyse, no runs")
     p.add_argument("--fast-compile", action="store_true",
                    help="XLA CPU: LLVM optimisation off (quick smoke runs; step times not representative)")
@@ -103,7 +105,8 @@ def parse_args(argv: list[str] | None) -> Request:
                          f"{cfg.max_position_embeddings:,} positions")
     admit(cfg, a.world)  # PlanRefused names the rule and the worlds that work
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
-                   a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json)
+                   a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
+                   Path(a.json_out) if a.json_out else None)
 
 
 # ------------------------------------------------------------------------------------------------- planner
@@ -133,8 +136,11 @@ def _diff_pct(predicted: float | None, measured: float | None) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------------- running
-def run(req: Request) -> dict:
-    """Build, compile, analyse, time and trace; returns the report (the ``--json`` object)."""
+def run(req: Request, on_step=None) -> dict:
+    """Build, compile, analyse, time and trace; returns the report (the ``--json`` object).
+
+    ``on_step(report, entry)`` is called after each step, so a run cut short still shows what it measured.
+    """
     import jax
 
     from dsv41_jax.model import ModelOptions
@@ -168,6 +174,8 @@ def run(req: Request) -> dict:
             if req.trace_dir is not None and step.result.times_s:
                 entry["trace"] = _trace(req, step, jax, measure)
             report["steps"].append(entry)
+            if on_step is not None:
+                on_step(report, entry)
             del step
         del cache
     return report
@@ -265,39 +273,49 @@ def _fmt_pct(x) -> str:
     return "—" if x is None else f"{x:+.1f} %"
 
 
-def print_report(report: dict, out=sys.stdout) -> None:
+def print_header(report: dict, out=sys.stdout) -> None:
+    out.write(f"{report['config']} layers {report['layers']} ({', '.join(report['roles'])}) · world "
+              f"{report['world']} · batch {report['batch']} · {report['dtype']} · impl {report['impl']}\n")
+    out.write(f"{report['device']} ({report['platform']}) · jax {report['jax']} · {report['date']} · weights "
+              f"{_fmt_bytes(report['weights_per_device'])} per device · built in {report['build_s']:.1f} s\n")
+
+
+def print_step(s: dict, out=sys.stdout) -> None:
     w = out.write
-    w(f"{report['config']} layers {report['layers']} ({', '.join(report['roles'])}) · world {report['world']} · "
-      f"batch {report['batch']} · {report['dtype']} · impl {report['impl']}\n")
-    w(f"{report['device']} ({report['platform']}) · jax {report['jax']} · {report['date']} · "
-      f"weights {_fmt_bytes(report['weights_per_device'])} per device · built in {report['build_s']:.1f} s\n")
+    w(f"\n== {s['kind']} · {s['rows']:,} rows at position {s['position']:,} ==\n")
+    if s["error"]:
+        w(f"  error: {s['error']}\n")
+    f = s["flops"]
+    w(f"  compile {s['compile_s']:.1f} s · FLOPs/device XLA {_num(f['xla'])} vs spec {_num(f['spec'])} "
+      f"(x{f['xla_over_spec']:.2f})\n" if f["xla_over_spec"] else
+      f"  compile {s['compile_s']:.1f} s · FLOPs/device spec {_num(f['spec'])} (XLA: none)\n")
+    w(f"  bytes accessed (XLA) {_fmt_bytes(s['bytes_accessed_xla'])}\n")
+    w(f"  {'memory/device':<14}{'XLA':>14}{'planner':>14}{'diff':>10}\n")
+    for name, m in s["memory"].items():
+        w(f"  {name:<14}{_fmt_bytes(m['xla']):>14}{_fmt_bytes(m['predicted']):>14}{_fmt_pct(m['diff_pct']):>10}\n")
+    if s["planner_refused"]:
+        w(f"  planner refused this segment: {s['planner_refused']}\n")
+    if s["median_s"]:
+        w(f"  median {s['median_s'] * 1e3:,.2f} ms over {len(s['times_s'])} runs · "
+          f"{s['tokens_per_s']:,.1f} tokens/s\n")
+    if "trace" in s:
+        _print_trace(s["trace"], s["median_s"], w)
+    out.flush()
+
+
+def print_report(report: dict, out=sys.stdout) -> None:
+    print_header(report, out)
     for s in report["steps"]:
-        w(f"\n== {s['kind']} · {s['rows']:,} rows at position {s['position']:,} ==\n")
-        if s["error"]:
-            w(f"  error: {s['error']}\n")
-        f = s["flops"]
-        w(f"  compile {s['compile_s']:.1f} s · FLOPs/device XLA {_num(f['xla'])} vs spec {_num(f['spec'])} "
-          f"(x{f['xla_over_spec']:.2f})\n" if f["xla_over_spec"] else
-          f"  compile {s['compile_s']:.1f} s · FLOPs/device spec {_num(f['spec'])} (XLA: none)\n")
-        w(f"  bytes accessed (XLA) {_fmt_bytes(s['bytes_accessed_xla'])}\n")
-        w(f"  {'memory/device':<14}{'XLA':>14}{'planner':>14}{'diff':>10}\n")
-        for name, m in s["memory"].items():
-            w(f"  {name:<14}{_fmt_bytes(m['xla']):>14}{_fmt_bytes(m['predicted']):>14}{_fmt_pct(m['diff_pct']):>10}\n")
-        if s["planner_refused"]:
-            w(f"  planner refused this segment: {s['planner_refused']}\n")
-        if s["median_s"]:
-            w(f"  median {s['median_s'] * 1e3:,.2f} ms over {len(s['times_s'])} runs · "
-              f"{s['tokens_per_s']:,.1f} tokens/s\n")
-        if "trace" in s:
-            _print_trace(s["trace"], w)
+        print_step(s, out)
 
 
-def _print_trace(t: dict, w) -> None:
+def _print_trace(t: dict, median_s, w) -> None:
     if "error" in t:
         w(f"  trace: {t['error']}\n")
         return
     total = t["op_seconds"] or 1.0
-    w(f"  trace {t['dir']} · ops {t['op_seconds'] * 1e3:,.2f} ms a step\n")
+    covered = f" ({100 * t['op_seconds'] / median_s:.0f} % of the median step)" if median_s else ""
+    w(f"  trace {t['dir']} · attributed ops {t['op_seconds'] * 1e3:,.2f} ms a step{covered}\n")
     w("  by module: " + ", ".join(f"{c['source']} {100 * c['seconds'] / total:.0f} %" for c in t["components"][:8])
       + "\n")
     for o in t["top_ops"][:10]:
@@ -323,16 +341,34 @@ def main(argv: list[str] | None = None) -> int:
     from sharding import ShardingError, request_host_devices
 
     request_host_devices(req.world)  # CPU: simulated devices; only effective before JAX starts
+    if req.trace_dir is not None:
+        _one_kernel_per_op()
+
+    def on_step(report: dict, entry: dict) -> None:
+        if req.json_out is not None:
+            req.json_out.write_text(json.dumps(report, indent=1))
+        if not req.as_json:
+            if len(report["steps"]) == 1:
+                print_header(report)
+            print_step(entry)
+
     try:
-        report = run(req)
+        report = run(req, on_step)
     except (UsageError, ShardingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if req.as_json:
         print(json.dumps(report, indent=1))
-    else:
-        print_report(report)
     return 1 if any(s["error"] for s in report["steps"]) else 0
+
+
+def _one_kernel_per_op() -> None:
+    """GPU: no CUDA-graph command buffers, so the trace has one kernel event per XLA op to attribute (inside a
+    command buffer the kernels are not named by op). Must run before JAX starts; a no-op on CPU."""
+    import os
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_command_buffer" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_command_buffer=").strip()
 
 
 if __name__ == "__main__":
