@@ -21,7 +21,10 @@ def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
 def rms_normalize(x: jnp.ndarray, eps: float) -> jnp.ndarray:
     """x · (mean(x²) + eps)^(-1/2) over the last axis, in f32."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    # 1/sqrt (both correctly rounded), as MLX computes it, rather than XLA's rsqrt, which is off by an ulp at
+    # times (the ulp flips bf16 roundings against mlx-lm). The barrier stops XLA rewriting 1/sqrt into rsqrt.
+    root = jax.lax.optimization_barrier(jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+    return x * (1.0 / root)
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
