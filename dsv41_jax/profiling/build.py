@@ -1,9 +1,10 @@
 """Random weights and a filled cache made on the devices, already sharded (no host copy of the model).
 
-Weights: the model is built abstractly (``nnx.eval_shape``); each parameter is then drawn by a small jitted
-program whose ``out_shardings`` is the parameter's ``NamedSharding`` from the rule table (``sharding.rules``),
-so every device draws only its own shard (JAX's partitionable threefry). Scales follow ``make_tiny``'s
-(linear N(0, 1/fan_in), norms 1 ± 0.1, small HC mixes) so activations stay O(1). The model is the
+Weights: the model is built abstractly (``nnx.eval_shape``); one jitted program then draws every parameter,
+its ``out_shardings`` the parameters' ``NamedSharding``s from the rule table (``sharding.rules``). The values
+come from a counter hash of each element's index (elementwise over iotas), so the SPMD partitioner gives each
+device only its own shard to compute. Scales follow ``make_tiny`` (linear weights of std 1/√fan_in, norms
+1 ± 0.1, small HC mixes) so activations stay O(1); the distribution is uniform, not normal. The model is the
 ``sharding.ShardedTransformer`` that ``sharding.prepare`` makes, with the padded run config.
 
 Cache: ``init_cache`` sized ``position + rows`` per sequence, every array filled with random values (window
@@ -55,7 +56,7 @@ def build_model(cfg: ModelConfig, world: int, options: ModelOptions, *, seed: in
         rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
                             jax.eval_shape(lambda: nnx.split(construct(), nnx.Param, ...)[2]))
     else:
-        arrays = jax.jit(functools.partial(_draw_all, specs), out_shardings=shardings)(seed)
+        arrays = jax.jit(functools.partial(_draw_all, specs), out_shardings=shardings)()
         rest = _non_params(construct, mesh)
     drawn = nnx.from_flat_state([(path, var.replace(a)) for (path, var), a in zip(flat, arrays)])
     inner = nnx.merge(graphdef, drawn, rest)
@@ -81,14 +82,13 @@ def _scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     return 0.0, 1.0 / math.sqrt(shape[-1])
 
 
-def _draw_all(specs, root) -> list[jax.Array]:
+def _draw_all(specs) -> list[jax.Array]:
     """One program drawing every parameter: mean + std·U, U uniform with unit variance, in the parameter's dtype.
 
     A counter hash (``_hash_uniform``), not threefry: it compiles in well under a second for hundreds of
     tensors (threefry took ~50 s on CPU for the tiny model) and, being elementwise over iotas, each device
     computes only its own shard. The values only need to be finite and of the right scale for profiling.
     """
-    del root
     out = []
     for salt, shape, dtype, mean, std in specs:
         u = _hash_uniform(shape, salt)  # f32 [shape] in [0, 1)
