@@ -1,0 +1,96 @@
+"""Chunk invariance of the static-shape caches (`MODEL.md` §D.4) and ragged batches.
+
+The reference for every case is the model's own one-pass run of the whole sequence (an independent code path:
+no cache reads at all), and `tests/test_parity_mlx.py` ties that one pass to mlx-lm. A 56-token sequence on
+TINY: the window (8) evicts, ratio-2 layers see > index_topk entries, the reindex layer > K_B·B_c entries.
+
+Segments of 16 and 5 rows run through the 17-row program with ``lengths`` (the rest is padding), which is
+also what makes the padding rows' "don't touch the cache" rule part of every comparison.
+
+Tolerances (logits O(4)): rounding points off 1e-4 (different GEMM shapes change f32 summation order only;
+observed ≤ 6e-6). On: median 1e-4, max 0.05 — a last-bit difference can cross an fp8/fp4 rounding boundary,
+one quantum, which moves later logits by 1e-4…5e-3 (`MODEL.md` §C.4; observed ≤ 1.3e-3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model_helpers import Runner, model_state, split_sizes
+
+from dsv41_jax.config import load_named
+from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.model import ModelOptions
+
+TOTAL, PROMPT, MAX_CONTEXT = 56, 48, 64
+OPTIONS = {"off": ModelOptions(dtype="float32", quant_rounding=False),
+           "on": ModelOptions(dtype="float32", quant_rounding=True)}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_named("tiny")
+    flat = random_weights(cfg, 0)
+    states = {k: model_state(cfg, o, flat) for k, o in OPTIONS.items()}
+    ids = np.random.default_rng(7).integers(3, cfg.vocab_size - 3, TOTAL)
+    one_pass = {k: Runner(cfg, OPTIONS[k], states[k], rows=TOTAL, max_context=MAX_CONTEXT).prefill(ids, [TOTAL])
+                for k in OPTIONS}
+    return cfg, states, ids, one_pass
+
+
+def _check(got, want, rounding: str):
+    err = np.abs(got - want)
+    if rounding == "off":
+        assert err.max() < 1e-4, err.max()
+    else:
+        assert np.median(err) < 1e-4 and err.max() < 0.05, (np.median(err), err.max())
+    return err.max()
+
+
+@pytest.mark.parametrize("rounding", ["off", "on"])
+@pytest.mark.parametrize("size", [16, 17, 5])
+def test_segments_then_decode_match_one_pass(setup, rounding, size):
+    cfg, states, ids, one_pass = setup
+    runner = Runner(cfg, OPTIONS[rounding], states[rounding], rows=17, max_context=MAX_CONTEXT)
+    got = runner.prefill(ids, split_sizes(PROMPT, size) + [1] * (TOTAL - PROMPT))  # then 8 one-row decodes
+    print(f"\nsegments of {size}, rounding {rounding}: max|Δ| {_check(got, one_pass[rounding], rounding):.2e}")
+
+
+@pytest.mark.parametrize("rounding", ["off", "on"])
+def test_row_by_row_decode_matches_one_pass(setup, rounding):
+    cfg, states, ids, one_pass = setup
+    runner = Runner(cfg, OPTIONS[rounding], states[rounding], rows=1, max_context=MAX_CONTEXT)
+    got = runner.prefill(ids, [1] * TOTAL)
+    print(f"\nrow by row, rounding {rounding}: max|Δ| {_check(got, one_pass[rounding], rounding):.2e}")
+
+
+def test_ragged_batch_matches_one_by_one(setup):
+    """Three sequences in one batch, each fed its own schedule of segment lengths (0 = idle this call), so
+    they sit at different offsets and groups open/close at different rows; each must equal its one-pass run."""
+    cfg, states, ids, one_pass = setup
+    seqs = [ids, np.roll(ids, 11), ids[::-1].copy()]
+    # Each sequence's one-pass reference (batch 1, the program of `setup`).
+    refs = [one_pass["off"]] + [Runner(cfg, OPTIONS["off"], states["off"], rows=TOTAL,
+                                       max_context=MAX_CONTEXT).prefill(s, [TOTAL]) for s in seqs[1:]]
+    schedules = [[17, 17, 14] + [1] * 8,
+                 [5, 0, 17, 3, 16, 7] + [1] * 8,
+                 [0, 9, 1, 17, 17, 4] + [1] * 8]
+    runner = Runner(cfg, OPTIONS["off"], states["off"], batch=3, rows=17, max_context=MAX_CONTEXT)
+    got = [[] for _ in seqs]
+    starts = [0, 0, 0]
+    for call in range(max(len(s) for s in schedules)):
+        segs = []
+        for b, sched in enumerate(schedules):
+            n = sched[call] if call < len(sched) else 0
+            segs.append(seqs[b][starts[b] : starts[b] + n])
+            starts[b] += n
+        logits, _ = runner.step(segs)
+        for b, rows in enumerate(logits):
+            got[b].append(rows)
+    assert starts == [TOTAL] * 3
+    for b in range(3):
+        err = np.abs(np.concatenate(got[b]) - refs[b]).max()
+        print(f"\nsequence {b}: max|Δ| {err:.2e}")
+        assert err < 1e-4
+    np.testing.assert_array_equal(np.asarray(runner.cache.offset), [TOTAL] * 3)
