@@ -132,6 +132,10 @@ class Attention(nnx.Module):
                 from pallas_kernels.sparse_attention.ops import sparse_attention as kernel
             except ImportError as e:
                 raise RuntimeError(f"attention_impl='pallas' needs pallas_kernels.sparse_attention.ops ({e})") from None
+            if kv_pool is None:  # window-only layer: the kernel takes one empty pick of a one-row pool
+                kv_pool = jnp.zeros((q.shape[0], 1, q.shape[-1]), q.dtype)
+                topk = jnp.full((*q.shape[:2], 1), -1, jnp.int32)
+                args = (q, kv_pool, topk, *args[3:])
             return kernel(*args, **kwargs, impl="pallas")
         return sparse_attention(*args, **kwargs)
 

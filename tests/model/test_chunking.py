@@ -94,3 +94,16 @@ def test_ragged_batch_matches_one_by_one(setup):
         print(f"\nsequence {b}: max|Δ| {err:.2e}")
         assert err < 1e-4
     np.testing.assert_array_equal(np.asarray(runner.cache.offset), [TOTAL] * 3)
+
+
+def test_padding_rows_with_a_zero_embedding_stay_out(setup):
+    """Padding rows whose embedding is all zero turn to NaN in the first norm (ε = 1e-20, `MODEL.md` preamble);
+    the valid rows and the cache must not notice: segments of 5 in the 17-row program still equal one pass."""
+    cfg, _, ids, _ = setup
+    flat = random_weights(cfg, 0)
+    flat["embed.weight"][2] = 0.0  # the pad id `Runner` puts in padding rows; the prompt never uses it
+    state = model_state(cfg, OPTIONS["off"], flat)
+    want = Runner(cfg, OPTIONS["off"], state, rows=TOTAL, max_context=MAX_CONTEXT).prefill(ids, [TOTAL])
+    got = Runner(cfg, OPTIONS["off"], state, rows=17, max_context=MAX_CONTEXT).prefill(ids, split_sizes(TOTAL, 5))
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() < 1e-4

@@ -1,0 +1,139 @@
+"""Building blocks against independent references: the §C.2 rounding points (numpy + ml_dtypes and the
+spec's e2m1 table), RoPE, Sinkhorn, the static cache layout and the weight loader's refusals."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv41_jax.config import load_named, yarn_inv_freq
+from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.model import ModelOptions, Transformer, WeightsError, init_cache, load_weights
+from dsv41_jax.model.hc import sinkhorn
+from dsv41_jax.model.quant import fake_quant_fp4, fake_quant_fp8, round_e2m1
+from dsv41_jax.model.rope import apply_rope, inv_frequencies
+
+
+def _blocks(x, block):
+    return x.reshape(*x.shape[:-1], -1, block)
+
+
+def test_fp8_window_rounding_matches_numpy_ml_dtypes():
+    x = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32) * np.logspace(-6, 3, 128)
+    v = _blocks(x, 32)
+    amax = np.maximum(np.abs(v).max(-1, keepdims=True), 1e-4)
+    scale = 2.0 ** np.ceil(np.log2(amax.astype(np.float64) / 448))
+    want = (np.clip(v / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale)
+    got = np.asarray(fake_quant_fp8(jnp.asarray(x), 32))
+    np.testing.assert_array_equal(got, want.reshape(x.shape).astype(np.float32))
+
+
+def test_e2m1_rounding_follows_the_spec_table():
+    """`MODEL.md` §C.2: |y| ≤ 0.25 → 0, (0.25, 0.75) → 0.5, [0.75, 1.25] → 1, (1.25, 1.75) → 1.5,
+    [1.75, 2.5] → 2, (2.5, 3.5) → 3, [3.5, 5] → 4, > 5 → 6, sign kept."""
+    table = {0.25: 0, 0.26: 0.5, 0.74: 0.5, 0.75: 1, 1.25: 1, 1.26: 1.5, 1.75: 2, 2.5: 2, 2.51: 3,
+             3.49: 3, 3.5: 4, 5.0: 4, 5.01: 6, 6.0: 6}
+    y = np.array(list(table), np.float32)
+    want = np.array(list(table.values()), np.float32)
+    np.testing.assert_array_equal(np.asarray(round_e2m1(jnp.asarray(y))), want)
+    np.testing.assert_array_equal(np.asarray(round_e2m1(jnp.asarray(-y))), -want)
+
+
+@pytest.mark.parametrize("e4m3_scale,block", [(True, 16), (False, 32)])
+def test_fp4_rounding_scales(e4m3_scale, block):
+    """Compressed KV: scale e4m3(max(amax, 6·2⁻⁹)/6); index keys/queries: 2^⌈log2(max(amax, 6·2⁻¹²⁶)/6)⌉."""
+    x = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32) * 3
+    v = _blocks(x, block)
+    if e4m3_scale:
+        amax = np.maximum(np.abs(v).max(-1, keepdims=True), 6 * 2.0**-9)
+        scale = (amax / 6).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    else:
+        amax = np.maximum(np.abs(v).max(-1, keepdims=True), 6 * 2.0**-126)
+        scale = (2.0 ** np.ceil(np.log2(amax.astype(np.float64) / 6))).astype(np.float32)
+    y = np.clip(v / scale, -6, 6)
+    levels = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    # nearest level; ties (exact midpoints) do not occur for these random values
+    nearest = levels[np.abs(np.abs(y)[..., None] - levels).argmin(-1)] * np.sign(y)
+    got = np.asarray(fake_quant_fp4(jnp.asarray(x), block, e4m3_scale=e4m3_scale))
+    np.testing.assert_allclose(got, (nearest * scale).reshape(x.shape), rtol=0, atol=0)
+
+
+def test_rounding_skipped_when_width_is_not_a_block_multiple():
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 40)), jnp.float32)
+    assert (fake_quant_fp8(x, 32) == x).all() and (fake_quant_fp4(x, 16, True) == x).all()
+
+
+def test_rope_rotates_interleaved_pairs_of_the_last_dims_and_inverts():
+    cfg = load_named("tiny")
+    freqs = inv_frequencies(cfg, 2)
+    assert np.allclose(freqs, yarn_inv_freq(cfg, 2), rtol=1e-6)
+    x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+    pos = np.arange(5) * 7
+    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(pos), freqs))
+    np.testing.assert_array_equal(got[:, :48], x[:, :48])  # the un-rotated 48 dims untouched
+    i = 3  # pair 3 = dims 48 + 6, 48 + 7
+    phi = pos * np.float32(freqs[i])
+    x0, x1 = x[:, 48 + 2 * i], x[:, 49 + 2 * i]
+    np.testing.assert_allclose(got[:, 48 + 2 * i], x0 * np.cos(phi) - x1 * np.sin(phi), atol=1e-5)
+    np.testing.assert_allclose(got[:, 49 + 2 * i], x1 * np.cos(phi) + x0 * np.sin(phi), atol=1e-5)
+    back = apply_rope(jnp.asarray(got), jnp.asarray(pos), freqs, inverse=True)
+    np.testing.assert_allclose(np.asarray(back), x, atol=1e-5)
+
+
+def test_sinkhorn_columns_sum_to_one():
+    c = np.random.default_rng(4).random((10, 4, 4)).astype(np.float32) + 1e-6
+    out = np.asarray(sinkhorn(jnp.asarray(c), 20, 1e-6))
+    np.testing.assert_allclose(out.sum(-2), 1.0, atol=1e-5)
+    np.testing.assert_allclose(out.sum(-1), 1.0, atol=1e-3)
+
+
+def test_cache_shapes_follow_the_roles():
+    cfg = load_named("tiny")
+    cache = init_cache(cfg, batch=2, max_context=49, dtype="bfloat16")
+    for layer, lc in enumerate(cache.layers):
+        assert lc.window.shape == (2, cfg.sliding_window, cfg.head_dim)
+        full = cfg.role(layer) == "full"
+        assert (lc.compressed is not None) == full
+        if full:
+            assert lc.compressed.shape == (2, math.ceil(49 / cfg.ratio(layer)), cfg.head_dim)
+            assert (lc.pending_kv is not None) == (cfg.ratio(layer) == 2)
+    assert cache.offset.shape == (2,)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = load_named("tiny")
+    return cfg, Transformer(cfg, ModelOptions(dtype="float32"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("change,message", [
+    ("drop", "missing tensor 'layers.3.attn.wq_a.weight'"),
+    ("extra", "unexpected tensor 'layers.3.attn.bogus.weight'"),
+    ("shape", "tensor 'layers.3.attn.wq_a.weight' has shape (4, 4)"),
+])
+def test_load_weights_refuses_by_name(tiny_model, change, message):
+    cfg, model = tiny_model
+    flat = random_weights(cfg, 0)
+    if change == "drop":
+        del flat["layers.3.attn.wq_a.weight"]
+    elif change == "extra":
+        flat["layers.3.attn.bogus.weight"] = np.zeros(3, np.float32)
+    else:
+        flat["layers.3.attn.wq_a.weight"] = np.zeros((4, 4), np.float32)
+    with pytest.raises(WeightsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_weights(model, flat)
+
+
+def test_load_weights_sets_values_in_parameter_dtypes(tiny_model):
+    cfg, _ = tiny_model
+    model = Transformer(cfg, ModelOptions(dtype="bfloat16"), rngs=nnx.Rngs(0))
+    flat = random_weights(cfg, 0)
+    load_weights(model, flat)
+    w = model.layers[2].attn.compressor.wkv.weight[...]
+    assert w.dtype == jnp.float32 and np.array_equal(np.asarray(w), flat["layers.2.attn.compressor.wkv.weight"])
+    assert model.embed.weight[...].dtype == jnp.bfloat16
