@@ -12,7 +12,7 @@ from flax import nnx
 from ..config import ModelConfig
 from .cache import LayerCache
 from .compressor import Compressor, write_rows
-from .indexer import Indexer
+from .indexer import Indexer, map_row_blocks, rows_per_block
 from .norms import _HIGHEST, Linear, RMSNorm
 from .quant import round_compressed_kv, round_window_kv
 from .rope import apply_rope, inv_frequencies
@@ -34,26 +34,36 @@ def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, wi
     window [B,S,Dh], row i at position window_start[b] + i (negative = invalid); q_pos [B,T]; sinks [H] f32.
     A query at p sees window rows at positions [max(0, p−window_size+1), p] and kv_pool[topk]; one f32
     softmax with the sink in the denominator; V = K. Returns o [B,T,H,Dh] in q's dtype.
+    Queries are processed in blocks of rows so that scores and gathered keys stay within a fixed scratch.
     """
-    qf = q.astype(jnp.float32)
+    b, t, h, dh = q.shape
+    if kv_pool is None or topk is None or topk.shape[-1] == 0:
+        kv_pool, topk = None, jnp.zeros((b, t, 0), jnp.int32)
+    k = topk.shape[-1]
+    block = rows_per_block(t, 4 * (h * (window.shape[1] + k) + k * dh))
     keys_w = window.astype(jnp.float32)
     pos_w = window_start[:, None] + jnp.arange(window.shape[1])[None, :]  # [B,S]
-    p = q_pos[..., None]
-    seen_w = (pos_w[:, None, :] >= 0) & (pos_w[:, None, :] <= p) & (pos_w[:, None, :] > p - window_size)
-    logits = [jnp.where(seen_w[:, :, None, :], jnp.einsum("bthd,bsd->bths", qf, keys_w, precision=_HIGHEST)
-                        * scale, -jnp.inf)]
-    if kv_pool is not None and topk is not None and topk.shape[-1] > 0:
-        rows = jnp.take_along_axis(kv_pool[:, None], jnp.maximum(topk, 0)[..., None], axis=2)  # [B,T,K,Dh]
-        rows = rows.astype(jnp.float32)
-        s_c = jnp.einsum("bthd,btkd->bthk", qf, rows, precision=_HIGHEST) * scale
-        logits.append(jnp.where((topk >= 0)[:, :, None, :], s_c, -jnp.inf))
-    m = jnp.maximum(jnp.max(jnp.concatenate(logits, axis=-1), axis=-1), sinks[None, None, :])  # [B,T,H]
-    probs = [jnp.exp(s - m[..., None]) for s in logits]
-    denom = sum(jnp.sum(pr, axis=-1) for pr in probs) + jnp.exp(sinks[None, None, :] - m)
-    out = jnp.einsum("bths,bsd->bthd", probs[0], keys_w, precision=_HIGHEST)
-    if len(probs) > 1:
-        out = out + jnp.einsum("bthk,btkd->bthd", probs[1], rows, precision=_HIGHEST)
-    return (out / denom[..., None]).astype(q.dtype)
+
+    def rows(q, topk, q_pos):
+        qf = q.astype(jnp.float32)
+        p = q_pos[..., None]
+        seen_w = (pos_w[:, None, :] >= 0) & (pos_w[:, None, :] <= p) & (pos_w[:, None, :] > p - window_size)
+        s_w = jnp.einsum("bthd,bsd->bths", qf, keys_w, precision=_HIGHEST) * scale
+        logits = [jnp.where(seen_w[:, :, None, :], s_w, -jnp.inf)]
+        if k:
+            picked = jnp.take_along_axis(kv_pool[:, None], jnp.maximum(topk, 0)[..., None], axis=2)
+            picked = picked.astype(jnp.float32)  # [B,T,K,Dh]
+            s_c = jnp.einsum("bthd,btkd->bthk", qf, picked, precision=_HIGHEST) * scale
+            logits.append(jnp.where((topk >= 0)[:, :, None, :], s_c, -jnp.inf))
+        m = jnp.maximum(jnp.max(jnp.concatenate(logits, axis=-1), axis=-1), sinks[None, None, :])  # [B,T,H]
+        probs = [jnp.exp(s - m[..., None]) for s in logits]
+        denom = sum(jnp.sum(pr, axis=-1) for pr in probs) + jnp.exp(sinks[None, None, :] - m)
+        out = jnp.einsum("bths,bsd->bthd", probs[0], keys_w, precision=_HIGHEST)
+        if k:
+            out = out + jnp.einsum("bthk,btkd->bthd", probs[1], picked, precision=_HIGHEST)
+        return (out / denom[..., None]).astype(q.dtype)
+
+    return map_row_blocks(rows, (q, topk, q_pos), block)
 
 
 def window_in_order(ring: jnp.ndarray, offset: jnp.ndarray) -> jnp.ndarray:
@@ -164,10 +174,8 @@ class Attention(nnx.Module):
         return cache
 
     def _index(self, u, q_res, seg: Segment, shared: dict) -> None:
-        scores = self.indexer.scores(u, q_res, seg.positions, shared[("ik", self.ik_src)], self.inv_freq,
-                                     self.rounding)
+        topk, kept = self.indexer.topk(u, q_res, seg.positions, shared[("ik", self.ik_src)], self.inv_freq,
+                                       self.rounding, kept_blocks=shared.get("candidates"))
         if self.indexer.is_candidate_source:
-            shared["candidates"] = self.indexer.candidate_mask(scores, seg.positions)
-        elif self.indexer.uses_candidates:
-            scores = jnp.where(shared["candidates"], scores, -jnp.inf)
-        shared[("topk", self.layer)] = self.indexer.select(scores)
+            shared["candidates"] = kept
+        shared[("topk", self.layer)] = topk
