@@ -145,7 +145,9 @@ class Attention(nnx.Module):
             if kv_pool is None:  # window-only layer: the kernel takes one empty pick of a one-row pool
                 kv_pool = jnp.zeros((q.shape[0], 1, q.shape[-1]), q.dtype)
                 topk = jnp.full((*q.shape[:2], 1), -1, jnp.int32)
-                args = (q, kv_pool, topk, *args[3:])
+            # The kernel takes keys in q's dtype. Lossless with the rounding points on (fp8 / fp4 grid values
+            # are exact in bf16); with them off, f32 compressed entries are rounded to bf16 here.
+            args = (q, kv_pool.astype(q.dtype), topk, args[3].astype(q.dtype), *args[4:])
             return kernel(*args, **kwargs, impl="pallas")
         return sparse_attention(*args, **kwargs)
 
