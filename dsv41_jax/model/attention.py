@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -13,7 +12,7 @@ from ..config import ModelConfig
 from .cache import LayerCache
 from .compressor import Compressor, write_rows
 from .indexer import Indexer, map_row_blocks, rows_per_block
-from .norms import _HIGHEST, Linear, RMSNorm
+from .norms import HIGHEST, Linear, RMSNorm
 from .quant import round_compressed_kv, round_window_kv
 from .rope import apply_rope, inv_frequencies
 
@@ -48,19 +47,19 @@ def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, wi
         qf = q.astype(jnp.float32)
         p = q_pos[..., None]
         seen_w = (pos_w[:, None, :] >= 0) & (pos_w[:, None, :] <= p) & (pos_w[:, None, :] > p - window_size)
-        s_w = jnp.einsum("bthd,bsd->bths", qf, keys_w, precision=_HIGHEST) * scale
+        s_w = jnp.einsum("bthd,bsd->bths", qf, keys_w, precision=HIGHEST) * scale
         logits = [jnp.where(seen_w[:, :, None, :], s_w, -jnp.inf)]
         if k:
             picked = jnp.take_along_axis(kv_pool[:, None], jnp.maximum(topk, 0)[..., None], axis=2)
             picked = picked.astype(jnp.float32)  # [B,T,K,Dh]
-            s_c = jnp.einsum("bthd,btkd->bthk", qf, picked, precision=_HIGHEST) * scale
+            s_c = jnp.einsum("bthd,btkd->bthk", qf, picked, precision=HIGHEST) * scale
             logits.append(jnp.where((topk >= 0)[:, :, None, :], s_c, -jnp.inf))
         m = jnp.maximum(jnp.max(jnp.concatenate(logits, axis=-1), axis=-1), sinks[None, None, :])  # [B,T,H]
         probs = [jnp.exp(s - m[..., None]) for s in logits]
         denom = sum(jnp.sum(pr, axis=-1) for pr in probs) + jnp.exp(sinks[None, None, :] - m)
-        out = jnp.einsum("bths,bsd->bthd", probs[0], keys_w, precision=_HIGHEST)
+        out = jnp.einsum("bths,bsd->bthd", probs[0], keys_w, precision=HIGHEST)
         if k:
-            out = out + jnp.einsum("bthk,btkd->bthd", probs[1], picked, precision=_HIGHEST)
+            out = out + jnp.einsum("bthk,btkd->bthd", probs[1], picked, precision=HIGHEST)
         return (out / denom[..., None]).astype(q.dtype)
 
     return map_row_blocks(rows, (q, topk, q_pos), block)
@@ -157,7 +156,7 @@ class Attention(nnx.Module):
         wo_a = self.wo_a.weight[...]
         o = o.reshape(b, t, self.groups, -1)
         z = jnp.einsum("btgi,goi->btgo", o, wo_a.reshape(self.groups, -1, wo_a.shape[-1]).astype(o.dtype),
-                       preferred_element_type=jnp.float32, precision=_HIGHEST).astype(o.dtype)
+                       preferred_element_type=jnp.float32, precision=HIGHEST).astype(o.dtype)
         return self.wo_b(z.reshape(b, t, -1))
 
     def _compress(self, u, seg: Segment, cache: LayerCache, shared: dict) -> LayerCache:

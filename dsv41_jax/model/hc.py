@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .norms import _HIGHEST, rms_normalize
+from .norms import HIGHEST, rms_normalize
 
 
 def sinkhorn(comb: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
@@ -32,7 +32,7 @@ def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn
     s = streams.shape[-2]
     flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), norm_eps)
     col_scale = jnp.concatenate([jnp.full((s,), scale[0]), jnp.full((s,), scale[1]), jnp.full((s * s,), scale[2])])
-    mix = jnp.einsum("...i,oi->...o", flat, fn.astype(jnp.float32), precision=_HIGHEST) * col_scale + base
+    mix = jnp.einsum("...i,oi->...o", flat, fn.astype(jnp.float32), precision=HIGHEST) * col_scale + base
     pre = jax.nn.sigmoid(mix[..., :s]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., s : 2 * s])
     comb = mix[..., 2 * s :].reshape(*mix.shape[:-1], s, s)

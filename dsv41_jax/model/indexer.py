@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
-from .norms import _HIGHEST, Linear, RMSNorm
+from .norms import HIGHEST, Linear, RMSNorm
 from .quant import round_index
 from .rope import apply_rope
 
@@ -71,7 +71,7 @@ class Indexer(nnx.Module):
     def scores(self, q, w, positions, keys):
         """I [B,T,N] f32 (−∞ where not visible): Σ_h w[h] · ReLU(q_h · k) · d_I^(−1/2).
         q [B,T,H_I,d_I] (roped, rounded); w f32 [B,T,H_I] (already × H_I^(−1/2)); keys f32 [B,N,d_I]."""
-        s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys, precision=_HIGHEST)
+        s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys, precision=HIGHEST)
         s = jnp.maximum(s, 0.0) * self.head_dim**-0.5
         s = jnp.sum(s * w[..., None], axis=2)
         n_visible = (positions + 1) // self.ratio  # entry j is visible at p iff j < ⌊(p+1)/r⌋

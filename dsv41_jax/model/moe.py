@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
-from .norms import _HIGHEST, Linear, _normal, linear
+from .norms import HIGHEST, Linear, random_normal
 
 _RAGGED = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])),  # contract x's features with the weight's last ("in") dim
@@ -37,7 +37,7 @@ def clamped_swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndar
 
 def _grouped(x: jnp.ndarray, w: jnp.ndarray, sizes: jnp.ndarray) -> jnp.ndarray:
     """Rows of x (sorted by expert, ``sizes`` rows each) times their expert's w [E, out, in]ᵀ; f32 accumulate."""
-    y = jax.lax.ragged_dot_general(x, w.astype(x.dtype), sizes, _RAGGED, precision=_HIGHEST,
+    y = jax.lax.ragged_dot_general(x, w.astype(x.dtype), sizes, _RAGGED, precision=HIGHEST,
                                    preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
@@ -69,13 +69,13 @@ class Router(nnx.Module):
         self.temp = cfg.gate_temp
         self.normalize = cfg.norm_topk_prob
         self.route_scale = cfg.routed_scaling_factor
-        self.weight = nnx.Param(_normal(rngs, (n_experts, cfg.hidden_size), cfg.hidden_size**-0.5, dtype))
+        self.weight = nnx.Param(random_normal(rngs, (n_experts, cfg.hidden_size), cfg.hidden_size**-0.5, dtype))
         self.bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
 
     def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         """x [N,D] -> (topk_ids [N,k] int32, topk_weights [N,k] f32)."""
         logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
-                            precision=_HIGHEST) / self.temp
+                            precision=HIGHEST) / self.temp
         scores = jnp.sqrt(jax.nn.softplus(logits))
         _, ids = jax.lax.top_k(scores + self.bias[...], self.top_k)
         w = jnp.take_along_axis(scores, ids, axis=-1)
@@ -86,7 +86,7 @@ class Router(nnx.Module):
 
 class _Stacked(nnx.Module):
     def __init__(self, shape, std, dtype, rngs):
-        self.weight = nnx.Param(_normal(rngs, shape, std, dtype))
+        self.weight = nnx.Param(random_normal(rngs, shape, std, dtype))
 
 
 class Experts(nnx.Module):

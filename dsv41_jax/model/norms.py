@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-_HIGHEST = jax.lax.Precision.HIGHEST
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
@@ -14,7 +14,7 @@ def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
     out_dtype = jnp.promote_types(x.dtype, weight.dtype)
     if out_dtype == jnp.float32:
         x, weight = x.astype(jnp.float32), weight.astype(jnp.float32)
-    y = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32, precision=_HIGHEST)
+    y = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32, precision=HIGHEST)
     return y.astype(out_dtype)
 
 
@@ -34,7 +34,7 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return rms_normalize(x, eps).astype(out_dtype) * weight.astype(out_dtype)
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jnp.ndarray:
+def random_normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jnp.ndarray:
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
 
 
@@ -42,7 +42,7 @@ class Linear(nnx.Module):
     """``weight [out, in]`` exactly as the checkpoint stores it; no bias."""
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), in_features**-0.5, dtype))
+        self.weight = nnx.Param(random_normal(rngs, (out_features, in_features), in_features**-0.5, dtype))
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return linear(x, self.weight[...])

@@ -15,7 +15,7 @@ from .attention import Attention, Segment
 from .cache import Cache
 from .hc import collapse, expand, hc_mix
 from .moe import MoE
-from .norms import _HIGHEST, RMSNorm, _normal
+from .norms import HIGHEST, RMSNorm, random_normal
 
 _DTYPES = ("bfloat16", "float32")
 _IMPLS = ("reference", "pallas")
@@ -46,7 +46,7 @@ class Embed(nnx.Module):
     """``embed.weight [V, D]``."""
 
     def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (vocab, dim), 1.0, dtype))
+        self.weight = nnx.Param(random_normal(rngs, (vocab, dim), 1.0, dtype))
 
     def __call__(self, ids):
         return jnp.take(self.weight[...], ids, axis=0)
@@ -56,10 +56,10 @@ class Head(nnx.Module):
     """``head.weight [V, D]``; logits in f32 (f32 accumulation of the model-dtype product, not rounded)."""
 
     def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (vocab, dim), dim**-0.5, dtype))
+        self.weight = nnx.Param(random_normal(rngs, (vocab, dim), dim**-0.5, dtype))
 
     def __call__(self, h):
-        return jnp.einsum("...d,vd->...v", h, self.weight[...].astype(h.dtype), precision=_HIGHEST,
+        return jnp.einsum("...d,vd->...v", h, self.weight[...].astype(h.dtype), precision=HIGHEST,
                           preferred_element_type=jnp.float32)
 
 
@@ -71,7 +71,7 @@ class Block(nnx.Module):
         mix, width = cfg.hc_mix_width, cfg.hc_mult * cfg.hidden_size
         self.hc_kwargs = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
         for sub in ("attn", "ffn"):
-            setattr(self, f"hc_{sub}_fn", nnx.Param(_normal(rngs, (mix, width), width**-0.5, jnp.float32)))
+            setattr(self, f"hc_{sub}_fn", nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32)))
             setattr(self, f"hc_{sub}_base", nnx.Param(jnp.zeros((mix,), jnp.float32)))
             setattr(self, f"hc_{sub}_scale", nnx.Param(jnp.ones((3,), jnp.float32)))
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
