@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 runs of docs/benchmarks/profile.md (issue #8): a 2-layer full-width model (layers 2 and 20 of
+# The H200 runs of docs/BENCHMARKS.md (issue #8): a 2-layer full-width model (layers 2 and 20 of
 # dsv41_flash: ratio-2 full + ratio-1 full/candidate source) at world 1, prefill of 2,048 rows and decode, at
 # positions 0 and 300,000, reference ops then Pallas ops. Run from the repo root; reports go to $OUT.
 set -u

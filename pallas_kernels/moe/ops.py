@@ -105,7 +105,7 @@ def default_config(num_pairs: int, weights: ExpertWeights) -> moe_kernel.KernelC
     """Block sizes for this shape: BM by the mean rows per expert, the rest the largest that divide.
 
     bf16 streams 128-wide K chunks (3 stages); fp4, dequantised in registers, did best with 64
-    (measured on an H200: docs/benchmarks/moe.md).
+    (measured on an H200: docs/BENCHMARKS.md).
     """
     block_m = default_block_m(num_pairs, weights.num_experts)
     block_f = _largest_block(weights.width, (64, 32), "expert width F")

@@ -35,7 +35,7 @@ def lanes_for(head_tile: int) -> int:
 def default_tiling(lanes: int) -> tuple[int, int, int]:
     """(key_tile, num_warps, num_stages) for an MMA tile of `lanes` rows.
 
-    Measured on an H200 (docs/benchmarks/sparse_attention.md): 64-key tiles, 4 warps, 2 stages were the
+    Measured on an H200 (docs/BENCHMARKS.md): 64-key tiles, 4 warps, 2 stages were the
     fastest of the tilings tried at 16 and 32 rows (0.29 ms at 16 heads vs 0.39 ms for 32-key tiles)."""
     del lanes  # the same tiling won at both row counts
     return (64, 4, 2)

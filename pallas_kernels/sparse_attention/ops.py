@@ -2,7 +2,7 @@
 
 Decode uses the same kernel: it is correct for any T (one program per (head tile, row, sequence)); at T = 1
 it launches only B·⌈H/head_tile⌉ programs, which is fine for batched decode and latency-bound for a single
-stream (a split-over-keys variant would be the next step there; see docs/benchmarks/sparse_attention.md).
+stream (a split-over-keys variant would be the next step there; see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
