@@ -255,6 +255,7 @@ def _trace(req: Request, step, jax, measure) -> dict:
     ops = trace.op_times(trace.load_events(found), measure.hlo_sources(step), steps, req.world)
     return {"dir": str(folder), "file": str(found), "op_seconds": sum(o.seconds for o in ops),
             "components": [{"source": s, "seconds": t} for s, t in trace.by_component(ops)],
+            "layers": [{"scope": s, "seconds": t} for s, t in trace.by_layer(ops)],
             "top_ops": [{"op": o.name, "source": o.source, "seconds": o.seconds, "launches": o.count}
                         for o in ops[:15]]}
 
@@ -318,6 +319,8 @@ def _print_trace(t: dict, median_s, w) -> None:
     w(f"  trace {t['dir']} · attributed ops {t['op_seconds'] * 1e3:,.2f} ms a step{covered}\n")
     w("  by module: " + ", ".join(f"{c['source']} {100 * c['seconds'] / total:.0f} %" for c in t["components"][:8])
       + "\n")
+    if t.get("layers"):
+        w("  by layer: " + ", ".join(f"{c['scope']} {100 * c['seconds'] / total:.0f} %" for c in t["layers"]) + "\n")
     for o in t["top_ops"][:10]:
         w(f"    {o['seconds'] * 1e3:9.3f} ms {100 * o['seconds'] / total:5.1f} %  {o['op']:<36} {o['source']}\n")
 

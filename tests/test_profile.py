@@ -98,3 +98,24 @@ def test_spec_flops_by_hand():
     assert parts["attn_core"] == 2 * 2 * H * d * 1 / 2
     # Ratio-2 compressor: wkv and wgate per row; no entry closes at position 0 (group 0 needs position 1).
     assert parts["compressor"] == 2 * 2 * D * d
+
+
+def test_per_layer_view_from_the_model_scopes():
+    """``Transformer`` names ``layer_N/attn`` and ``layer_N/moe``; the trace groups op times by them."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.profiling.trace import OpTime, by_layer, instruction_sources
+
+    def f(x):
+        with jax.named_scope("layer_3"):
+            with jax.named_scope("moe"):
+                x = jnp.sin(x) * 2
+        return jnp.cos(x)
+
+    sources = instruction_sources(jax.jit(f).lower(jnp.ones(4)).compile().as_text())
+    assert any(label.startswith("L3/moe") for label in sources.values()), sources
+    ops = [OpTime("a", "L3/moe moe.py:_routed", 2.0, 1), OpTime("b", "L10/attn attention.py:_attend", 1.0, 1),
+           OpTime("c", "L3/moe hc.py:hc_mix", 1.0, 1), OpTime("d", "transformer.py:forward", 0.5, 1),
+           OpTime("e", "L3 transformer.py:forward", 0.25, 1)]
+    assert by_layer(ops) == [("L3", 0.25), ("L3/moe", 3.0), ("L10/attn", 1.0), ("other", 0.5)]

@@ -138,9 +138,11 @@ class Attention(nnx.Module):
         args = (q, kv_pool, topk, window, seg.offset - self.window_size, seg.positions, self.attn_sink[...])
         if self.impl == "pallas":
             try:
-                from pallas_kernels.sparse_attention.ops import sparse_attention as kernel
+                import pallas_kernels.sparse_attention.ops  # noqa: F401  (the wrapper's op)
+                from sharding.kernels import sparse_attention as kernel  # shard_map'd on heads when sharded
             except ImportError as e:
-                raise RuntimeError(f"attention_impl='pallas' needs pallas_kernels.sparse_attention.ops ({e})") from None
+                raise RuntimeError(f"attention_impl='pallas' needs pallas_kernels.sparse_attention.ops and "
+                                   f"sharding ({e})") from None
             if kv_pool is None:  # window-only layer: the kernel takes one empty pick of a one-row pool
                 kv_pool = jnp.zeros((q.shape[0], 1, q.shape[-1]), q.dtype)
                 topk = jnp.full((*q.shape[:2], 1), -1, jnp.int32)

@@ -142,9 +142,11 @@ class MoE(nnx.Module):
         if self.moe_impl == "pallas":
             try:
                 from pallas_kernels.moe.ops import ExpertWeights
-                from pallas_kernels.moe.ops import routed_experts as kernel
+                from sharding.kernels import routed_experts as kernel
             except ImportError as e:
-                raise RuntimeError(f"moe_impl='pallas' needs pallas_kernels.moe.ops ({e})") from None
+                raise RuntimeError(f"moe_impl='pallas' needs pallas_kernels.moe.ops and sharding ({e})") from None
+            # The sharding wrapper: inside shard_map under a sharded model (one f32 psum of y [N, D]),
+            # the plain kernel op otherwise.
             a = self.experts.arrays()
             return kernel(x, ids, w, ExpertWeights(w1=a.w1, w3=a.w3, w2=a.w2), swiglu_limit=self.limit,
                           impl="pallas")

@@ -87,12 +87,14 @@ class Block(nnx.Module):
     def __call__(self, streams, pre_prev, seg: Segment, cache, shared):
         """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4) ->
         (streams, pre of the FFN mix, new LayerCache)."""
-        pre_a, post_a, comb_a = self._mix("attn", streams)
-        y, cache = self.attn(self.attn_norm(collapse(streams, pre_prev)), seg, cache, shared)
-        streams = expand(y, streams, post_a, comb_a)
-        pre_f, post_f, comb_f = self._mix("ffn", streams)
-        y = self.ffn(self.ffn_norm(collapse(streams, pre_a)))
-        return expand(y, streams, post_f, comb_f), pre_f, cache
+        with jax.named_scope("attn"):
+            pre_a, post_a, comb_a = self._mix("attn", streams)
+            y, cache = self.attn(self.attn_norm(collapse(streams, pre_prev)), seg, cache, shared)
+            streams = expand(y, streams, post_a, comb_a)
+        with jax.named_scope("moe"):
+            pre_f, post_f, comb_f = self._mix("ffn", streams)
+            y = self.ffn(self.ffn_norm(collapse(streams, pre_a)))
+            return expand(y, streams, post_f, comb_f), pre_f, cache
 
 
 class Transformer(nnx.Module):
@@ -131,8 +133,9 @@ class Transformer(nnx.Module):
         pre = jnp.broadcast_to(jax.nn.one_hot(0, s, dtype=jnp.float32), (b, t, s))  # §B.2: pre⁻¹ = stream 0
         shared: dict = {}
         new_layers = []
-        for block, layer_cache in zip(self.layers, cache.layers, strict=True):
-            streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared)
+        for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
+            with jax.named_scope(f"layer_{i}"):  # per-layer op names for traces (profiling/trace.py)
+                streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared)
             new_layers.append(layer_cache)
         logits = self.head(self.norm(collapse(streams, pre)))
         selections = {key[1]: v for key, v in shared.items() if isinstance(key, tuple) and key[0] == "topk"}

@@ -85,7 +85,8 @@ def instruction_sources(hlo_text: str) -> dict[str, str]:
     The optimised HLO text ends its header with ``FileNames``, ``FunctionNames``, ``FileLocations`` and
     ``StackFrames`` tables; each instruction's ``metadata={... stack_frame_id=N}`` points into them (a printed
     ``parent_frame_id`` P means frame P − 1; 0 = none). An ``op_name`` with a ``layers.N`` / ``layer_N`` scope
-    adds the layer to the label.
+    adds the layer to the label, and its sublayer when the op sits in the model's ``attn`` / ``moe`` scope
+    (``Transformer`` names ``layer_N/attn`` and ``layer_N/moe``): e.g. ``L3/moe moe.py:_routed``.
     """
     tables = _tables(hlo_text)
     frames = _frames(tables)
@@ -97,8 +98,8 @@ def instruction_sources(hlo_text: str) -> dict[str, str]:
         name = line.removeprefix("ROOT ").split(" ", 1)[0].lstrip("%")
         frame = _int_after(line, "stack_frame_id=")
         label = source_label(frames, frame) if frame else ""
-        layer = _layer_of(line)
-        out[name] = f"L{layer} {label}".strip() if layer is not None else label
+        scope = _layer_scope(line)
+        out[name] = f"{scope} {label}".strip() if scope is not None else label
     return out
 
 
@@ -166,12 +167,35 @@ def _int_after(text: str, key: str) -> int:
     return int(digits) if digits else 0
 
 
-def _layer_of(line: str) -> int | None:
+def _layer_scope(line: str) -> str | None:
+    """``L<n>`` or ``L<n>/<sublayer>`` from the instruction's ``op_name`` scopes; None outside any layer."""
     if 'op_name="' not in line:
         return None
-    op_name = line.split('op_name="', 1)[1].split('"', 1)[0]
-    for part in op_name.split("/"):
+    parts = line.split('op_name="', 1)[1].split('"', 1)[0].split("/")
+    for i, part in enumerate(parts):
         for prefix in ("layers.", "layer_", "layers_", "layer"):
             if part.startswith(prefix) and part[len(prefix):].isdigit():
-                return int(part[len(prefix):])
+                sub = parts[i + 1] if i + 1 < len(parts) and parts[i + 1] in _SUBLAYERS else None
+                return f"L{int(part[len(prefix):])}" + (f"/{sub}" if sub else "")
     return None
+
+
+_SUBLAYERS = ("attn", "moe")
+
+
+def by_layer(ops: list[OpTime]) -> list[tuple[str, float]]:
+    """Seconds per layer scope (``L0/attn``, ``L0/moe``, ``L1/attn``, ...) in layer order, then ``other``
+    (embedding, final norm, head, and ops outside any layer scope)."""
+    out: dict[str, float] = {}
+    for op in ops:
+        head = op.source.split(" ", 1)[0]
+        key = head if head.startswith("L") and head[1:].split("/", 1)[0].isdigit() else "other"
+        out[key] = out.get(key, 0.0) + op.seconds
+
+    def order(kv):
+        if kv[0] == "other":
+            return (1 << 30, "")
+        number, _, sub = kv[0][1:].partition("/")
+        return (int(number), sub)
+
+    return sorted(out.items(), key=order)

@@ -1,0 +1,81 @@
+"""The sharded model with both Pallas kernels (interpret mode on CPU) against one device.
+
+The model's kernel call sites go through ``sharding.kernels`` (docs/DESIGN.md, issues #5–#7): under a sharded
+model the attention kernel runs per device on its heads and the MoE kernel on its expert slice inside
+``shard_map``, with one f32 all-reduce of y [N, D] per MoE layer (MODEL.md §F.4) — never the [N·k, F]
+intermediate that the partitioner's split of a direct call moved in the "ep" layout.
+
+Reference: the same options on one device (plain ``Transformer``, no sharding code active).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import sharding
+from dsv41_jax.config import load_named
+from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.model.cache import init_cache
+from dsv41_jax.model.transformer import ModelOptions, Transformer, load_weights
+from test_sharding_model import collectives
+
+pytest.importorskip("pallas_kernels.moe.ops")
+pytest.importorskip("pallas_kernels.sparse_attention.ops")
+
+OPTIONS = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="pallas", moe_impl="pallas")
+BATCH, ROWS = 2, 24  # ≥ 2 windows of 8: eviction and real top-k picks on the ratio-2 layers
+# Both kernels round their inputs to bf16 (PLANNER.md §E: x and act in bf16; keys in q's dtype). The sharded
+# run reorders f32 partial sums (per-rank F slices or experts, then the psum); a last-bit change can flip one
+# bf16 rounding downstream (relative 2⁻⁸). Observed max |Δlogit| 5.7e-4 on logits O(3); bound 5e-3.
+LOGITS_ATOL = 5e-3
+
+
+def small_config():
+    """Four tiny layers (window, window, ratio 2 with compressor + indexer, ratio 2 reusing them)."""
+    return load_named("tiny").replace(
+        num_hidden_layers=4, compress_ratios=(0, 0, 2, 2), kv_source_layer_ids=(2,), index_source_layer_ids=(2,),
+        candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=())
+
+
+def prefill(model, cfg, ids, mesh):
+    """(logits [B, T, V], compiled HLO text) of one prefill from an empty cache."""
+    graphdef, state = nnx.split(model)
+    cache = init_cache(cfg, batch=BATCH, max_context=32, dtype="float32")
+
+    def run(state, ids, cache):
+        return nnx.merge(graphdef, state)(ids, cache)[0]
+
+    if mesh is None:
+        program = jax.jit(run)
+    else:
+        rep = sharding.replicated(mesh)
+        program = jax.jit(run, in_shardings=(sharding.state_sharding(model), rep,
+                                             sharding.cache_sharding(mesh, cache)), out_shardings=rep)
+    compiled = program.lower(state, ids, cache).compile()
+    return np.asarray(compiled(state, ids, cache)), compiled.as_text()
+
+
+def test_sharded_pallas_model_matches_one_device_with_one_all_reduce_per_moe():
+    cfg = small_config()
+    flat = random_weights(cfg, seed=0)
+    ids = np.random.default_rng(1).integers(3, cfg.vocab_size, (BATCH, ROWS)).astype(np.int32)
+    single = Transformer(cfg, OPTIONS)
+    load_weights(single, flat)
+    ref, _ = prefill(single, cfg, ids, None)
+    moe_out = f"f32[{BATCH * ROWS},{cfg.hidden_size}]"
+    for layout in ("tp", "ep"):
+        model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout=layout)
+        logits, hlo = prefill(model, cfg, ids, mesh)
+        np.testing.assert_allclose(logits, ref, rtol=0, atol=LOGITS_ATOL, err_msg=layout)
+        found = collectives(hlo)
+        reduces = [shape for op, shape in found if op == "all-reduce"]
+        # §F.4: per layer one all-reduce after wo_b and one after the MoE (XLA may combine the routed and the
+        # shared expert's partial sums into one tuple all-reduce), plus the vocabulary-parallel embedding.
+        assert len(reduces) == 2 * cfg.num_hidden_layers + 1, (layout, found)
+        assert sum(moe_out in shape for shape in reduces) == cfg.num_hidden_layers, (layout, found)
+        # Nothing else moves but the logits' gather: no [N·k, F] intermediate, no weight.
+        moved = [shape for op, shape in found if op != "all-reduce"]
+        assert all(shape.startswith(f"f32[{BATCH},{ROWS},") for shape in moved), (layout, found)
