@@ -6,6 +6,10 @@ A directory holds ``config.json`` and safetensors shards listed by ``model.safet
 (``layers.L.ffn.experts.w1.weight [E, F, D]``). Everything is checked against `param_specs` from the file
 headers alone before any data is read: a missing, unexpected or mis-shaped tensor is refused by name.
 
+With ``expert_format="fp4"`` the routed experts are returned packed as stored (``layers.L.ffn.experts.wN.codes``
+uint8 ``[E, out, in/2]`` and ``.scales`` ue8m0 bytes uint8 ``[E, out, in/32]``, `param_specs.model_tensors`):
+the checkpoint must then hold them as fp4.
+
 Three entry points:
 
 * ``load_checkpoint(path)`` → ``(cfg, {model name: array})``, the whole text model in memory.
@@ -109,12 +113,13 @@ class Checkpoint:
     cfg: ModelConfig
     sources: dict[str, Source]  # official name → how it is stored
     skipped: list[str] = field(default_factory=list)
+    expert_format: str = "dequantized"  # or "fp4": routed experts read packed (param_specs.model_tensors)
     _files: _Files = field(default_factory=_Files, repr=False)
 
     @property
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Model name → dequantised shape (`param_specs.model_tensors`)."""
-        return param_specs.model_tensors(self.cfg)
+        """Model name → shape (`param_specs.model_tensors` in this checkpoint's ``expert_format``)."""
+        return param_specs.model_tensors(self.cfg, self.expert_format)
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +134,12 @@ class Checkpoint:
         For a stacked routed-expert tensor, ``experts`` picks which experts (default all): the result is
         ``[len(experts), out, in]``. With dtype "bfloat16" the parameters the model keeps in f32 (§B.1:
         ``hc_*``, ``attn_sink``, ``gate.bias``, ``compressor.*``) are still returned as float32.
+        A packed expert name (``layers.L.ffn.experts.wN.codes`` / ``.scales``) gives the stored bytes as uint8
+        (``dtype`` does not apply), stacked the same way.
         """
+        packed = _packed(name)
+        if packed is not None:
+            return self._read_packed(*packed, experts)
         out_dtype = _out_dtype(name, dtype)
         if name == "head.weight" and self.cfg.tie_word_embeddings:
             name = "embed.weight"
@@ -145,6 +155,25 @@ class Checkpoint:
         out = np.empty((len(ids), *shape), dtype=out_dtype)
         for i, e in enumerate(ids):
             out[i] = self._decode(self.sources[f"layers.{layer}.ffn.experts.{e}.{proj}.weight"], out_dtype)
+        return out
+
+    def _read_packed(self, layer: int, proj: str, part: str, experts) -> np.ndarray:
+        """Stacked fp4 codes or ue8m0 scale bytes of the chosen experts, uint8 ``[len(experts), out, ·]``."""
+        ids = range(self.cfg.n_routed_experts)
+        ids = ids[experts] if isinstance(experts, slice) else (ids if experts is None else list(experts))
+        parts = []
+        for e in ids:
+            src = self.sources[f"layers.{layer}.ffn.experts.{e}.{proj}.weight"]
+            if src.codec != "fp4":
+                raise CheckpointError(f"tensor {src.weight.name} is stored as {src.weight.dtype}, not packed fp4: "
+                                      f"it cannot be held as fp4 experts")
+            raw = self._files.array(src.weight if part == "codes" else src.scale)
+            parts.append(raw.view(np.uint8) if raw.dtype.itemsize == 1 else _ue8m0_bytes(raw, src.scale.name))
+        shape = param_specs.packed_expert_shapes((0, *_logical_shape(
+            self.sources[f"layers.{layer}.ffn.experts.0.{proj}.weight"])))[part][1:]
+        out = np.empty((len(parts), *shape), np.uint8)
+        for i, p in enumerate(parts):
+            out[i] = p
         return out
 
     def iter_tensors(self, *, dtype: str = "float32", progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
@@ -183,6 +212,24 @@ def _out_dtype(name: str, dtype: str):
     raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
 
 
+def _packed(name: str) -> tuple[int, str, str] | None:
+    """``layers.L.ffn.experts.wN.codes|scales`` → (L, "wN", part); None for any other name."""
+    parts = name.split(".")
+    if (len(parts) == 6 and parts[0] == "layers" and parts[2:4] == ["ffn", "experts"]
+            and parts[4] in ("w1", "w2", "w3") and parts[5] in param_specs.PACKED_PARTS):
+        return int(parts[1]), parts[4], parts[5]
+    return None
+
+
+def _ue8m0_bytes(scale: np.ndarray, name: str) -> np.ndarray:
+    """Float scales (powers of two, §G.12) → ue8m0 bytes; refuses a scale that is not a power of two."""
+    value = formats.scale_values(scale)
+    exponent = np.round(np.log2(np.maximum(value, np.finfo(np.float64).tiny)))
+    if not np.array_equal(np.ldexp(1.0, exponent.astype(np.int32)), value):
+        raise CheckpointError(f"tensor {name}: fp4 scales must be powers of two to be held as ue8m0 bytes")
+    return np.clip(exponent + formats.UE8M0_BIAS, 0, 254).astype(np.uint8)
+
+
 def _stacked(name: str) -> tuple[int | None, str | None]:
     parts = name.split(".")
     if len(parts) == 6 and parts[2:4] == ["ffn", "experts"] and parts[4] in ("w1", "w2", "w3"):
@@ -198,8 +245,14 @@ def _logical_shape(src: Source) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------------------------------------- opening
-def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None) -> Checkpoint:
-    """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``)."""
+def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
+                    expert_format: str = "dequantized") -> Checkpoint:
+    """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``).
+
+    ``expert_format="fp4"``: routed experts are read packed; every one must be stored as fp4 (refused by name).
+    """
+    if expert_format not in param_specs.EXPERT_FORMATS:
+        raise CheckpointError(f"expert format {expert_format!r} is not one of {param_specs.EXPERT_FORMATS}")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -220,7 +273,12 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None) -> Checkpo
     sources = {name: _source(spec, stored) for name, spec in specs.items()}
     lines = [f"skipped {len(names)} tensors: {reason} (not supported yet)" for reason, names in skipped.items()]
     lines += [f"not run by this engine yet: {feature}" for feature in cfg.unsupported_features()]
-    return Checkpoint(path, cfg, sources, lines)
+    if expert_format == "fp4":
+        for name, src in sources.items():
+            if param_specs.expert_name(name) is not None and src.codec != "fp4":
+                raise CheckpointError(f"expert format fp4 needs routed experts stored as packed fp4; tensor {name} "
+                                      f"in {src.weight.file.name} is {src.weight.dtype}")
+    return Checkpoint(path, cfg, sources, lines, expert_format)
 
 
 def _read_config(path: Path) -> ModelConfig:
@@ -293,19 +351,21 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
 
 # -------------------------------------------------------------------------------------------------- loading
 def iter_tensors(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
-                 progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+                 progress: bool = True, expert_format: str = "dequantized") -> Iterator[tuple[str, np.ndarray]]:
     """Validate, then yield ``(model name, array)`` one tensor at a time (see `Checkpoint.read`)."""
-    yield from open_checkpoint(path, cfg).iter_tensors(dtype=dtype, progress=progress)
+    yield from open_checkpoint(path, cfg, expert_format=expert_format).iter_tensors(dtype=dtype, progress=progress)
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
-                    progress: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+                    progress: bool = True, expert_format: str = "dequantized"
+                    ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(cfg, {model name: array})`` for the whole text model, dequantised to ``dtype``.
 
     ``dtype``: "float32" (default) or "bfloat16" (ml_dtypes; the f32 parameters of §B.1 stay float32). With
     ``progress``, the skipped parts are printed to stderr and large loads show a progress bar.
+    ``expert_format="fp4"``: routed experts stay packed (uint8 ``.codes`` / ``.scales``, see `open_checkpoint`).
     """
-    ckpt = open_checkpoint(path, cfg)
+    ckpt = open_checkpoint(path, cfg, expert_format=expert_format)
     if progress:
         for line in ckpt.skipped:
             print(f"{ckpt.path.name}: {line}", file=sys.stderr)

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--config", metavar="FILE", help="config.json for the random-weight model (default: tiny)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                        help="activations and weights (default: bfloat16)")
+    model.add_argument("--expert-format", choices=("dequantized", "fp4"), default="dequantized",
+                       help="with --checkpoint: hold routed experts dequantised (default) or packed fp4 as stored "
+                            "(about a quarter of the bytes; needs fp4 experts in the checkpoint)")
     model.add_argument("--world", type=_positive_int, default=1, metavar="N",
                        help="devices to shard over (default 1: unsharded)")
     model.add_argument("--max-context", type=_positive_int, metavar="N",
@@ -215,8 +218,11 @@ def load_model_inputs(args):
         if not path.is_dir():
             raise UsageError(f"checkpoint directory {path} does not exist")
         cfg_override = ModelConfig.from_json(args.config) if args.config else None
-        cfg, flat = load_checkpoint(path, cfg_override, dtype="float32")
-        return cfg, flat, f"checkpoint {path}"
+        cfg, flat = load_checkpoint(path, cfg_override, dtype="float32", expert_format=args.expert_format)
+        experts = ", fp4 experts" if args.expert_format == "fp4" else ""
+        return cfg, flat, f"checkpoint {path}{experts}"
+    if args.expert_format != "dequantized":
+        raise UsageError(f"--expert-format {args.expert_format} needs --checkpoint (packed experts come from one)")
     from .make_tiny import random_weights  # noqa: PLC0415
 
     if args.config:
@@ -236,7 +242,7 @@ def build(cfg, flat, args):
     from .engine import build_model  # noqa: PLC0415
     from .model.transformer import ModelOptions  # noqa: PLC0415
 
-    options = ModelOptions(dtype=args.dtype)
+    options = ModelOptions(dtype=args.dtype, expert_format=args.expert_format)
     if args.world == 1:
         return build_model(cfg, options, flat), None
     try:

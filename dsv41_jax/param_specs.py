@@ -8,7 +8,10 @@ Two naming schemes (docs/DESIGN.md, "Parameter names"):
 * **official** (`expected_tensors`): per-expert names ``layers.L.ffn.experts.e.w1.weight``; an fp8/fp4 weight
   has a ``.scale`` companion when quantised.
 * **model** (`model_tensors`): the same names, dequantised (no ``.scale``), routed experts stacked
-  ``layers.L.ffn.experts.w1.weight [E, F, D]``, ``w3 [E, F, D]``, ``w2 [E, D, F]``.
+  ``layers.L.ffn.experts.w1.weight [E, F, D]``, ``w3 [E, F, D]``, ``w2 [E, D, F]``. With
+  ``expert_format="fp4"`` the routed experts stay packed as stored (§E.1), each stacked projection as two
+  uint8 tensors: ``layers.L.ffn.experts.wN.codes`` (e2m1 pairs, ``[E, F, D/2]`` for w1/w3, ``[E, D, F/2]`` for
+  w2) and ``layers.L.ffn.experts.wN.scales`` (ue8m0 bytes, ``[E, F, D/32]`` / ``[E, D, F/32]``).
 
 Only the text model is listed. DSpark (``mtp.*``), engram, vision and ``gate.bias_vl`` tensors are not part of
 it yet: `skip_reason` names why a checkpoint tensor is left out.
@@ -183,13 +186,33 @@ def model_name(official: str) -> str:
     return stacked_expert_name(hit[0], hit[2]) if hit else official
 
 
-def model_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Model name → dequantised shape; routed experts stacked (w1, w3 ``[E, F, D]``, w2 ``[E, D, F]``)."""
+EXPERT_FORMATS = ("dequantized", "fp4")
+PACKED_PARTS = ("codes", "scales")
+
+
+def packed_expert_name(layer: int, proj: str, part: str) -> str:
+    """The model name of the packed routed-expert ``part`` ∈ {codes, scales} of ``proj`` in ``layer``."""
+    return f"layers.{layer}.ffn.experts.{proj}.{part}"
+
+
+def packed_expert_shapes(stacked: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Stacked logical shape ``[E, out, in]`` → {"codes": ``[E, out, in/2]``, "scales": ``[E, out, in/32]``}."""
+    return {"codes": fp4_packed_shape(stacked), "scales": fp4_scale_shape(stacked)}
+
+
+def model_tensors(cfg: ModelConfig, expert_format: str = "dequantized") -> dict[str, tuple[int, ...]]:
+    """Model name → shape; routed experts stacked (w1, w3 ``[E, F, D]``, w2 ``[E, D, F]``), dequantised or,
+    with ``expert_format="fp4"``, as packed ``.codes`` / ``.scales`` (see the module docstring)."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert format {expert_format!r} must be one of {EXPERT_FORMATS}")
     out: dict[str, tuple[int, ...]] = {}
     for spec in release_tensors(cfg):
         hit = expert_name(spec.name)
         if hit is None:
             out[spec.name] = spec.shape
+        elif hit[1] == 0 and expert_format == "fp4":
+            for part, shape in packed_expert_shapes((cfg.n_routed_experts, *spec.shape)).items():
+                out[packed_expert_name(hit[0], hit[2], part)] = shape
         elif hit[1] == 0:
             out[stacked_expert_name(hit[0], hit[2])] = (cfg.n_routed_experts, *spec.shape)
     if cfg.tie_word_embeddings:

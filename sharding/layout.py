@@ -5,7 +5,8 @@ worlds). JAX shards need equal sizes, so every rank's shard is padded with zeros
 the *padded* global dimension is ``world × widest`` and rank r's real entries sit at the start of its shard.
 
 Why zero padding is exact: padded expert columns have zero w1/w3 rows and zero w2 columns, so SwiGLU gives
-silu(0)·0 = 0 there and w2 adds nothing; padded vocabulary rows are never looked up (ids < V) and their logits
+silu(0)·0 = 0 there and w2 adds nothing (fp4-resident experts: zero code bytes are +0 and a zero scale byte
+keeps them 0, so their padding decodes to the same zeros); padded vocabulary rows are never looked up (ids < V) and their logits
 are dropped before sampling (``real_vocab_index``).
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sharding.mesh import ShardingError
-from sharding.rules import EXPERT_MLP, SHARED_MLP, VOCAB, check_layout
+from sharding.rules import EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP, VOCAB, check_layout
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,12 @@ class Split:
     @property
     def is_padded(self) -> bool:
         return self.padded_total != self.total
+
+    def grouped(self, group: int) -> "Split":
+        """The same split counted in groups of ``group`` entries (fp4 bytes: 2 codes, or 32 inputs a scale)."""
+        if any(n % group for n in self.sizes):
+            raise ShardingError(f"per-rank widths {self.sizes} do not split into whole groups of {group}")
+        return Split(tuple(n // group for n in self.sizes))
 
     def start(self, rank: int) -> int:
         return sum(self.sizes[:rank])
@@ -111,6 +118,8 @@ class ShardPlan:
             return self.vocab
         if logical in (EXPERT_MLP, SHARED_MLP):
             return self.expert_width
+        if logical in (EXPERT_MLP_CODES, EXPERT_MLP_SCALES):  # fp4 w2 packed on F: 2 or 32 inputs a byte
+            return self.expert_width.grouped(2 if logical == EXPERT_MLP_CODES else 32)
         return Split.even(size, self.world)
 
     def run_config(self, cfg):

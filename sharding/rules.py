@@ -40,6 +40,8 @@ O_GROUPS = "o_groups"        # wo_a row blocks / wo_b input columns / the group 
 EXPERTS = "experts"          # the stacked routed-expert axis E
 EXPERT_MLP = "expert_mlp"    # routed-expert intermediate width F (128-blocks, padded when uneven, §F.2)
 SHARED_MLP = "shared_mlp"    # shared-expert intermediate width (follows the routed split, §F.1)
+EXPERT_MLP_CODES = "expert_mlp_codes"    # fp4 w2 codes: F/2 bytes (two inputs a byte); the F split halved
+EXPERT_MLP_SCALES = "expert_mlp_scales"  # fp4 w2 scales: F/32 bytes (one per 32 inputs); the F split / 32
 
 _LAYER = r"(?:layers|mtp)\.\d+\."   # backbone layers; DSpark stages are split like a backbone layer (§F.1)
 
@@ -61,6 +63,12 @@ PARAM_RULES: tuple[Rule, ...] = (
          "gate/up rows: SwiGLU is elementwise in F, so any split of F is exact after w2's all-reduce (§F.2)"),
     Rule(_LAYER + r"ffn\.experts\.w2\.weight", (EXPERTS, None, EXPERT_MLP),
          "down-projection input columns: same F split as w1/w3; partial sums all-reduced after the MoE"),
+    Rule(_LAYER + r"ffn\.experts\.w[13]\.(?:codes|scales)", (EXPERTS, EXPERT_MLP, None),
+         "fp4-resident gate/up (packed on D): codes and scales split on their F rows like the float weight"),
+    Rule(_LAYER + r"ffn\.experts\.w2\.codes", (EXPERTS, None, EXPERT_MLP_CODES),
+         "fp4-resident down codes [E, D, F/2]: the F split halved (128-block splits keep byte pairs whole)"),
+    Rule(_LAYER + r"ffn\.experts\.w2\.scales", (EXPERTS, None, EXPERT_MLP_SCALES),
+         "fp4-resident down scales [E, D, F/32]: the F split in 32-input groups (whole in 128-block splits)"),
     Rule(_LAYER + r"ffn\.shared_experts\.w[13]\.weight", (SHARED_MLP, None),
          "shared expert split like the routed ones; its partial output joins the routed partial sum (§F.1)"),
     Rule(_LAYER + r"ffn\.shared_experts\.w2\.weight", (None, SHARED_MLP),
@@ -85,11 +93,13 @@ PARAM_RULES: tuple[Rule, ...] = (
 # Axes lists are per dim; a 1-D replicated tensor simply uses the first entry (see ``param_logical_axes``).
 
 LOGICAL_TO_MESH: dict[str, dict[str, str | None]] = {
-    "tp": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: None, EXPERT_MLP: TP, SHARED_MLP: TP},
+    "tp": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: None, EXPERT_MLP: TP, SHARED_MLP: TP,
+           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP},
     # Expert parallelism: whole routed experts a rank (E/P each, no padding of F). The shared expert is then
     # replicated: splitting it on F would force F's 128-block padding onto every routed expert too, since
     # both share moe_intermediate_size; it is 1/E of the expert weights.
-    "ep": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: TP, EXPERT_MLP: None, SHARED_MLP: None},
+    "ep": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: TP, EXPERT_MLP: None, SHARED_MLP: None,
+           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None},
 }
 
 # Activations: logical axes of the *trailing* dims (leading batch / token dims are never split).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -24,6 +25,24 @@ class ExpertArrays(NamedTuple):
     w1: jnp.ndarray
     w3: jnp.ndarray
     w2: jnp.ndarray
+
+
+# e2m1 values of codes 0..15: bit 3 is the sign, bits 0-2 index the magnitudes (MODEL.md §C.1).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_TABLE = _E2M1 + tuple(-v for v in _E2M1)
+
+
+def dequantize_fp4(codes: jnp.ndarray, scales: jnp.ndarray, dtype) -> jnp.ndarray:
+    """Packed e2m1 codes [.., O, I/2] uint8 (low nibble = even column) and ue8m0 scales [.., O, I/32] uint8
+    (byte e = 2^(e−127), MODEL.md §E.1) → W [.., O, I] in ``dtype`` (exact in bf16 and f32)."""
+    codes = codes.astype(jnp.uint8)
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    values = jnp.asarray(_E2M1_TABLE, jnp.float32)[nibbles.astype(jnp.int32)]
+    # 2^(e−127) built from its bits: exact; byte 0 gives 0 (f32 has no normal 2^-127), which only meets zero
+    # codes (all-zero groups and padding).
+    scale = jax.lax.bitcast_convert_type(scales.astype(jnp.uint32) << 23, jnp.float32)
+    values = values.reshape(*scales.shape, -1) * scale[..., None]
+    return values.reshape(*codes.shape[:-1], -1).astype(dtype)
 
 
 def clamped_swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
@@ -89,16 +108,48 @@ class _Stacked(nnx.Module):
         self.weight = nnx.Param(random_normal(rngs, shape, std, dtype))
 
 
-class Experts(nnx.Module):
-    """Stacked routed experts: ``w1.weight``, ``w3.weight`` [E,F,D], ``w2.weight`` [E,D,F]."""
+class _Packed(nnx.Module):
+    """One stacked projection [E, O, I] in fp4 as stored: ``codes`` uint8 [E, O, I/2], ``scales`` uint8
+    [E, O, I/32] (random codes; scales near 2^-log2(2·√I), so values have roughly the dense init's spread)."""
 
-    def __init__(self, n_experts: int, dim: int, width: int, *, dtype, rngs: nnx.Rngs):
-        self.w1 = _Stacked((n_experts, width, dim), dim**-0.5, dtype, rngs)
-        self.w3 = _Stacked((n_experts, width, dim), dim**-0.5, dtype, rngs)
-        self.w2 = _Stacked((n_experts, dim, width), width**-0.5, dtype, rngs)
+    def __init__(self, shape, rngs):
+        *lead, out, inp = shape
+        self.codes = nnx.Param(jax.random.randint(rngs.params(), (*lead, out, inp // 2), 0, 256, jnp.int32)
+                               .astype(jnp.uint8))
+        byte = 127 - round(math.log2(2 * math.sqrt(inp)))
+        self.scales = nnx.Param(jnp.full((*lead, out, -(-inp // 32)), byte, jnp.uint8))
+
+    def dequantized(self, dtype) -> jnp.ndarray:
+        return dequantize_fp4(self.codes[...], self.scales[...], dtype)
+
+
+class Experts(nnx.Module):
+    """Stacked routed experts: ``w1.weight``, ``w3.weight`` [E,F,D], ``w2.weight`` [E,D,F]; with
+    ``expert_format="fp4"`` each projection packed as ``wN.codes`` / ``wN.scales`` (docs/DESIGN.md)."""
+
+    def __init__(self, n_experts: int, dim: int, width: int, *, dtype, rngs: nnx.Rngs,
+                 expert_format: str = "dequantized"):
+        self.dtype = dtype
+        self.is_fp4 = expert_format == "fp4"
+        shapes = {"w1": (n_experts, width, dim), "w3": (n_experts, width, dim), "w2": (n_experts, dim, width)}
+        for proj, shape in shapes.items():
+            module = _Packed(shape, rngs) if self.is_fp4 else _Stacked(shape, shape[-1]**-0.5, dtype, rngs)
+            setattr(self, proj, module)
 
     def arrays(self) -> ExpertArrays:
+        """The dequantised weights in the model dtype (fp4: decoded here, under the caller's jit)."""
+        if self.is_fp4:
+            return ExpertArrays(*(getattr(self, p).dequantized(self.dtype) for p in ("w1", "w3", "w2")))
         return ExpertArrays(self.w1.weight[...], self.w3.weight[...], self.w2.weight[...])
+
+    def kernel_weights(self):
+        """The kernel's ``ExpertWeights``: bf16 form, or the packed fp4 form the kernel decodes itself."""
+        from pallas_kernels.moe.ops import ExpertWeights
+        if self.is_fp4:
+            return ExpertWeights.from_fp4(self.w1.codes[...], self.w1.scales[...], self.w3.codes[...],
+                                          self.w3.scales[...], self.w2.codes[...], self.w2.scales[...])
+        a = self.arrays()
+        return ExpertWeights(w1=a.w1, w3=a.w3, w2=a.w2)
 
 
 class SharedExpert(nnx.Module):
@@ -117,12 +168,13 @@ class SharedExpert(nnx.Module):
 class MoE(nnx.Module):
     """``ffn.{gate, experts, shared_experts}``: out = bf16(Σ routed + shared)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, moe_impl: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, moe_impl: str, rngs: nnx.Rngs,
+                 expert_format: str = "dequantized"):
         self.limit = cfg.swiglu_limit
         self.moe_impl = moe_impl
         self.gate = Router(cfg, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                               dtype=dtype, rngs=rngs)
+                               dtype=dtype, rngs=rngs, expert_format=expert_format)
         if cfg.n_shared_experts:
             self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
                                                dtype=dtype, rngs=rngs)
@@ -141,13 +193,11 @@ class MoE(nnx.Module):
     def _routed(self, x, ids, w) -> jnp.ndarray:
         if self.moe_impl == "pallas":
             try:
-                from pallas_kernels.moe.ops import ExpertWeights
+                import pallas_kernels.moe.ops  # noqa: F401  (the wrapper's op)
                 from sharding.kernels import routed_experts as kernel
             except ImportError as e:
                 raise RuntimeError(f"moe_impl='pallas' needs pallas_kernels.moe.ops and sharding ({e})") from None
             # The sharding wrapper: inside shard_map under a sharded model (one f32 psum of y [N, D]),
             # the plain kernel op otherwise.
-            a = self.experts.arrays()
-            return kernel(x, ids, w, ExpertWeights(w1=a.w1, w3=a.w3, w2=a.w2), swiglu_limit=self.limit,
-                          impl="pallas")
+            return kernel(x, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit, impl="pallas")
         return routed_experts(x, ids, w, self.experts.arrays(), swiglu_limit=self.limit)

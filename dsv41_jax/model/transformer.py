@@ -19,16 +19,20 @@ from .norms import HIGHEST, RMSNorm, random_normal
 
 _DTYPES = ("bfloat16", "float32")
 _IMPLS = ("reference", "pallas")
+_EXPERT_FORMATS = ("dequantized", "fp4")
 
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """dtype of activations and non-f32 parameters; the §C.2 rounding points; kernel choices."""
+    """dtype of activations and non-f32 parameters; the §C.2 rounding points; kernel choices; how routed experts
+    are held: "dequantized" (stacked floats in ``dtype``) or "fp4" (packed codes + ue8m0 scales as stored,
+    MODEL.md §E.1; decoded inside the kernel, or on the fly per layer on the reference path)."""
 
     dtype: str = "bfloat16"
     quant_rounding: bool = True
     attention_impl: str = "reference"
     moe_impl: str = "reference"
+    expert_format: str = "dequantized"
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -36,6 +40,8 @@ class ModelOptions:
         for name in ("attention_impl", "moe_impl"):
             if getattr(self, name) not in _IMPLS:
                 raise ValueError(f"ModelOptions.{name} {getattr(self, name)!r} must be one of {_IMPLS}")
+        if self.expert_format not in _EXPERT_FORMATS:
+            raise ValueError(f"ModelOptions.expert_format {self.expert_format!r} must be one of {_EXPERT_FORMATS}")
 
     @property
     def jnp_dtype(self):
@@ -78,7 +84,7 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
                               impl=options.attention_impl, rngs=rngs)
-        self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs)
+        self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format)
 
     def _mix(self, sub: str, streams):
         p = [getattr(self, f"hc_{sub}_{k}")[...] for k in ("fn", "base", "scale")]
