@@ -3,13 +3,15 @@
     python -m dsv41_jax.plan --config dsv41_flash --world 4 --rank 2 --rows 2048 --position 300000
     python -m dsv41_jax.plan --config tiny --world 8 --rows 17 --position 0 --json
 
-A refusal prints its rule and reason on stderr and exits 2.
+A refusal prints its rule and reason on stderr and exits 2. R10 (memory, PLANNER.md §F) is checked by default
+against the H200's 139 GiB usable a device; ``--budget-gib`` sets another budget, ``--no-memory-check`` skips it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from dsv41_jax.config import ConfigError, load_named
@@ -17,21 +19,54 @@ from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, Segm
                                plan_segment)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument mistakes print one line and exit 2, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _at_least(lowest: int):
+    """An argparse type: an integer ≥ ``lowest``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"{value} must be ≥ {lowest}")
+        return value
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a number > 0")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dsv41_jax.plan", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m dsv41_jax.plan", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="tiny, dsv41_flash, or a config.json / checkpoint directory")
-    p.add_argument("--world", type=int, required=True, help="tensor-parallel world size (1, 2, 4, 8)")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--rows", type=int, required=True, help="rows in the segment")
-    p.add_argument("--position", type=int, required=True, help="position of the segment's first row")
+    p.add_argument("--world", type=_at_least(1), required=True, help="tensor-parallel world size (1, 2, 4, 8)")
+    p.add_argument("--rank", type=_at_least(0), default=0)
+    p.add_argument("--rows", type=_at_least(1), required=True, help="rows in the segment")
+    p.add_argument("--position", type=_at_least(0), required=True, help="position of the segment's first row")
     p.add_argument("--pf4k", action="store_true", help="4K mode (4,096-row segments; implies the acknowledgement)")
     p.add_argument("--replay", action="store_true", help="CED bounded replay (plans the encoder segment)")
     p.add_argument("--images", action="store_true", help="plan image roles (image_rows = -1)")
     p.add_argument("--experts", choices=("f32", "bf16", "fp8", "fp4"), default="bf16")
     p.add_argument("--dense", choices=("f32", "bf16", "fp8"), default="bf16")
     p.add_argument("--moe", choices=("auto", "bounded", "whole", "halving"), default="auto")
-    p.add_argument("--index-budget-mib", type=int, default=256, help="B_idx (MiB)")
-    p.add_argument("--budget-gib", type=float, default=None, help="usable memory per device; checks R10")
+    p.add_argument("--index-budget-mib", type=_at_least(1), default=256, help="B_idx (MiB, ≥ 1)")
+    p.add_argument("--budget-gib", type=_positive, default=None,
+                   help="usable memory per device for R10 (default: the H200's 139 GiB, PLANNER.md §F)")
+    p.add_argument("--no-memory-check", action="store_true", help="skip R10")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -92,12 +127,18 @@ def _print_table(plan: SegmentPlan, cfg_name: str) -> None:
     Console().print(t)
 
 
+def _budget(args: argparse.Namespace) -> MemoryBudget | None:
+    if args.no_memory_check:
+        return None
+    return MemoryBudget.gib(args.budget_gib) if args.budget_gib is not None else MemoryBudget()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_named(args.config)
         options = _options(args)
-        budget = MemoryBudget.gib(args.budget_gib) if args.budget_gib is not None else None
+        budget = _budget(args)
         plan = plan_segment(cfg, args.world, args.rank, args.rows, args.position, options, budget)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

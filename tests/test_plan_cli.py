@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from dsv41_jax.plan import main
 
 
@@ -14,7 +16,7 @@ def _json(capsys, *args):
 
 def test_json_fields_world4_rank2(capsys):
     out = _json(capsys, "--config", "dsv41_flash", "--world", "4", "--rank", "2", "--rows", "2048",
-                "--position", "300000")
+                "--position", "300000", "--experts", "fp4")
     for key in ("head_tile", "output_groups", "moe_blocks", "moe_block_rows", "workspace_bytes", "cache_bytes",
                 "total_bytes"):
         assert key in out
@@ -56,3 +58,42 @@ def test_memory_refusal_and_bad_config(capsys):
     assert "R10" in err and "rank 0" in err and "fp4 experts" in err
     assert main(["--config", "/nonexistent/config.json", "--world", "1", "--rows", "1", "--position", "0"]) == 2
     assert "no config file" in capsys.readouterr().err
+
+
+_FLASH_W4 = ("--config", "dsv41_flash", "--world", "4", "--rows", "2048", "--position", "300000")
+
+
+def test_default_memory_check_is_the_h200(capsys):
+    # PLANNER.md §F: 139 GiB usable a device; bf16 experts at world 4 need ~295 GiB, fp4 ones fit (~83 GiB)
+    assert main(list(_FLASH_W4)) == 2
+    err = capsys.readouterr().err
+    assert "R10" in err and "139.0 GiB usable" in err and "Use fp4 experts" in err
+    assert main([*_FLASH_W4, "--experts", "fp4"]) == 0
+    assert main([*_FLASH_W4, "--no-memory-check"]) == 0
+    assert main([*_FLASH_W4, "--budget-gib", "400"]) == 0  # the explicit budget overrides the default
+    capsys.readouterr()
+    assert main([*_FLASH_W4, "--experts", "fp4", "--budget-gib", "50"]) == 2
+    assert "50.0 GiB usable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--position", "-1"), "--position: -1 must be ≥ 0"),
+    (("--rows", "0"), "--rows: 0 must be ≥ 1"),
+    (("--budget-gib", "-1"), "--budget-gib: -1 must be a number > 0"),
+    (("--index-budget-mib", "0"), "--index-budget-mib: 0 must be ≥ 1"),
+    (("--index-budget-mib", "-5"), "--index-budget-mib: -5 must be ≥ 1"),
+    (("--world", "two"), "--world: 'two' is not an integer"),
+])
+def test_bad_arguments_one_line_exit_2(capsys, args, says):
+    base = {"--world": "4", "--rows": "16", "--position": "0"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "tiny", *[x for kv in base.items() for x in kv]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1 and "usage" not in err
+
+
+def test_missing_argument_one_line_in_a_subprocess():
+    r = _run("--config", "tiny", "--world", "4", "--rows", "16")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: the following arguments are required: --position (see --help)")
