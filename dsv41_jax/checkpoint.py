@@ -74,19 +74,40 @@ class Source:
 def read_header(path: Path) -> dict[str, StoredTensor]:
     """Name → `StoredTensor` from a safetensors file's header (no tensor data read)."""
     try:
+        file_bytes = path.stat().st_size
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
+            if size > file_bytes - 8:  # garbage would otherwise ask for an absurd read
+                raise CheckpointError(f"{path}: not a safetensors file (its header length {size:,} is more than "
+                                      f"the file's {file_bytes:,} bytes)")
             header = json.loads(f.read(size))
     except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
     base = 8 + size
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        begin, end = meta["data_offsets"]
-        out[name] = StoredTensor(name, path, meta["dtype"], tuple(meta["shape"]), base + begin, base + end)
+        out[name] = _stored_tensor(path, name, meta, base, file_bytes)
     return out
+
+
+def _stored_tensor(path: Path, name: str, meta, base: int, file_bytes: int) -> StoredTensor:
+    """One header entry, checked: its byte range lies in the file and fits its dtype and shape."""
+    try:
+        begin, end = (int(x) for x in meta["data_offsets"])
+        dtype, shape = str(meta["dtype"]), tuple(int(d) for d in meta["shape"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: header entry {name} is not a safetensors tensor entry") from None
+    if base + end > file_bytes:
+        raise CheckpointError(f"{path}: truncated: tensor {name} ends at byte {base + end:,} but the file has "
+                              f"{file_bytes:,} bytes")
+    if dtype in _DTYPES and end - begin != int(np.prod(shape)) * np.dtype(_DTYPES[dtype]).itemsize:
+        raise CheckpointError(f"{path}: tensor {name} has {end - begin:,} bytes, not what {dtype} {list(shape)} "
+                              f"needs")
+    return StoredTensor(name, path, dtype, shape, base + begin, base + end)
 
 
 class _Files:
@@ -120,6 +141,12 @@ class Checkpoint:
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
         """Model name → shape (`param_specs.model_tensors` in this checkpoint's ``expert_format``)."""
         return param_specs.model_tensors(self.cfg, self.expert_format)
+
+    @property
+    def stored_expert_format(self) -> str:
+        """"fp4" when every routed expert is stored packed fp4 (the official release), else "dequantized"."""
+        codecs = {s.codec for name, s in self.sources.items() if param_specs.expert_name(name) is not None}
+        return "fp4" if codecs == {"fp4"} else "dequantized"
 
     @property
     def nbytes(self) -> int:

@@ -402,8 +402,12 @@ class Engine:
 
 
 # --------------------------------------------------------------------------------------------- model building
-def build_model(cfg: ModelConfig, options, flat: dict[str, np.ndarray]) -> nnx.Module:
+def build_model(cfg: ModelConfig, options, flat) -> nnx.Module:
     """A ``Transformer`` holding ``flat``'s weights (model names), built without running its random init.
+
+    ``flat``: model name → host array, or a lazily read tensor (``shape``, ``tensor[()]`` reads it, optional
+    ``release()``; e.g. ``sharding.load.checkpoint_source``): one tensor is read, cast and placed at a time, so
+    a checkpoint never exists whole on the host.
 
     The module tree is traced abstractly (``nnx.eval_shape``); parameters are cast on the host and placed;
     the few non-parameter buffers (RoPE tables) come from one small program. Raises the model's
@@ -425,11 +429,15 @@ def build_model(cfg: ModelConfig, options, flat: dict[str, np.ndarray]) -> nnx.M
     placed = []
     for path, var in flat_params:
         name = ".".join(map(str, path))
-        value = np.asarray(flat[name])
-        if tuple(value.shape) != tuple(var.shape):
-            raise WeightsError(f"tensor {name!r} has shape {tuple(value.shape)}, the model expects "
+        host = flat[name]
+        if tuple(host.shape) != tuple(var.shape):
+            raise WeightsError(f"tensor {name!r} has shape {tuple(host.shape)}, the model expects "
                                f"{tuple(var.shape)}")
-        placed.append((path, var.replace(jax.device_put(value.astype(var.dtype)))))
+        value = np.asarray(host if isinstance(host, np.ndarray) else host[()])
+        placed.append((path, var.replace(jax.device_put(value.astype(var.dtype, copy=False)))))
+        del value
+        if hasattr(host, "release"):
+            host.release()
     if jax.tree.leaves(rest):
         rest = jax.jit(lambda: nnx.split(construct(), nnx.Param, ...)[2])()
     return nnx.merge(graphdef, nnx.from_flat_state(placed), rest)

@@ -72,9 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--config", metavar="FILE", help="config.json for the random-weight model (default: tiny)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                        help="activations and weights (default: bfloat16)")
-    model.add_argument("--expert-format", choices=("dequantized", "fp4"), default="dequantized",
-                       help="with --checkpoint: hold routed experts dequantised (default) or packed fp4 as stored "
-                            "(about a quarter of the bytes; needs fp4 experts in the checkpoint)")
+    model.add_argument("--expert-format", choices=("auto", "dequantized", "fp4"), default="auto",
+                       help="with --checkpoint: hold routed experts packed fp4 as stored (about a quarter of the "
+                            "bytes; needs fp4 experts in the checkpoint) or dequantised; auto (default): fp4 when "
+                            "the checkpoint stores fp4 experts (the official release), dequantised otherwise")
+    model.add_argument("--impl", choices=("auto", "reference", "pallas"), default="auto",
+                       help="attention and MoE kernels; auto (default): pallas on GPU, reference elsewhere "
+                            "(pallas on CPU runs interpreted: slow)")
+    model.add_argument("--skip-engram", action="store_true",
+                       help="run a config with engram layers without them (NOT the model's output)")
     model.add_argument("--world", type=_positive_int, default=1, metavar="N",
                        help="devices to shard over (default 1: unsharded)")
     model.add_argument("--max-context", type=_positive_int, metavar="N",
@@ -86,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sampling temperature (default 0 = greedy; 1.0 when --top-k/--top-p is given)")
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed, 0 .. 2^32 - 1 (prompt i uses (seed + i) mod 2^32)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON summary on stdout instead of text")
     out.add_argument("--logits-out", metavar="FILE.npz",
@@ -108,7 +114,11 @@ class PromptSpec:
 
 
 def _parse_ids(text: str, label: str) -> tuple[int, ...]:
-    parts = [s.strip() for s in text.split(",") if s.strip()]
+    parts = [s.strip() for s in text.split(",")]
+    if not any(parts):
+        return ()  # refused later as an empty prompt
+    if not all(parts):
+        raise UsageError(f"{label}: {text!r} has an empty entry; give integer ids separated by single commas")
     try:
         return tuple(int(s) for s in parts)
     except ValueError:
@@ -201,29 +211,72 @@ def check_world(world: int) -> None:
 
     available, backend = len(jax.devices()), jax.default_backend()
     if world > available:
-        hint = (f"; to simulate CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count={world}"
-                if backend == "cpu" else "")
+        hint = ("; XLA_FLAGS (or a JAX already started) fixed fewer simulated CPU devices: set "
+                f"--xla_force_host_platform_device_count={world} there" if backend == "cpu" else "")
         raise UsageError(f"--world {world} asks for {world} devices but only {available} {backend.upper()} "
                          f"device{'s' if available != 1 else ''} exist{'s' if available == 1 else ''}{hint}")
 
 
-def load_model_inputs(args):
-    """(cfg, flat weights, description) from --checkpoint, or --config / tiny with random weights."""
+@dataclass(frozen=True)
+class ModelInputs:
+    """The config, the weights (model name → host array, or lazily read tensor) and how experts are held."""
+
+    cfg: object
+    weights: object
+    description: str
+    expert_format: str = "dequantized"
+
+
+def check_engram(cfg, args) -> None:
+    """Refuse a config with engram layers (not implemented: the output would not be the model's) unless
+    ``--skip-engram``, which gets a loud warning instead."""
+    if not cfg.engram_layer_ids:
+        return
+    layers = list(cfg.engram_layer_ids)
+    if not args.skip_engram:
+        raise UsageError(f"engram layers {layers} of this config are not implemented by this engine, so its output "
+                         f"would not be the model's; pass --skip-engram to run without them anyway")
+    _say(f"WARNING: --skip-engram: running WITHOUT the engram layers {layers}; the output is NOT the model's")
+
+
+def open_checkpoint_inputs(args) -> ModelInputs:
+    """--checkpoint: headers validated now, tensors read one at a time while the model is built (no host copy
+    of the whole model); routed experts fp4 when stored so (``--expert-format auto``)."""
+    import dataclasses  # noqa: PLC0415
+
+    from sharding.load import checkpoint_source  # noqa: PLC0415
+
+    from .checkpoint import open_checkpoint  # noqa: PLC0415
+    from .config import ModelConfig  # noqa: PLC0415
+
+    path = Path(args.checkpoint)
+    if not path.is_dir():
+        raise UsageError(f"checkpoint directory {path} does not exist")
+    cfg_override = ModelConfig.from_json(args.config) if args.config else None
+    ckpt = open_checkpoint(path, cfg_override)
+    check_engram(ckpt.cfg, args)
+    fmt = args.expert_format
+    if fmt == "auto":
+        fmt = ckpt.stored_expert_format
+    if fmt != "dequantized":
+        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt)  # refuses non-fp4 experts by name
+    for line in ckpt.skipped:
+        if not line.startswith("not run by this engine"):
+            _say(f"note: {line}")
+    experts = ", fp4 experts" if fmt == "fp4" else ""
+    weights = checkpoint_source(ckpt, dtype=args.dtype)
+    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt)
+
+
+def load_model_inputs(args) -> ModelInputs:
+    """From --checkpoint, or --config / tiny with random weights."""
     from .config import ConfigError, ModelConfig, load_named  # noqa: PLC0415
 
     if args.checkpoint:
-        from .checkpoint import load_checkpoint  # noqa: PLC0415
-
-        path = Path(args.checkpoint)
-        if not path.is_dir():
-            raise UsageError(f"checkpoint directory {path} does not exist")
-        cfg_override = ModelConfig.from_json(args.config) if args.config else None
-        cfg, flat = load_checkpoint(path, cfg_override, dtype="float32", expert_format=args.expert_format)
-        experts = ", fp4 experts" if args.expert_format == "fp4" else ""
-        return cfg, flat, f"checkpoint {path}{experts}"
-    if args.expert_format != "dequantized":
+        return open_checkpoint_inputs(args)
+    if args.expert_format == "fp4":
         raise UsageError(f"--expert-format {args.expert_format} needs --checkpoint (packed experts come from one)")
-    from .make_tiny import random_weights  # noqa: PLC0415
+    from .make_tiny import check_random_size, random_weights  # noqa: PLC0415
 
     if args.config:
         if not Path(args.config).is_file():
@@ -234,22 +287,47 @@ def load_model_inputs(args):
         cfg, name = load_named("tiny"), "configs/tiny.json"
     if cfg.vocab_size <= 0:
         raise ConfigError("vocab_size must be positive")
-    return cfg, random_weights(cfg, seed=0), f"{name} with RANDOM weights (seed 0): the output is not language"
+    check_engram(cfg, args)
+    try:
+        check_random_size(cfg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return ModelInputs(cfg, random_weights(cfg, seed=0),
+                       f"{name} with RANDOM weights (seed 0): the output is not language")
 
 
-def build(cfg, flat, args):
-    """(model, mesh | None) for --world."""
-    from .engine import build_model  # noqa: PLC0415
+def kernel_impl(args) -> str:
+    """--impl auto: the Pallas kernels on GPU, the reference ops elsewhere."""
+    if args.impl != "auto":
+        return args.impl
+    import jax  # noqa: PLC0415
+
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def model_options(args, expert_format: str):
+    """ModelOptions for the run; says so when float32 experts would be computed in bf16 by the Pallas MoE."""
     from .model.transformer import ModelOptions  # noqa: PLC0415
 
-    options = ModelOptions(dtype=args.dtype, expert_format=args.expert_format)
+    impl = kernel_impl(args)
+    if impl == "pallas" and args.dtype == "float32":
+        _say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
+             "takes bf16 activations); use --impl reference for float32 experts")
+    return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl)
+
+
+def build(inputs: ModelInputs, args):
+    """(model, mesh | None) for --world; the weights are placed tensor by tensor."""
+    from .engine import build_model  # noqa: PLC0415
+
+    options = model_options(args, inputs.expert_format)
     if args.world == 1:
-        return build_model(cfg, options, flat), None
+        return build_model(inputs.cfg, options, inputs.weights), None
     try:
         import sharding  # noqa: PLC0415
     except ImportError:
         raise UsageError(f"--world {args.world}: sharding over several devices is not available yet") from None
-    return sharding.prepare(cfg, flat, args.world, options)
+    return sharding.prepare(inputs.cfg, inputs.weights, args.world, options)
 
 
 def segment_plan(cfg, world: int):
@@ -332,6 +410,9 @@ def make_requests(specs, prompt_ids, cfg, args) -> tuple[list, int]:
 
     longest = max(len(p) for p in prompt_ids)
     max_news = [s.max_new_tokens or args.max_new_tokens for s in specs]
+    if args.max_context and args.max_context > cfg.max_position_embeddings:
+        raise UsageError(f"--max-context {args.max_context:,} is above the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings:,})")
     max_context = args.max_context or default_max_context(cfg, longest, max(max_news))
     if longest > max_context:
         raise UsageError(f"the prompt has {longest} tokens, longer than the context of {max_context} tokens"
@@ -340,7 +421,7 @@ def make_requests(specs, prompt_ids, cfg, args) -> tuple[list, int]:
     if fitted != max_news:
         _say(f"note: max new tokens cut to {min(fitted)} to fit the context of {max_context} tokens")
     temperature = sampling_temperature(args)
-    requests = [Request(p, m, SamplingParams(temperature, args.top_k, args.top_p, args.seed + i))
+    requests = [Request(p, m, SamplingParams(temperature, args.top_k, args.top_p, (args.seed + i) % 2**32))
                 for i, (p, m) in enumerate(zip(prompt_ids, fitted))]
     return requests, max_context
 
@@ -400,10 +481,12 @@ def run(args) -> int:
     if args.logits_out and not Path(args.logits_out).resolve().parent.is_dir():
         raise UsageError(f"--logits-out: directory {Path(args.logits_out).parent} does not exist")
     check_world(args.world)
-    cfg, flat, description = load_model_inputs(args)
+    inputs = load_model_inputs(args)
+    cfg, description = inputs.cfg, inputs.description
     _say(f"model: {description}")
     for feature in cfg.unsupported_features():
-        _say(f"note: not run by this engine: {feature}")
+        if not feature.startswith("engram"):  # refused or warned about by check_engram
+            _say(f"note: not run by this engine: {feature}")
     tokenizer = DeepSeekTokenizer()
     prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size)
     if folded:
@@ -414,8 +497,8 @@ def run(args) -> int:
     check_requests(requests, cfg.vocab_size, max_context)  # before the (slow) model build
     plan = segment_plan(cfg, args.world)
     plan(max(len(p) for p in prompt_ids))  # the planner may refuse the prompt
-    model, mesh = build(cfg, flat, args)
-    del flat
+    model, mesh = build(inputs, args)
+    del inputs
     engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh)
     result = generate_with_output(engine, requests, tokenizer, args)
     report(result, tokenizer, args, description, max_context, folded)
@@ -445,6 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or an argument error (2, one line already printed)
         return int(e.code or 0)
+    if args.world > 1:  # CPU: simulated devices, only effective before JAX initialises (sharding.mesh)
+        from sharding.mesh import request_host_devices  # noqa: PLC0415
+
+        request_host_devices(args.world)
     try:
         return run(args)
     except user_errors() as e:

@@ -35,6 +35,23 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "w
 
 
 # ------------------------------------------------------------------------------------------------- weights
+RANDOM_LIMIT_BYTES = 4 << 30  # random float32 weights above this are not a "tiny" model: refused up front
+
+
+def random_weights_bytes(cfg: ModelConfig) -> int:
+    """Bytes of ``random_weights(cfg)`` (float32, every model tensor)."""
+    return 4 * sum(math.prod(s) for s in param_specs.model_tensors(cfg).values())
+
+
+def check_random_size(cfg: ModelConfig) -> None:
+    """ValueError (one line) when ``random_weights(cfg)`` would need more than ``RANDOM_LIMIT_BYTES``."""
+    need = random_weights_bytes(cfg)
+    if need > RANDOM_LIMIT_BYTES:
+        raise ValueError(f"random weights for this config need {need / 2**30:,.1f} GiB of host memory (float32), "
+                         f"over the {RANDOM_LIMIT_BYTES / 2**30:.0f} GiB limit for a random test model; use a "
+                         f"smaller config (e.g. tiny) or real weights")
+
+
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Model name → float32 random weights scaled so activations stay O(1) through every layer.
 
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     try:
         cfg = load_named(args.config)
+        check_random_size(cfg)  # before touching the output directory
         if out.exists() and not out.is_dir():
             raise ValueError(f"{out} exists and is not a directory")
         if out.is_dir() and any(out.iterdir()):

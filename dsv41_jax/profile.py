@@ -103,10 +103,22 @@ def parse_args(argv: list[str] | None) -> Request:
     if last > cfg.max_position_embeddings:
         raise UsageError(f"position {max(positions):,} + {a.rows:,} rows passes the model's "
                          f"{cfg.max_position_embeddings:,} positions")
+    if a.json_out is not None:
+        _check_writable(Path(a.json_out))
     admit(cfg, a.world)  # PlanRefused names the rule and the worlds that work
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
                    Path(a.json_out) if a.json_out else None)
+
+
+def _check_writable(path: Path) -> None:
+    """--json-out: refuse before the run a file whose directory is missing or not writable."""
+    import os
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise UsageError(f"--json-out: directory {folder} does not exist")
+    if path.is_dir() or not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--json-out: cannot write {path}")
 
 
 # ------------------------------------------------------------------------------------------------- planner

@@ -290,3 +290,21 @@ def test_mlx_reference_bfloat16_with_plain_experts(written):
     # mean, and require a difference (the bf16 path really ran in bf16).
     diff = np.abs(bf["prefill"] - f32["prefill"])
     assert 0 < diff.mean() < 0.05
+
+
+def test_stored_expert_format_and_generate_auto(written, capsys):
+    """--expert-format auto holds experts fp4 exactly when the checkpoint stores them fp4 (make_tiny: "fp4" is
+    the release's layout, "fp8" / "none" store experts as fp8 / bf16)."""
+    from dsv41_jax import generate
+
+    expected = {"none": "dequantized", "fp8": "dequantized", "fp4": "fp4"}
+    for mode, fmt in expected.items():
+        assert open_checkpoint(written[mode][0]).stored_expert_format == fmt
+        args = generate.build_parser().parse_args(["--checkpoint", str(written[mode][0]), "--prompt", "x"])
+        inputs = generate.open_checkpoint_inputs(args)
+        assert inputs.expert_format == fmt and inputs.description.endswith("fp4 experts") == (fmt == "fp4")
+        assert all(not hasattr(w, "__array__") for w in inputs.weights.values())  # lazily read, nothing yet
+    args = generate.build_parser().parse_args(["--checkpoint", str(written["fp8"][0]), "--prompt", "x",
+                                               "--expert-format", "fp4"])
+    with pytest.raises(CheckpointError, match="packed fp4"):
+        generate.open_checkpoint_inputs(args)

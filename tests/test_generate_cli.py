@@ -73,6 +73,7 @@ CASES = {
     "config the engine cannot run": (["--config", "{bad_config}", "--prompt", "x"], "compress_ratios[1] = 4"),
     "config file missing": (["--config", "{ckpt}/none.json", "--prompt", "x"], "does not exist"),
     "more devices than exist": (["--world", "16", "--prompt", "x"], "asks for 16 devices but only 8"),
+    "ids with an empty entry": (["--prompt-ids", "1,,2"], "has an empty entry"),
     "top-p out of range": (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "negative temperature": (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
     "zero new tokens": (["--prompt", "x", "--max-new-tokens", "0"], "must be at least 1"),
@@ -150,9 +151,31 @@ def test_streamed_text_and_closing_line(mini_config_file, tmp_path, capsys):
         assert part in closing
 
 
-def test_checkpoint_run_equals_embedded_weights(mini_config_file, checkpoints, tmp_path, capsys):
+def test_checkpoint_run_equals_embedded_weights(mini_config_file, checkpoints, tmp_path, capsys, monkeypatch):
     """The checkpoint holds ``random_weights(cfg, 0)`` stored exactly, so it generates what --config does.
-    (--logits-out only so the runs share the other tests' compiled programs.)"""
+    It is read tensor by tensor: never through ``load_checkpoint`` (the whole model on the host), and at most one
+    decoded tensor is held at a time. (--logits-out only so the runs share the other tests' compiled programs.)"""
+    from dsv41_jax import checkpoint
+    from sharding import load
+
+    def whole_model(*a, **k):
+        raise AssertionError("generate must not load the whole checkpoint into host memory")
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", whole_model)
+    held, most_held = set(), [0]
+    read, release = load.CheckpointTensor.__getitem__, load.CheckpointTensor.release
+
+    def tracked_read(self, index):
+        held.add(self.name)
+        most_held[0] = max(most_held[0], len(held))
+        return read(self, index)
+
+    def tracked_release(self):
+        held.discard(self.name)
+        release(self)
+
+    monkeypatch.setattr(load.CheckpointTensor, "__getitem__", tracked_read)
+    monkeypatch.setattr(load.CheckpointTensor, "release", tracked_release)
     ids = []
     for source in (["--config", str(mini_config_file)], ["--checkpoint", str(checkpoints / "complete")]):
         rc = main([*source, "--prompt-ids", "0,17,33,250", "--max-new-tokens", "4", "--dtype", "float32", "--json",
@@ -161,6 +184,7 @@ def test_checkpoint_run_equals_embedded_weights(mini_config_file, checkpoints, t
         assert rc == 0, captured.err
         ids.append(json.loads(captured.out)["results"][0]["generated_ids"])
     assert "checkpoint" in captured.err and ids[0] == ids[1]
+    assert most_held[0] == 1 and not held
 
 
 def test_world_2_matches_world_1(mini_config_file, tmp_path, capsys):

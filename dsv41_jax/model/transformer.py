@@ -26,7 +26,11 @@ _EXPERT_FORMATS = ("dequantized", "fp4")
 class ModelOptions:
     """dtype of activations and non-f32 parameters; the §C.2 rounding points; kernel choices; how routed experts
     are held: "dequantized" (stacked floats in ``dtype``) or "fp4" (packed codes + ue8m0 scales as stored,
-    MODEL.md §E.1; decoded inside the kernel, or on the fly per layer on the reference path)."""
+    MODEL.md §E.1; decoded inside the kernel, or on the fly per layer on the reference path).
+
+    ``moe_impl="pallas"`` computes the routed experts in bfloat16 whatever ``dtype`` is (the kernel casts its
+    activations to bf16, f32 accumulation): a float32 model then has float32 everything except the expert
+    matmuls. Use ``moe_impl="reference"`` for float32 experts."""
 
     dtype: str = "bfloat16"
     quant_rounding: bool = True
