@@ -16,7 +16,7 @@ from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model import ModelOptions, Transformer, WeightsError, init_cache, load_weights
 from dsv41_jax.model.hc import sinkhorn
 from dsv41_jax.model.quant import fake_quant_fp4, fake_quant_fp8, round_e2m1
-from dsv41_jax.model.rope import apply_rope, inv_frequencies
+from dsv41_jax.model.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 
 def _blocks(x, block):
@@ -83,6 +83,30 @@ def test_rope_rotates_interleaved_pairs_of_the_last_dims_and_inverts():
     np.testing.assert_allclose(got[:, 49 + 2 * i], x1 * np.cos(phi) + x0 * np.sin(phi), atol=1e-5)
     back = apply_rope(jnp.asarray(got), jnp.asarray(pos), freqs, inverse=True)
     np.testing.assert_allclose(np.asarray(back), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_rope_angles_match_float64_at_long_positions(ratio):
+    """cos/sin of p·f_i against a float64 numpy angle at 0, 300K and 2^20 − 1 (full model frequencies).
+    The f32 digit tables are each rounded once (≤ 6e-8) and combined by two angle additions (a few f32
+    ulps each), so ~5e-7 is expected; 1e-5 leaves margin yet is ~1000× below the 1e-2 error of an f32
+    angle at 1M that MODEL.md §B.5 warns about."""
+    freqs = inv_frequencies(load_named("dsv41_flash"), ratio)
+    pos = np.array([0, 300_000, 1_048_575])
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 2 * len(freqs))).astype(np.float32)
+    angle = pos[:, None].astype(np.float64) * np.asarray(freqs, np.float64)
+    x0, x1 = x[:, 0::2].astype(np.float64), x[:, 1::2].astype(np.float64)
+    want = np.stack([x0 * np.cos(angle) - x1 * np.sin(angle), x1 * np.cos(angle) + x0 * np.sin(angle)], -1)
+    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(pos), freqs))
+    # |x| ≲ 4 here, so a 1e-5 error in cos/sin is ≤ ~6e-5 in the rotated values
+    np.testing.assert_allclose(got, want.reshape(x.shape), rtol=0, atol=6e-5)
+    cos, sin = (np.asarray(a) for a in rope_cos_sin(jnp.asarray(pos), freqs))
+    np.testing.assert_allclose(cos, np.cos(angle), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(sin, np.sin(angle), rtol=0, atol=1e-5)
+    neg_cos, neg_sin = (np.asarray(a) for a in rope_cos_sin(jnp.asarray(-pos), freqs))
+    np.testing.assert_array_equal(neg_cos, cos)
+    np.testing.assert_array_equal(neg_sin, -sin)
 
 
 def test_sinkhorn_columns_sum_to_one():
