@@ -27,7 +27,10 @@ examples:
   python -m dsv41_jax.generate --prompt "a" --prompt "bb" --json             # a batch of two, JSON summary
   python -m dsv41_jax.generate --prompt-ids 0,5,6,7 --greedy --logits-out run.npz
   python -m dsv41_jax.generate --prompts-file prompts.jsonl --temperature 0.7 --top-p 0.9 --seed 1
-  python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi"
+  python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi" --skip-engram
+
+The released config has engram layers, which this engine does not implement: such a config is refused unless
+--skip-engram is given, and then the output is not the model's (a warning says so).
 
 --prompts-file holds one JSON object per line: {"prompt": "text"}, {"prompt_ids": [0, 5, 6]} or
 {"messages": [{"role": "user", "content": "Hi"}]}; each may add "max_new_tokens".
