@@ -10,9 +10,10 @@ two runs); where the margin allows, our own greedy choice must equal mlx-lm's.
 Tolerances (logits are O(4)):
 * float32, rounding points off: 1e-4 absolute. Both sides compute the same f32 math; what differs is GEMM
   summation order and sin/cos/exp last bits (~1e-7 relative), amplified through 10 layers (observed ≤ 1e-5).
-* float32, rounding points on: median 1e-4, max 0.05. A last-bit difference can move a value across an
-  fp8/fp4 rounding boundary (one quantum, `MODEL.md` §C.4), giving 1e-4…5e-3 at positions that see that row
-  (observed ≤ 5e-3), and can flip near-tied top-k picks.
+* float32, rounding points on: a last-bit difference can move a value across an fp8/fp4 rounding boundary
+  (one quantum, `MODEL.md` §C.4), moving the logits of later positions that see that row by up to ~0.8, and
+  can flip near-tied top-k picks; so the share of positions moved by more than 0.1, and the median, are
+  bounded (``model_helpers.assert_close_with_rounding_flips``), not the max.
 * bfloat16 (on the plain-bf16 checkpoint: on CPU, MLX's bf16 *quantized* matmul does not accumulate in f32 —
   77 % of its outputs differ from the correctly rounded product — while its plain bf16 matmul does): last-bit f32 differences (e.g. in the HC mix) flip bf16 roundings, and this random model amplifies
   any perturbation strongly (mlx-lm's own bf16 run differs from its f32 run by O(1) logits). So (a) each layer
@@ -37,7 +38,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
-from model_helpers import EXACT_BF16, Runner, model_state  # noqa: E402
+from model_helpers import EXACT_BF16, Runner, assert_close_with_rounding_flips, model_state  # noqa: E402
 
 from dsv41_jax.checkpoint import load_checkpoint  # noqa: E402
 from dsv41_jax.config import load_named  # noqa: E402
@@ -142,12 +143,13 @@ def test_f32_rounding_off_matches_tightly(checkpoints, monkeypatch, name, seed):
 @pytest.mark.parametrize("name,seed", [("tiny0", 0), ("variant", 2)])
 def test_f32_rounding_on_matches(checkpoints, monkeypatch, name, seed):
     ref, ours = run_both(checkpoints[name], F32_ON, seed, monkeypatch)
-    err = np.abs(np.concatenate([ours["prefill"], ours["decode"]]) - np.concatenate([ref["prefill"],
-                                                                                      ref["decode"]]))
-    print(f"\n{name} f32 on: max|Δ| {err.max():.2e}, median {np.median(err):.2e}, "
-          f"positions with max|Δ| > 1e-4: {(err.max(-1) > 1e-4).mean():.1%}, "
+    got = np.concatenate([ours["prefill"], ours["decode"]])
+    want = np.concatenate([ref["prefill"], ref["decode"]])
+    print(f"\n{name} f32 on: max|Δ| {np.abs(got - want).max():.2e}, median {np.median(np.abs(got - want)):.2e}, "
           f"selections differing {ours['selection_diff']:.1%}")
-    assert np.median(err) < 1e-4 and err.max() < 0.05
+    per_position = assert_close_with_rounding_flips(got, want)  # MODEL.md §C.4: quantum flips are real
+    print(f"positions with max|Δ| > 0.1: {(per_position > 0.1).mean():.1%}")
+    # Prefill picks of the one-pass runs: only a near-tie moved by a flip can differ (measured 0 over 12 prompts).
     assert ours["selection_diff"] <= 0.05
 
 

@@ -76,3 +76,21 @@ class Runner:
 def split_sizes(total: int, size: int) -> list[int]:
     """[size, size, …, remainder]."""
     return [size] * (total // size) + ([total % size] if total % size else [])
+
+
+# Rounding points on (MODEL.md §C.4): a last-bit difference (batched vs one-row projection, ours vs mlx-lm) can
+# push one value across an fp8/fp4 rounding boundary; that quantum moves the logits of every later position that
+# sees the row, by up to ~0.8 on a compressed entry, so a max bound holds only for lucky prompts. Bounded instead:
+# the fraction of positions whose max|Δ| exceeds FLIP_THRESHOLD (measured ≤ 12 % over 12 mlx-lm parity runs and
+# 18 chunking runs of 56 tokens, other weight and prompt seeds) and the median |Δ| (measured ≤ 7e-4). A real
+# bug (wrong row, position or cache slot) moves most positions by O(1) on these O(4) logits.
+FLIP_THRESHOLD, FLIP_FRACTION, ROUNDING_ON_MEDIAN = 0.1, 0.25, 1e-2
+
+
+def assert_close_with_rounding_flips(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """got, want: logits [T, V]; returns the per-position max|Δ| [T] after the §C.4 bounds above."""
+    err = np.abs(got - want)
+    per_position = err.max(-1)
+    flipped = (per_position > FLIP_THRESHOLD).mean()
+    assert flipped <= FLIP_FRACTION and np.median(err) < ROUNDING_ON_MEDIAN, (flipped, np.median(err))
+    return per_position

@@ -8,8 +8,9 @@ Segments of 16 and 5 rows run through the 17-row program with ``lengths`` (the r
 also what makes the padding rows' "don't touch the cache" rule part of every comparison.
 
 Tolerances (logits O(4)): rounding points off 1e-4 (different GEMM shapes change f32 summation order only;
-observed ≤ 6e-6). On: median 1e-4, max 0.05 — a last-bit difference can cross an fp8/fp4 rounding boundary,
-one quantum, which moves later logits by 1e-4…5e-3 (`MODEL.md` §C.4; observed ≤ 1.3e-3).
+observed ≤ 6e-6). On: a last-bit difference can cross an fp8/fp4 rounding boundary, one quantum, which moves
+later logits by up to ~0.8 (`MODEL.md` §C.4), so only the fraction of positions moved by more than 0.1 (and the
+median) is bounded: ``model_helpers.assert_close_with_rounding_flips``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_helpers import Runner, model_state, split_sizes
+from model_helpers import Runner, assert_close_with_rounding_flips, model_state, split_sizes
 
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights
@@ -44,7 +45,7 @@ def _check(got, want, rounding: str):
     if rounding == "off":
         assert err.max() < 1e-4, err.max()
     else:
-        assert np.median(err) < 1e-4 and err.max() < 0.05, (np.median(err), err.max())
+        assert_close_with_rounding_flips(got, want)  # MODEL.md §C.4: quantum flips are real, bound their share
     return err.max()
 
 
