@@ -12,9 +12,9 @@ world 4 stays within 8e-3 of world 1 (chunking: 3.5e-3) and greedy text is ident
 
 The prompt is 48 raw ids (the tiny vocabulary is 512), so the window (8 rows) evicts, the ratio-2 layers see
 24 entries > index_topk = 8 (the indexer really selects) and the reindex layer more than K_B·B_c = 12 (the
-candidates really prune); 6 new tokens and no --logits-out (one program fewer) keep the test at ~28 s
-(was 19 s with 6 prompt tokens), mostly compiling. Measured once with --logits-out: world 4 within 2.6e-6 of world 1 over the prompt
-and the decode steps.
+candidates really prune); 6 new tokens and no --logits-out (one program fewer) keep the test at ~28 s (was
+19 s with 6 prompt tokens), mostly compiling. Measured once with --logits-out: world 4 within 2.6e-6 of world 1
+over the prompt and the decode steps.
 """
 
 from __future__ import annotations
