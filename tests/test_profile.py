@@ -39,7 +39,17 @@ def _check_step(step: dict, world: int) -> None:
     # XLA's argument bytes = weights + cache + ids/lengths; the planner's cache differs from the model's
     # (2·W slot rings vs W-row rings, entries rounded down) by a few KiB, small next to the weights: 5 %.
     assert abs(mem["arguments"]["diff_pct"]) <= 5, mem["arguments"]
-    assert mem["temporaries"]["xla"] > 0 and mem["temporaries"]["predicted"] > 0
+    # Cache: the planner's pool vs the model's cache arrays. Two known structural differences pull opposite
+    # ways: the planner keeps 2·W-row slot rings a layer (the model W rows) and fp8 index keys (d_I + 4 B a
+    # key; the model's are in the model dtype, bf16 here: 2·d_I B). Measured −0.8 % here; bound: a factor 4/3.
+    cache = mem["cache"]
+    assert 0.75 <= cache["predicted"] / cache["xla"] <= 4 / 3, cache
+    # Temporaries: the planner's workspace is an upper bound on what a step may need, so it must never be
+    # below XLA's temporaries. It is well above on tiny: the MoE z buffer is sized for a whole x3gm block of
+    # routed pairs (PLANNER.md §B), not this segment's 64·k pairs (25 of the 29 MB predicted). Measured 5.3×
+    # (decode) to 6.8× (prefill at world 1); bound 10×.
+    temps = mem["temporaries"]
+    assert temps["xla"] > 0 and temps["xla"] <= temps["predicted"] <= 10 * temps["xla"], temps
     assert step["median_s"] > 0 and step["tokens_per_s"] > 0
     assert len(step["times_s"]) == 2
 
