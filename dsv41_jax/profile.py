@@ -60,6 +60,7 @@ class Request:
     fast_compile: bool
     as_json: bool
     json_out: Path | None = None
+    expert_format: str = "dequantized"
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
     p.add_argument("--impl", choices=("reference", "pallas"), default="reference", help="attention and MoE ops")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--expert-format", choices=("dequantized", "fp4"), default="dequantized",
+                   help="routed experts held in --dtype, or packed fp4 + ue8m0 scales as the release stores them "
+                        "(how generate --expert-format auto holds the released checkpoint)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per step (median reported)")
     p.add_argument("--trace", default=None, metavar="DIR", help="write jax.profiler traces under DIR")
@@ -108,7 +112,7 @@ def parse_args(argv: list[str] | None) -> Request:
     admit(cfg, a.world)  # PlanRefused names the rule and the worlds that work
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
-                   Path(a.json_out) if a.json_out else None)
+                   Path(a.json_out) if a.json_out else None, a.expert_format)
 
 
 def _check_writable(path: Path) -> None:
@@ -129,9 +133,10 @@ def planner_bytes(req: Request, rows: int, position: int) -> dict:
     profiled cache (``position + rows`` tokens a sequence, ``batch`` slots).
     """
     fmt = "bf16" if req.dtype == "bfloat16" else "f32"
-    options = PlanOptions(kv="bf16", experts=fmt, dense=fmt, slots=req.batch)
+    experts = "fp4" if req.expert_format == "fp4" else fmt
+    options = PlanOptions(kv="bf16", experts=experts, dense=fmt, slots=req.batch)
     capacity = req.batch * (position + req.rows)
-    out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=fmt, dense=fmt),
+    out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=experts, dense=fmt),
            "cache": cache_pool_bytes(req.cfg, req.world, options, MemoryBudget(kv_tokens=capacity)),
            "workspace": None, "refused": None}
     try:
@@ -161,7 +166,8 @@ def run(req: Request, on_step=None) -> dict:
     measure.COMPILER_OPTIONS.clear()
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
-    options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl)
+    options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl,
+                           expert_format=req.expert_format)
     _check_fits(req, jax.devices()[0])
     start = time.perf_counter()
     model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)
@@ -218,6 +224,7 @@ def _header(req: Request, jax) -> dict:
     return {"config": req.config_name, "layers": list(req.layers), "num_layers": req.cfg.num_hidden_layers,
             "roles": [req.cfg.role(i) for i in range(req.cfg.num_hidden_layers)],
             "world": req.world, "rows": req.rows, "batch": req.batch, "impl": req.impl, "dtype": req.dtype,
+            "expert_format": req.expert_format,
             "compile_only": req.compile_only, "fast_compile": req.fast_compile,
             "platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -288,7 +295,8 @@ def _fmt_pct(x) -> str:
 
 def print_header(report: dict, out=sys.stdout) -> None:
     out.write(f"{report['config']} layers {report['layers']} ({', '.join(report['roles'])}) · world "
-              f"{report['world']} · batch {report['batch']} · {report['dtype']} · impl {report['impl']}\n")
+              f"{report['world']} · batch {report['batch']} · {report['dtype']} · experts "
+              f"{report.get('expert_format', 'dequantized')} · impl {report['impl']}\n")
     out.write(f"{report['device']} ({report['platform']}) · jax {report['jax']} · {report['date']} · weights "
               f"{_fmt_bytes(report['weights_per_device'])} per device · built in {report['build_s']:.1f} s\n")
 

@@ -70,6 +70,30 @@ def test_profile_tiny_world_1_and_4(capsys):
     assert spec1 / 4 < spec4 < spec1
 
 
+def test_profile_fp4_experts_as_released(capsys):
+    """``--expert-format fp4``: experts drawn on the devices as packed codes + ue8m0 scales; the bytes each
+    device holds are the planner's fp4 count exactly (world 2), the step runs, and decoded experts have the right spread."""
+    import numpy as np
+
+    from dsv41_jax.model import ModelOptions
+    from dsv41_jax.model.moe import dequantize_fp4
+    from dsv41_jax.profiling import build
+
+    report = _run(capsys, "--world", "2", "--rows", "16", "--position", "0", "--expert-format", "fp4")
+    cfg = cut_layers(load_named("tiny"), 4)
+    assert report["expert_format"] == "fp4" and report["steps"][0]["error"] is None
+    assert report["weights_per_device"] == param_bytes_per_rank(cfg, 2, 0, experts="fp4")
+    model, _ = build.build_model(cfg, 1, ModelOptions(dtype="float32", expert_format="fp4"))
+    w1 = model.inner.layers[0].ffn.experts.w1
+    values = np.asarray(dequantize_fp4(w1.codes[...], w1.scales[...], np.float32))
+    fan_in = values.shape[-1]
+    # Uniform random e2m1 codes have RMS ≈ 3.2 (values 0..6), the scale byte 2^round(log2(1/(2√fan_in))):
+    # the decoded RMS is within a factor 2 of the dense init's 1/√fan_in.
+    rms = float(np.sqrt(np.mean(values**2))) * np.sqrt(fan_in)
+    assert 0.5 <= rms <= 2.5, rms
+    assert len({int(b) for b in np.asarray(w1.codes[...]).ravel()[:4096]}) > 200  # codes cover the bytes
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--world", "3"], "--world must be one of"),
     (["--rows", "0"], "--rows must be at least 1"),

@@ -63,8 +63,13 @@ def build_model(cfg: ModelConfig, world: int, options: ModelOptions, *, seed: in
     return ShardedTransformer(inner, mesh, plan, cfg, run_cfg), mesh
 
 
-def _scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
-    """(mean, std) of a parameter, as ``make_tiny.random_weights`` draws it."""
+def _scale(name: str, shape: tuple[int, ...]) -> tuple[float, float | None]:
+    """(mean, std) of a parameter, as ``make_tiny.random_weights`` draws it; for fp4 expert ``codes`` std is None
+    and for their ``scales`` it is 1/√fan_in of the decoded weight (fan_in = 32 · the scales' last axis)."""
+    if name.endswith(".codes"):
+        return 0.0, None
+    if name.endswith(".scales"):
+        return 0.0, 1.0 / math.sqrt(32 * shape[-1])
     if name.endswith("embed.weight"):
         return 0.0, 1.0
     if name.endswith("norm.weight"):
@@ -83,7 +88,8 @@ def _scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
 
 
 def _draw_all(specs) -> list[jax.Array]:
-    """One program drawing every parameter: mean + std·U, U uniform with unit variance, in the parameter's dtype.
+    """One program drawing every parameter: mean + std·U, U uniform with unit variance, in the parameter's dtype;
+    fp4-resident experts (uint8 ``codes`` / ``scales``, ``ModelOptions.expert_format="fp4"``) as ``_draw_packed``.
 
     A counter hash (``_hash_uniform``), not threefry: it compiles in well under a second for hundreds of
     tensors (threefry took ~50 s on CPU for the tiny model) and, being elementwise over iotas, each device
@@ -91,9 +97,21 @@ def _draw_all(specs) -> list[jax.Array]:
     """
     out = []
     for salt, shape, dtype, mean, std in specs:
+        if dtype == jnp.uint8:
+            out.append(_draw_packed(shape, salt, std))
+            continue
         u = _hash_uniform(shape, salt)  # f32 [shape] in [0, 1)
         out.append((mean + std * math.sqrt(3.0) * (2.0 * u - 1.0)).astype(dtype))
     return out
+
+
+def _draw_packed(shape: tuple[int, ...], salt: int, std: float | None) -> jax.Array:
+    """fp4 experts as the release stores them (MODEL.md §E.1): ``codes`` (``std`` None) are uniform random bytes,
+    two e2m1 values each; ``scales`` one constant ue8m0 byte chosen like ``moe._Packed``, so the decoded weights
+    have roughly the dense init's spread 1/√fan_in."""
+    if std is None:
+        return (_hash_uniform(shape, salt) * 256.0).astype(jnp.uint8)
+    return jnp.full(shape, 127 + round(math.log2(std / 2.0)), jnp.uint8)
 
 
 def _hash_uniform(shape: tuple[int, ...], salt: int) -> jax.Array:
