@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(pallas on CPU runs interpreted: slow)")
     model.add_argument("--skip-engram", action="store_true",
                        help="run a config with engram layers without them (NOT the model's output)")
+    model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
+                       help="the release's fp8/fp4 rounding points inside the model (MODEL.md §C.2; default on). "
+                            "--no-quant-rounding: for comparisons only — sharded and segmented float32 runs then "
+                            "agree with one device to ~1e-5 (with them on, an fp4 boundary flip can move later "
+                            "logits by up to ~1 on random weights)")
     model.add_argument("--world", type=_positive_int, default=1, metavar="N",
                        help="devices to shard over (default 1: unsharded)")
     model.add_argument("--max-context", type=_positive_int, metavar="N",
@@ -316,7 +321,8 @@ def model_options(args, expert_format: str):
     if impl == "pallas" and args.dtype == "float32":
         _say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
              "takes bf16 activations); use --impl reference for float32 experts")
-    return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl)
+    return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
+                        quant_rounding=args.quant_rounding)
 
 
 def build(inputs: ModelInputs, args):

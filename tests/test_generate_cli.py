@@ -108,7 +108,8 @@ def test_help_lists_flags_and_examples(capsys):
     out = capsys.readouterr().out
     for flag in ("--prompt", "--prompts-file", "--prompt-ids", "--chat", "--thinking", "--checkpoint", "--config",
                  "--max-new-tokens", "--greedy", "--temperature", "--top-k", "--top-p", "--seed", "--dtype",
-                 "--world", "--max-context", "--json", "--logits-out", "--expert-format", "--impl", "--skip-engram"):
+                 "--world", "--max-context", "--json", "--logits-out", "--expert-format", "--impl", "--skip-engram",
+                 "--quant-rounding", "--no-quant-rounding"):
         assert flag in out
     assert "examples:" in out
 
