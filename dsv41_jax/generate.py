@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed, 0 .. 2^32 - 1 (prompt i uses (seed + i) mod 2^32)")
+    model.add_argument("--compile-cache", metavar="DIR",
+                       help="persistent compilation cache: a second run of the same command loads its programs "
+                            "instead of compiling (default: $DSV41_JAX_COMPILE_CACHE or ~/.cache/dsv41_jax/xla; "
+                            "'off' disables it)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON summary on stdout instead of text")
     out.add_argument("--logits-out", metavar="FILE.npz",
@@ -481,6 +485,7 @@ def report(result, tokenizer, args, description: str, max_context: int, folded: 
 
 
 def run(args) -> int:
+    from .compile_cache import enable as enable_compile_cache  # noqa: PLC0415
     from .engine import Engine, check_requests  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
     from .tokenizer import DeepSeekTokenizer  # noqa: PLC0415
@@ -490,6 +495,8 @@ def run(args) -> int:
     if args.logits_out and not Path(args.logits_out).resolve().parent.is_dir():
         raise UsageError(f"--logits-out: directory {Path(args.logits_out).parent} does not exist")
     check_world(args.world)
+    cache_dir = enable_compile_cache(args.compile_cache)
+    _say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
     inputs = load_model_inputs(args)
     cfg, description = inputs.cfg, inputs.description
     _say(f"model: {description}")
@@ -516,12 +523,14 @@ def run(args) -> int:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (one line, exit 2), from whichever modules exist."""
+    from .compile_cache import CompileCacheError  # noqa: PLC0415
     from .config import ConfigError  # noqa: PLC0415
     from .engine import EngineInputError  # noqa: PLC0415
     from .sampling import SamplingError  # noqa: PLC0415
     from .tokenizer import TokenizerError  # noqa: PLC0415
 
-    errors: list[type[BaseException]] = [UsageError, ConfigError, EngineInputError, SamplingError, TokenizerError]
+    errors: list[type[BaseException]] = [UsageError, ConfigError, EngineInputError, SamplingError, TokenizerError,
+                                         CompileCacheError]
     for module, name in (("dsv41_jax.checkpoint", "CheckpointError"), ("dsv41_jax.planner", "PlanRefused"),
                          ("dsv41_jax.model.transformer", "WeightsError"), ("sharding.mesh", "ShardingError")):
         try:

@@ -61,6 +61,7 @@ class Request:
     as_json: bool
     json_out: Path | None = None
     expert_format: str = "dequantized"
+    compile_cache: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--compile-only", action="store_true", help="abstract weights: compile and analyse, no runs")
     p.add_argument("--fast-compile", action="store_true",
                    help="XLA CPU: LLVM optimisation off (quick smoke runs; step times not representative)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="persistent compilation cache (default: $DSV41_JAX_COMPILE_CACHE or ~/.cache/dsv41_jax/xla; "
+                        "'off' disables it). Compile seconds then show a cache hit on a second run")
     a = p.parse_args(argv)
     try:
         positions = tuple(int(x) for x in str(a.position).split(",") if x.strip())
@@ -112,7 +116,7 @@ def parse_args(argv: list[str] | None) -> Request:
     admit(cfg, a.world)  # PlanRefused names the rule and the worlds that work
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
-                   Path(a.json_out) if a.json_out else None, a.expert_format)
+                   Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache)
 
 
 def _check_writable(path: Path) -> None:
@@ -163,6 +167,9 @@ def run(req: Request, on_step=None) -> dict:
     from dsv41_jax.model import ModelOptions
     from dsv41_jax.profiling import build, measure
 
+    from dsv41_jax.compile_cache import enable as enable_compile_cache
+
+    cache_dir = enable_compile_cache(req.compile_cache)
     measure.COMPILER_OPTIONS.clear()
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
@@ -176,6 +183,7 @@ def run(req: Request, on_step=None) -> dict:
         jax.block_until_ready(jax.tree.leaves(_params(model)))
     report = _header(req, jax)
     report["build_s"] = time.perf_counter() - start
+    report["compile_cache"] = str(cache_dir) if cache_dir is not None else None
     report["weights_per_device"] = weights_on_device
     for position in req.positions:
         cache = build.build_cache(req.cfg, mesh, batch=req.batch, position=position, rows=req.rows,
@@ -361,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ConfigError, PlanRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from dsv41_jax.compile_cache import CompileCacheError
     from sharding import ShardingError, request_host_devices
 
     request_host_devices(req.world)  # CPU: simulated devices; only effective before JAX starts
@@ -377,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         report = run(req, on_step)
-    except (UsageError, ShardingError) as e:
+    except (UsageError, ShardingError, CompileCacheError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if req.as_json:
