@@ -155,7 +155,7 @@ def message_from_openai(obj: Any, where: str = "message") -> Message:
         raise ChatFormatError(f"{where}: tool_calls must be a list")
     return Message(obj["role"], _text_of(obj.get("content"), where), reasoning,
                    tuple(tool_call_from_openai(c, f"{where}, tool call {i + 1}") for i, c in enumerate(calls)),
-                   obj.get("tool_call_id"))
+                   None if obj.get("tool_call_id") is None else str(obj["tool_call_id"]))
 
 
 def message_to_openai(m: Message) -> dict:
@@ -234,7 +234,7 @@ class _Turn:
 
 def _user_turns(messages: Sequence[Message]) -> list[_Turn]:
     """Merge each run of user / tool messages into one user turn; tool results in the order of the preceding
-    assistant's calls (by id; unknown ids first, like the official encoder's stable sort)."""
+    assistant's calls (a stable sort by call index; an unknown id counts as index 0, as in the official encoder)."""
     turns: list[_Turn] = []
     run: list[tuple[str, Message]] = []  # ("text" | "tool", message)
     order: dict[str, int] = {}
@@ -243,7 +243,7 @@ def _user_turns(messages: Sequence[Message]) -> list[_Turn]:
         if not run:
             return
         results = sorted((m for kind, m in run if kind == "tool"), key=lambda m: order.get(m.tool_call_id or "", 0))
-        slots = iter(results if len(results) > 1 and order else [m for kind, m in run if kind == "tool"])
+        slots = iter(results)
         parts = [m.content if kind == "text" else f"<tool_result>{next(slots).content}</tool_result>"
                  for kind, m in run]
         turns.append(_Turn("user", "\n\n".join(parts)))

@@ -140,3 +140,17 @@ def test_chat_flag_errors_are_one_line(case, tmp_path, capsys):
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and words in last, err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_real_run_of_a_checkpoint_with_its_own_tokenizer(ckpt, capsys):
+    """The mini checkpoint really generating (no canned engine): the checkpoint's tokenizer builds the prompt and
+    decodes the reply, and the parsed fields are those of the generated ids."""
+    summary, err = _run(["--checkpoint", str(ckpt), "--chat", "--thinking", "--prompt", "Hi", *RUN], capsys)
+    assert f"tokenizer: {ckpt / 'tokenizer.json'} (the checkpoint's" in err
+    own = DeepSeekTokenizer(ckpt)
+    (result,) = summary["results"]
+    assert result["prompt_ids"][:2] == [0, 128847 % 512] and len(result["generated_ids"]) >= 1
+    assert result["text"] == own.decode(result["generated_ids"])
+    assert {k: result[k] for k in ("reasoning_content", "content", "tool_calls")} == chat_reply_fields(
+        own, result["generated_ids"], thinking=True)
