@@ -37,7 +37,8 @@ The released config has engram layers, which this engine does not implement: suc
 {"messages": [{"role": "user", "content": "Hi"}]} (OpenAI-style messages: roles system, user, assistant, tool;
 assistant "reasoning_content" and "tool_calls", tool "tool_call_id"), optionally with "tools" (OpenAI function
 specs); each may add "max_new_tokens". Chat prompts use DeepSeek-V4.1's own format (dsv41_jax/chat.py); with
---json their replies are also split into "reasoning_content", "content" and "tool_calls".
+--json their replies are also split into "reasoning_content", "content" and "tool_calls" (and
+"unparsed_tool_call_text" when tool-call markup does not parse).
 The tokenizer is the checkpoint's tokenizer.json when --checkpoint has one, else the packaged DeepSeek-V4 one.
 Without --checkpoint the embedded tiny model runs: configs/tiny.json (or --config) with random weights
 (seed 0). Its vocabulary is 512 ids, so text prompt ids are folded into it (id mod 512) and the output is noise.

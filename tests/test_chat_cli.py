@@ -154,3 +154,11 @@ def test_real_run_of_a_checkpoint_with_its_own_tokenizer(ckpt, capsys):
     assert result["text"] == own.decode(result["generated_ids"])
     assert {k: result[k] for k in ("reasoning_content", "content", "tool_calls")} == chat_reply_fields(
         own, result["generated_ids"], thinking=True)
+
+
+def test_help_lists_the_chat_flags(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for words in ("--reasoning-effort", "--system", "--thinking", "low (50)",
+                  "\"tools\"", "reasoning_content", "tokenizer.json"):
+        assert words in out
