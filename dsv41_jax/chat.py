@@ -414,10 +414,15 @@ class ReplyStream:
     the reasoning (the prompt ended with ``<think>``); without, it is the answer from the start.
     """
 
+    _TAIL = max(len(INVOKE_END), len(EOS)) - 1  # enough text to see a marker that spans two pieces
+
     def __init__(self, *, thinking: bool):
         self._state = "reasoning" if thinking else "content"
         self._buf = ""
         self._calls = 0
+        # An invoke whose end has not arrived: its pieces, kept apart (a long argument costs linear time).
+        self._invoke: list[str] | None = None
+        self._tail = ""
 
     @property
     def done(self) -> bool:
@@ -425,14 +430,24 @@ class ReplyStream:
         return self._state == "done"
 
     def feed(self, piece: str) -> list[ReplyEvent]:
-        self._buf += piece
         events: list[ReplyEvent] = []
+        if self._invoke is not None:
+            window = self._tail + piece
+            if INVOKE_END not in window and EOS not in window:
+                self._invoke.append(piece)
+                self._tail = window[-self._TAIL:]
+                return events
+            self._buf, self._invoke = "".join(self._invoke) + piece, None
+        else:
+            self._buf += piece
         while self._state != "done" and self._step(events):
             pass
         return events
 
     def finish(self) -> list[ReplyEvent]:
         events = self.feed("")
+        if self._invoke is not None:
+            self._buf, self._invoke = "".join(self._invoke), None
         if self._buf and self._state != "done":
             kind = {"reasoning": ReasoningDelta, "content": ContentDelta}.get(self._state, UnparsedDelta)
             events.append(kind(self._buf))
@@ -479,6 +494,7 @@ class ReplyStream:
                 self._buf, self._state = "", "done"
                 return True
             if end < 0:
+                self._invoke, self._tail, self._buf = [text], text[-self._TAIL:], ""
                 return False
             body, self._buf = text[len(INVOKE_START):end], text[end + len(INVOKE_END):]
             try:
