@@ -457,7 +457,9 @@ class ReplyStream:
     # One transition; False when more text is needed.
     def _step(self, events: list[ReplyEvent]) -> bool:
         if self._state == "reasoning":
-            return self._text_until(events, ReasoningDelta, {THINK_END: "content", EOS: "done"})
+            # A tool-call block also ends the reasoning (as in the official parser, which then refuses the reply).
+            return self._text_until(events, ReasoningDelta, {THINK_END: "content", "\n\n" + CALLS_START: "calls",
+                                                             EOS: "done"})
         if self._state == "content":
             return self._text_until(events, ContentDelta, {"\n\n" + CALLS_START: "calls", CALLS_START: "calls",
                                                            EOS: "done"})

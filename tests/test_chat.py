@@ -195,6 +195,7 @@ def _stream_texts():
     yield "truncated_mid_call", calls[: calls.index("</｜DSML｜ invoke>") - 5], True
     yield "truncated_mid_think_end", "reasoning </thi", True
     yield "no_eos", "answer with a trailing newline\n", False
+    yield "call_without_think_end", "thinking\n" + calls[calls.index("\n\n<｜DSML｜ calls>"):], True
 
 
 @pytest.mark.parametrize("name, text, thinking", list(_stream_texts()), ids=[n for n, *_ in _stream_texts()])
@@ -209,7 +210,7 @@ def test_stream_one_char_at_a_time_equals_whole_parse(name, text, thinking):
         assert chat.collect(_stream(text, thinking, pieces)) == whole
     # Nothing of a marker or a call ever shows as answer text; calls arrive whole and numbered in order.
     for e in by_char:
-        if isinstance(e, ContentDelta):
+        if isinstance(e, (ContentDelta, ReasoningDelta)):
             assert "DSML" not in e.text and "</think>" not in e.text and "<｜end" not in e.text
     indices = [e.index for e in by_char if isinstance(e, ToolCallEvent)]
     assert indices == list(range(len(indices)))
@@ -248,6 +249,11 @@ def test_truncated_and_malformed_calls_never_reach_the_answer():
     broken = text.replace('string="false">2', 'strng="false">2')
     bad = chat.parse_reply(broken, thinking=False)
     assert bad.content == "A" and [c.name for c in bad.tool_calls] == ["f"] and "strng" in bad.unparsed
+
+
+def test_a_call_inside_unclosed_reasoning_is_a_call():
+    text = 'plan\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+    assert chat.parse_reply(text, thinking=True) == chat.Reply("plan", "", (ToolCall("f", "{}"),))
 
 
 def test_reply_to_openai():
