@@ -24,6 +24,7 @@ EXAMPLES = """\
 examples:
   python -m dsv41_jax.generate --prompt "The capital of France is" --max-new-tokens 16
   python -m dsv41_jax.generate --chat --prompt "Why is the sky blue?" --no-thinking
+  python -m dsv41_jax.generate --chat --thinking --reasoning-effort max --system "Be brief." --prompt "Why?" --json
   python -m dsv41_jax.generate --prompt "a" --prompt "bb" --json             # a batch of two, JSON summary
   python -m dsv41_jax.generate --prompt-ids 0,5,6,7 --greedy --logits-out run.npz
   python -m dsv41_jax.generate --prompts-file prompts.jsonl --temperature 0.7 --top-p 0.9 --seed 1
@@ -33,7 +34,12 @@ The released config has engram layers, which this engine does not implement: suc
 --skip-engram is given, and then the output is not the model's (a warning says so).
 
 --prompts-file holds one JSON object per line: {"prompt": "text"}, {"prompt_ids": [0, 5, 6]} or
-{"messages": [{"role": "user", "content": "Hi"}]}; each may add "max_new_tokens".
+{"messages": [{"role": "user", "content": "Hi"}]} (OpenAI-style messages: roles system, user, assistant, tool;
+assistant "reasoning_content" and "tool_calls", tool "tool_call_id"), optionally with "tools" (OpenAI function
+specs); each may add "max_new_tokens". Chat prompts use DeepSeek-V4.1's own format (dsv41_jax/chat.py); with
+--json their replies are also split into "reasoning_content", "content" and "tool_calls" (and
+"unparsed_tool_call_text" when tool-call markup does not parse).
+The tokenizer is the checkpoint's tokenizer.json when --checkpoint has one, else the packaged DeepSeek-V4 one.
 Without --checkpoint the embedded tiny model runs: configs/tiny.json (or --config) with random weights
 (seed 0). Its vocabulary is 512 ids, so text prompt ids are folded into it (id mod 512) and the output is noise.
 """
@@ -59,6 +65,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _reasoning_effort(text: str):
+    from .chat import REASONING_EFFORT_LEVELS  # noqa: PLC0415
+
+    if text in REASONING_EFFORT_LEVELS:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(REASONING_EFFORT_LEVELS)} "
+                                         f"or a whole number 1..100")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m dsv41_jax.generate", description="Generate text with DeepSeek-V4.1 in JAX.",
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,9 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", metavar="FILE", help="one JSON object per line (see below)")
     src.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
                      help="raw token ids, no tokenizer (repeatable)")
-    src.add_argument("--chat", action="store_true", help="wrap text prompts in the V4 chat template")
+    src.add_argument("--chat", action="store_true", help="wrap text prompts in the DeepSeek-V4.1 chat format")
     src.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
-                     help="with --chat: open the answer with <think> (default: off, answer directly)")
+                     help="chat prompts: think first (open the answer with <think>; default: off, answer directly)")
+    src.add_argument("--reasoning-effort", type=_reasoning_effort, metavar="LEVEL",
+                     help="with --thinking: low (50), high (75, the default) or max (100), or a number 1..100")
+    src.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each --prompt")
     model = p.add_argument_group("model")
     model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
     model.add_argument("--config", metavar="FILE", help="config.json for the random-weight model (default: tiny)")
@@ -123,6 +147,7 @@ class PromptSpec:
     ids: tuple[int, ...] | None = None
     max_new_tokens: int | None = None
     label: str = "prompt"
+    tools: tuple = ()
 
 
 def _parse_ids(text: str, label: str) -> tuple[int, ...]:
@@ -138,7 +163,7 @@ def _parse_ids(text: str, label: str) -> tuple[int, ...]:
 
 
 def _file_prompt(obj, where: str) -> PromptSpec:
-    from .tokenizer import ROLES, ChatMessage  # noqa: PLC0415
+    from .chat import ChatFormatError, message_from_openai, tool_function  # noqa: PLC0415
 
     if not isinstance(obj, dict):
         raise UsageError(f"{where}: expected a JSON object")
@@ -157,13 +182,36 @@ def _file_prompt(obj, where: str) -> PromptSpec:
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise UsageError(f"{where}: \"prompt_ids\" must be a list of integers")
         return PromptSpec(ids=tuple(ids), max_new_tokens=max_new, label=where)
-    msgs = obj["messages"]
-    if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in ROLES
-                                             and isinstance(m.get("content"), str) for m in msgs):
-        raise UsageError(f"{where}: \"messages\" must be a list of {{\"role\": {'|'.join(ROLES)}, "
-                         f"\"content\": text}}")
-    return PromptSpec(messages=tuple(ChatMessage(m["role"], m["content"]) for m in msgs), max_new_tokens=max_new,
-                      label=where)
+    msgs, tools = obj["messages"], obj.get("tools") or []
+    if not isinstance(msgs, list) or not isinstance(tools, list):
+        raise UsageError(f"{where}: \"messages\" and \"tools\" must be lists")
+    try:
+        messages = tuple(message_from_openai(m, f"{where}: message {i + 1}") for i, m in enumerate(msgs))
+        for i, t in enumerate(tools):
+            tool_function(t, f"{where}: tool {i + 1}")
+    except ChatFormatError as e:
+        raise UsageError(str(e)) from None
+    return PromptSpec(messages=messages, max_new_tokens=max_new, label=where, tools=tuple(tools))
+
+
+def check_chat_flags(args) -> None:
+    """--system needs --chat, --reasoning-effort needs --thinking (each would be silently ignored otherwise)."""
+    if args.system is not None and not args.chat:
+        raise UsageError("--system needs --chat (it is a system message of the chat format)")
+    if args.reasoning_effort is not None and not args.thinking:
+        raise UsageError("--reasoning-effort needs --thinking (the effort is only given to a thinking model)")
+
+
+def chat_messages(spec: PromptSpec, args) -> tuple | None:
+    """The chat messages of a prompt: its own, or --chat's system + user for text; None for a plain prompt."""
+    from .chat import Message  # noqa: PLC0415
+
+    if spec.messages is not None:
+        return spec.messages
+    if args.chat and spec.text is not None:
+        system = (Message("system", args.system),) if args.system is not None else ()
+        return (*system, Message("user", spec.text))
+    return None
 
 
 def gather_prompts(args) -> list[PromptSpec]:
@@ -193,17 +241,20 @@ def gather_prompts(args) -> list[PromptSpec]:
 
 def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int) -> tuple[list[tuple[int, ...]], bool]:
     """Ids per prompt, and whether any text ids were folded into a smaller model vocabulary."""
-    from .tokenizer import ChatMessage, chat_ids  # noqa: PLC0415
+    from .chat import ChatFormatError, chat_ids  # noqa: PLC0415
 
     out, folded = [], False
     for s in specs:
         if s.ids is not None:
             out.append(tuple(s.ids))  # raw ids are checked against the vocabulary, never folded
             continue
-        if s.messages is not None:
-            ids = chat_ids(tokenizer, s.messages, thinking=args.thinking)
-        elif args.chat:
-            ids = chat_ids(tokenizer, [ChatMessage("user", s.text)], thinking=args.thinking)
+        messages = chat_messages(s, args)
+        if messages is not None:
+            try:
+                ids = chat_ids(tokenizer, messages, thinking=args.thinking, reasoning_effort=args.reasoning_effort,
+                               tools=s.tools)
+            except ChatFormatError as e:
+                raise UsageError(f"{s.label}: {e}") from None
         else:
             ids = tokenizer.encode(s.text, add_bos=True)
         if model_vocab < tokenizer.vocab_size and any(i >= model_vocab for i in ids):
@@ -459,18 +510,36 @@ def generate_with_output(engine, requests, tokenizer, args):
     return result
 
 
-def report(result, tokenizer, args, description: str, max_context: int, folded: bool) -> None:
-    """Texts of a batch (or the JSON summary) on stdout; ids, the logits file and the closing line."""
+def chat_reply_fields(tokenizer, token_ids, thinking: bool) -> dict:
+    """A chat reply split as an OpenAI assistant message: reasoning_content, content, tool_calls (markers
+    decoded as text, whatever the tokenizer counts as special; the parser stops at EOS)."""
+    from .chat import parse_reply  # noqa: PLC0415
+
+    reply = parse_reply(tokenizer.decode(token_ids, skip_special=False), thinking=thinking)
+    fields = {"reasoning_content": reply.reasoning, "content": reply.content,
+              "tool_calls": [c.to_openai() for c in reply.tool_calls]}
+    if reply.unparsed:
+        fields["unparsed_tool_call_text"] = reply.unparsed
+    return fields
+
+
+def report(result, tokenizer, args, description: str, max_context: int, folded: bool,
+           is_chat: Sequence[bool] = ()) -> None:
+    """Texts of a batch (or the JSON summary) on stdout; ids, the logits file and the closing line.
+    ``is_chat[i]``: prompt i was a chat prompt (its JSON result then carries the parsed reply)."""
     gens = result.generations
     if folded and not args.json:  # the tiny model's text is noise; its ids are the real output
         for i, g in enumerate(gens):
             _say(f"generated ids{f' {i + 1}' if len(gens) > 1 else ''}: {' '.join(map(str, g.token_ids))}")
     texts = [tokenizer.decode(g.token_ids) for g in gens]
     if args.json:
+        chat = list(is_chat) + [False] * (len(gens) - len(is_chat))
         print(json.dumps({
             "model": description, "max_context": max_context,
             "results": [{"prompt_ids": list(g.prompt_ids), "generated_ids": list(g.token_ids), "text": text,
-                         "finish_reason": g.finish_reason} for g, text in zip(gens, texts)],
+                         "finish_reason": g.finish_reason,
+                         **(chat_reply_fields(tokenizer, g.token_ids, args.thinking) if c else {})}
+                        for g, text, c in zip(gens, texts, chat)],
             "timings": _timings_dict(result.timings)}, ensure_ascii=False))
     elif len(gens) > 1:
         for i, (g, text) in enumerate(zip(gens, texts)):
@@ -488,8 +557,9 @@ def run(args) -> int:
     from .compile_cache import enable as enable_compile_cache  # noqa: PLC0415
     from .engine import Engine, check_requests  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
-    from .tokenizer import DeepSeekTokenizer  # noqa: PLC0415
+    from .tokenizer import load_tokenizer  # noqa: PLC0415
 
+    check_chat_flags(args)
     specs = gather_prompts(args)
     SamplingParams(sampling_temperature(args), args.top_k, args.top_p, args.seed).validate()
     if args.logits_out and not Path(args.logits_out).resolve().parent.is_dir():
@@ -503,12 +573,13 @@ def run(args) -> int:
     for feature in cfg.unsupported_features():
         if not feature.startswith("engram"):  # refused or warned about by check_engram
             _say(f"note: not run by this engine: {feature}")
-    tokenizer = DeepSeekTokenizer()
+    tokenizer, tokenizer_description = load_tokenizer(args.checkpoint)
+    _say(f"tokenizer: {tokenizer_description}")
     prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size)
     if folded:
         _say(f"note: the model's vocabulary ({cfg.vocab_size} ids) is smaller than the tokenizer's "
              f"({tokenizer.vocab_size:,}): text prompt ids are folded into it (id mod {cfg.vocab_size}); "
-             f"generated ids are decoded with the DeepSeek-V4 tokenizer as they are")
+             f"generated ids are decoded with the tokenizer as they are")
     requests, max_context = make_requests(specs, prompt_ids, cfg, args)
     check_requests(requests, cfg.vocab_size, max_context)  # before the (slow) model build
     plan = segment_plan(cfg, args.world)
@@ -517,7 +588,8 @@ def run(args) -> int:
     del inputs
     engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh)
     result = generate_with_output(engine, requests, tokenizer, args)
-    report(result, tokenizer, args, description, max_context, folded)
+    report(result, tokenizer, args, description, max_context, folded,
+           [chat_messages(s, args) is not None for s in specs])
     return 0
 
 

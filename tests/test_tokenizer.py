@@ -1,11 +1,14 @@
 """Tokenizer: round trips, agreement with the library's own decoder, streaming across split UTF-8 characters,
-and the V4 chat template (layout from the released ``encoding_dsv4.py``, written out literally here)."""
+and the checkpoint's own tokenizer files winning over the packaged ones (the chat format: ``test_chat.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsv41_jax.tokenizer import ChatMessage, DeepSeekTokenizer, TokenizerError, chat_ids, render_chat
+import json
+import shutil
+
+from dsv41_jax.tokenizer import DeepSeekTokenizer, TokenizerError, default_tokenizer_path, load_tokenizer
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -69,35 +72,42 @@ def test_special_tokens_skipped_in_text(tok):
     assert tok.stream().push_many(ids) == "hi"
 
 
-def test_chat_template_layout():
-    msgs = [ChatMessage("system", "Be brief."), ChatMessage("user", "hi"), ChatMessage("assistant", "Hello"),
-            ChatMessage("user", "2+2?")]
-    assert render_chat(msgs, thinking=False) == (
-        "<｜begin▁of▁sentence｜>Be brief.<｜User｜>hi<｜Assistant｜></think>Hello<｜end▁of▁sentence｜>"
-        "<｜User｜>2+2?<｜Assistant｜></think>")
-    # Thinking opens only the last answer; the earlier turn still closes with </think>.
-    assert render_chat(msgs, thinking=True) == (
-        "<｜begin▁of▁sentence｜>Be brief.<｜User｜>hi<｜Assistant｜></think>Hello<｜end▁of▁sentence｜>"
-        "<｜User｜>2+2?<｜Assistant｜><think>")
-
-
-def test_chat_ids_use_the_special_tokens(tok):
-    ids = chat_ids(tok, [ChatMessage("user", "Why is the sky blue?")], thinking=True)
-    user, assistant, think = (tok.token_to_id(t) for t in ("<｜User｜>", "<｜Assistant｜>", "<think>"))
-    assert ids[:2] == [tok.bos_id, user] and ids[-2:] == [assistant, think]
-    assert tok.decode(ids[2:-2]) == "Why is the sky blue?"
-
-
-@pytest.mark.parametrize("msgs, message", [
-    ([], "at least one"),
-    ([ChatMessage("robot", "x")], "unknown chat role"),
-    ([ChatMessage("user", "x"), ChatMessage("assistant", "y")], "last chat message"),
-])
-def test_chat_template_refusals(msgs, message):
-    with pytest.raises(ValueError, match=message):
-        render_chat(msgs)
-
-
 def test_missing_tokenizer_file(tmp_path):
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         DeepSeekTokenizer(tmp_path)
+
+
+def v41_like_tokenizer_dir(root):
+    """A copy of the packaged tokenizer with one marker difference, as the V4.1 release might have: the unused
+    special token 128847 renamed <｜System｜>; tokenizer_config.json copied alongside."""
+    root.mkdir(parents=True, exist_ok=True)
+    data = json.loads(default_tokenizer_path().read_text(encoding="utf-8"))
+    (entry,) = [t for t in data["added_tokens"] if t["id"] == 128847]
+    entry["content"] = "<｜System｜>"
+    (root / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    shutil.copy(default_tokenizer_path().parent / "tokenizer_config.json", root / "tokenizer_config.json")
+    return root
+
+
+def test_checkpoint_tokenizer_wins(tmp_path):
+    own, description = load_tokenizer(v41_like_tokenizer_dir(tmp_path / "ckpt"))
+    assert "the checkpoint's" in description and str(tmp_path / "ckpt" / "tokenizer.json") in description
+    assert own.encode("<｜System｜>hi") == [128847, *own.encode("hi")]
+    packaged, fallback = load_tokenizer(tmp_path)  # a checkpoint directory without tokenizer files
+    assert "packaged" in fallback and "no tokenizer.json in the checkpoint" in fallback
+    assert len(packaged.encode("<｜System｜>")) > 1
+    assert "packaged" in load_tokenizer(None)[1]
+
+
+def test_tokenizer_config_names_bos_and_eos(tmp_path):
+    root = v41_like_tokenizer_dir(tmp_path)
+    (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<｜User｜>", "eos_token": {
+        "content": "<｜Assistant｜>"}}))
+    tok = DeepSeekTokenizer(root)
+    assert (tok.bos_id, tok.eos_id) == (128803, 128804)
+    (root / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="not valid JSON"):
+        DeepSeekTokenizer(root)
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<｜nope｜>"}))
+    with pytest.raises(TokenizerError, match="has no '<｜nope｜>' token"):
+        DeepSeekTokenizer(root)
