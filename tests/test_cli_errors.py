@@ -126,6 +126,7 @@ def test_impl_auto_and_the_float32_pallas_moe_note(capsys, monkeypatch):
 
 def test_world_above_the_gpu_count_is_refused(monkeypatch):
     monkeypatch.setattr("jax.default_backend", lambda: "gpu")
+    monkeypatch.setattr("jax.devices", lambda: [None] * 8)
     with pytest.raises(generate.UsageError, match="asks for 16 devices but only 8 GPU devices exist$"):
         generate.check_world(16)
 

