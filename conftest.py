@@ -7,7 +7,7 @@
 * Markers that skip (with the reason) instead of failing where the machine lacks something:
   ``@pytest.mark.devices(n)`` needs n devices of the default backend; ``@pytest.mark.devices`` (no argument)
   needs as many as the test's ``world`` parameter; ``@pytest.mark.requires("module", ...)`` needs those modules
-  importable (the GPU machine may lack the tokenizer package or rich).
+  importable (the GPU machine may lack the tokenizer package or mlx).
 * ``tests/`` on ``sys.path`` so helpers such as ``mlx_oracle`` import from any test folder.
 """
 

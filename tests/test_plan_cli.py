@@ -36,7 +36,6 @@ def test_json_tiny_world8_replay_4k(capsys):
     assert out["ring_rows"] == 8192 and out["image_rows"] == -1 and out["replay"]["decoder_start"] == 6
 
 
-@pytest.mark.requires("rich")  # the table
 def test_table_output(capsys):
     assert main(["--config", "tiny", "--world", "4", "--rows", "17", "--position", "5"]) == 0
     text = capsys.readouterr().out
@@ -79,7 +78,6 @@ def test_default_memory_check_is_the_h200(capsys):
     assert "50.0 GiB usable" in capsys.readouterr().err
 
 
-@pytest.mark.requires("rich")  # the table
 def test_formats_default_to_what_the_config_says_is_stored(capsys, tmp_path):
     """Issue 12 #3: dsv41_flash's quantization_config stores fp8 dense matrices and fp4 routed experts, so
     ``plan`` without --experts/--dense plans those (and fits the H200 from world 4 on); flags override."""
