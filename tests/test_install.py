@@ -71,7 +71,10 @@ def installed(tmp_path_factory) -> Path:
           str(wheel)], cwd=tmp)
     venv_site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           cwd=tmp).stdout.strip())
-    (venv_site / "test_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # This environment's package directories (its own, and any a .pth of it added), never the source tree.
+    deps = [p for p in dict.fromkeys([*site.getsitepackages(), *sys.path])
+            if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    (venv_site / "test_dependencies.pth").write_text("\n".join(deps) + "\n")
     return python
 
 
