@@ -317,8 +317,11 @@ def _require(ok: bool, message: str) -> None:
 
 # The named configs: the repository's top-level ``configs/`` (one source), reached inside the package through the
 # link ``dsv41_jax/configs`` and shipped in the wheel as package data, so a source tree, an editable install and
-# a wheel install all read the same files.
+# a wheel install all read the same files. A source tree whose link did not survive (a checkout without symlink
+# support leaves a small text file) reads the top-level folder itself.
 CONFIG_DIR = importlib.resources.files("dsv41_jax") / "configs"
+if not CONFIG_DIR.is_dir():
+    CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def config_names() -> list[str]:
