@@ -1,9 +1,14 @@
 # The README's two commands: `make run` and `make test`. Each builds .venv first when needed.
+# `make test-gpu`: the suite on the GPU(s), from the source tree with the Python at hand (GPU_PY; no venv is
+# built: a GPU machine may have no package index). conftest.py defaults to CPU, so JAX_PLATFORMS=cuda is set here;
+# tests needing more devices than exist, or packages that are missing (mlx, the tokenizer package), skip with the
+# reason (-rs lists them).
 PY ?= python3
+GPU_PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: run test clean
+.PHONY: run test test-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,6 +21,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+test-gpu:
+	JAX_PLATFORMS=cuda PYTHONPATH=. $(GPU_PY) -m pytest -rs
 
 clean:
 	rm -rf $(VENV)

@@ -184,6 +184,49 @@ class Checkpoint:
             out[i] = self._decode(self.sources[f"layers.{layer}.ffn.experts.{e}.{proj}.weight"], out_dtype)
         return out
 
+    def read_window(self, name: str, index: tuple[slice, ...], *, dtype: str = "float32") -> np.ndarray:
+        """``read(name, dtype=dtype)[index]`` for a tensor that is not a stacked routed expert, reading only the
+        stored entries ``index`` covers (one step-1 slice per axis; a rank's rows of a split tensor).
+
+        Plain tensors are sliced in their memory map; fp8 ones decode only the 32×32 scale blocks the window
+        touches (§E.1) and crop them, so the whole tensor never exists on the host.
+        """
+        out_dtype = _out_dtype(name, dtype)
+        if name == "head.weight" and self.cfg.tie_word_embeddings:
+            name = "embed.weight"
+        if _packed(name) is not None or _stacked(name)[0] is not None:
+            raise ValueError(f"{name} is a stacked routed-expert tensor: read it with read(name, experts=...)")
+        if name not in self.sources:
+            raise KeyError(f"{name} is not a tensor of this model")
+        src = self.sources[name]
+        shape = _logical_shape(src)
+        bounds = []
+        for axis, n in enumerate(shape):
+            s = index[axis] if axis < len(index) else slice(None)
+            lo, hi, step = s.indices(n)
+            if step != 1:
+                raise ValueError(f"read_window takes step-1 slices, not {s}")
+            bounds.append((lo, max(lo, hi)))
+        if src.codec == "fp8":
+            return self._fp8_window(src, bounds, out_dtype)
+        if src.codec == "fp4":  # only routed experts are fp4 in the release: decode whole, then cut
+            return self._decode(src, out_dtype)[tuple(slice(lo, hi) for lo, hi in bounds)]
+        return np.asarray(self._files.array(src.weight)[tuple(slice(lo, hi) for lo, hi in bounds)], dtype=out_dtype)
+
+    def _fp8_window(self, src: Source, bounds: list[tuple[int, int]], out_dtype) -> np.ndarray:
+        """The window ``bounds`` of an fp8 tensor: its covering 32×32 blocks decoded, then cropped."""
+        block = formats.BLOCK
+        lead = tuple(slice(lo, hi) for lo, hi in bounds[:-2])
+        wide, crop, scale_window = [], [], []
+        for (lo, hi), n in zip(bounds[-2:], src.weight.shape[-2:]):
+            start, stop = lo - lo % block, min(-(-hi // block) * block, n)
+            wide.append(slice(start, stop))
+            crop.append(slice(lo - start, hi - start))
+            scale_window.append(slice(start // block, -(-stop // block)))
+        codes = self._files.array(src.weight)[(*lead, *wide)]
+        scale = self._files.array(src.scale)[(*lead, *scale_window)]
+        return formats.fp8_dequantize(codes, scale, dtype=out_dtype)[(..., *crop)]
+
     def _read_packed(self, layer: int, proj: str, part: str, experts) -> np.ndarray:
         """Stacked fp4 codes or ue8m0 scale bytes of the chosen experts, uint8 ``[len(experts), out, ·]``."""
         ids = range(self.cfg.n_routed_experts)

@@ -9,6 +9,7 @@ re-deriving them.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import math
 from dataclasses import dataclass, field
@@ -314,15 +315,31 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = REPO_ROOT / "configs"
+# The named configs: the repository's top-level ``configs/`` (one source), reached inside the package through the
+# link ``dsv41_jax/configs`` and shipped in the wheel as package data, so a source tree, an editable install and
+# a wheel install all read the same files. A source tree whose link did not survive (a checkout without symlink
+# support leaves a small text file) reads the top-level folder itself.
+CONFIG_DIR = importlib.resources.files("dsv41_jax") / "configs"
+if not CONFIG_DIR.is_dir():
+    CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_names() -> list[str]:
+    """The names ``load_named`` knows (``tiny``, ``dsv41_flash``, ...)."""
+    return sorted(p.name.removesuffix(".json") for p in CONFIG_DIR.iterdir() if p.name.endswith(".json"))
 
 
 def load_named(name_or_path: str) -> ModelConfig:
-    """``tiny`` / ``dsv41_flash`` (files in ``configs/``) or a path to a config.json / checkpoint dir."""
+    """``tiny`` / ``dsv41_flash`` (``configs/``, inside the installed package) or a path to a config.json /
+    checkpoint dir; an existing path wins over a name."""
     p = Path(name_or_path)
-    if not p.exists() and (CONFIG_DIR / f"{name_or_path}.json").exists():
-        p = CONFIG_DIR / f"{name_or_path}.json"
+    named = CONFIG_DIR / f"{name_or_path}.json"
+    if not p.exists() and named.is_file():
+        with importlib.resources.as_file(named) as file:
+            return ModelConfig.from_json(file)
+    if not p.exists() and len(p.parts) == 1 and not p.suffix:
+        raise ConfigError(f"no config named {name_or_path!r} (known: {', '.join(config_names())}) and no file "
+                          f"at {name_or_path}")
     return ModelConfig.from_json(p)
 
 

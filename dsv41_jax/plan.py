@@ -3,6 +3,8 @@
     python -m dsv41_jax.plan --config dsv41_flash --world 4 --rank 2 --rows 2048 --position 300000
     python -m dsv41_jax.plan --config tiny --world 8 --rows 17 --position 0 --json
 
+Weights are planned in the formats the config's ``quantization_config`` says the checkpoint stores (the
+release: fp4 routed experts, fp8 dense matrices; bf16 without one); ``--experts`` / ``--dense`` override.
 A refusal prints its rule and reason on stderr and exits 2. R10 (memory, PLANNER.md §F) is checked by default
 against the H200's 139 GiB usable a device; ``--budget-gib`` sets another budget, ``--no-memory-check`` skips it.
 """
@@ -17,6 +19,9 @@ import sys
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, admit, buffer_plan,
                                plan_segment)
+
+EXPERT_FORMATS = ("f32", "bf16", "fp8", "fp4")
+DENSE_FORMATS = ("f32", "bf16", "fp8")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,8 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pf4k", action="store_true", help="4K mode (4,096-row segments; implies the acknowledgement)")
     p.add_argument("--replay", action="store_true", help="CED bounded replay (plans the encoder segment)")
     p.add_argument("--images", action="store_true", help="plan image roles (image_rows = -1)")
-    p.add_argument("--experts", choices=("f32", "bf16", "fp8", "fp4"), default="bf16")
-    p.add_argument("--dense", choices=("f32", "bf16", "fp8"), default="bf16")
+    p.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
+                   help="how routed experts are held (default: as the config's quantization_config says the "
+                        "checkpoint stores them: fp4 for dsv41_flash, bf16 without a quantization_config)")
+    p.add_argument("--dense", choices=DENSE_FORMATS, default=None,
+                   help="how the other matrices are held (default: from quantization_config: fp8 for "
+                        "dsv41_flash, bf16 without one)")
     p.add_argument("--moe", choices=("auto", "bounded", "whole", "halving"), default="auto")
     p.add_argument("--index-budget-mib", type=_at_least(1), default=256, help="B_idx (MiB, ≥ 1)")
     p.add_argument("--budget-gib", type=_positive, default=None,
@@ -71,9 +80,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options(args: argparse.Namespace) -> PlanOptions:
+def stored_formats(cfg) -> tuple[str, str]:
+    """(experts, dense): the formats the config's ``quantization_config`` says its checkpoint stores (`MODEL.md`
+    §E.1; the release: ``quant_method`` fp8 for dense matrices, ``expert_dtype`` fp4 for routed experts).
+    Without a quantization_config both are bf16."""
+    quant = cfg.quantization
+    if not quant:
+        return "bf16", "bf16"
+    dense = str(quant.get("quant_method", "bf16")).lower()
+    experts = str(quant.get("expert_dtype", dense)).lower()
+    if dense not in DENSE_FORMATS or experts not in EXPERT_FORMATS:
+        raise ConfigError(f"quantization_config {quant} names formats this planner does not know (dense "
+                          f"{dense!r}, experts {experts!r}); pass --dense and --experts")
+    return experts, dense
+
+
+def _options(args: argparse.Namespace, cfg) -> PlanOptions:
+    """The plan options; weight formats from the flags, else from the config (``stored_formats``)."""
+    experts, dense = (args.experts, args.dense) if args.experts and args.dense else stored_formats(cfg)
     return PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
-                       experts=args.experts, dense=args.dense, moe=args.moe,
+                       experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
                        index_budget=args.index_budget_mib * (1 << 20))
 
 
@@ -87,10 +113,11 @@ def _as_json(cfg, plan: SegmentPlan, options: PlanOptions) -> dict:
         "vocab_rows_padded": list(adm.vocab_slice(plan.rank)), "vocab_block": adm.vocab_split.block,
     }
     out["buffer_plan_bytes"] = buffer_plan(cfg, plan.world, plan.rank, options).bytes
+    out["weight_formats"] = {"experts": options.experts, "dense": options.dense}
     return out
 
 
-def _print_table(plan: SegmentPlan, cfg_name: str) -> None:
+def _print_table(plan: SegmentPlan, cfg_name: str, options: PlanOptions) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -121,7 +148,7 @@ def _print_table(plan: SegmentPlan, cfg_name: str) -> None:
                                                 f"{ip.launches} launches × {ip.splits} splits, {b(ip.scratch_bytes)}"))
     rows += [(f"workspace {role}", b(n)) for role, n in plan.workspace]
     rows += [("workspace total", b(plan.workspace_total)), ("cache", b(plan.cache_bytes)),
-             ("weights", b(plan.weight_bytes)), ("total", b(plan.total_bytes))]
+             (f"weights ({options.experts} experts, {options.dense} dense)", b(plan.weight_bytes)), ("total", b(plan.total_bytes))]
     for item, value in rows:
         t.add_row(item, value)
     Console().print(t)
@@ -137,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_named(args.config)
-        options = _options(args)
+        options = _options(args, cfg)
         budget = _budget(args)
         plan = plan_segment(cfg, args.world, args.rank, args.rows, args.position, options, budget)
     except ConfigError as e:
@@ -149,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(_as_json(cfg, plan, options), indent=2))
     else:
-        _print_table(plan, args.config)
+        _print_table(plan, args.config, options)
     return 0
 
 

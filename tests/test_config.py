@@ -81,3 +81,17 @@ def test_missing_file_is_a_config_error(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_json(tmp_path)
+
+
+def test_named_configs_come_from_the_package():
+    """Issue 12 #2: names resolve inside the installed package (importlib.resources), the same files as the
+    repository's top-level configs/; an unknown name is one clear error listing the known ones."""
+    from pathlib import Path
+
+    from dsv41_jax import config
+
+    assert {"tiny", "dsv41_flash"} <= set(config.config_names())
+    top = Path(__file__).resolve().parent.parent / "configs"
+    assert (config.CONFIG_DIR / "tiny.json").read_text() == (top / "tiny.json").read_text()
+    with pytest.raises(ConfigError, match="no config named 'tiyn' .known: .*tiny"):
+        load_named("tiyn")

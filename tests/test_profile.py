@@ -54,6 +54,7 @@ def _check_step(step: dict, world: int) -> None:
     assert len(step["times_s"]) == 2
 
 
+@pytest.mark.devices(4)
 def test_profile_tiny_world_1_and_4(capsys):
     one = _run(capsys, "--world", "1", "--rows", "64", "--position", "40", "--decode")
     assert [s["kind"] for s in one["steps"]] == ["prefill", "decode"]

@@ -85,6 +85,7 @@ def test_split_padding_is_zero_and_invertible(world):
     np.testing.assert_array_equal(np.asarray(plan.real_logits(logits)), rows[:, 0])
 
 
+@pytest.mark.devices(4)
 def test_place_puts_each_rank_s_padded_slice_on_its_device():
     world, plan = 4, full_plan(4)
     mesh = make_mesh(world)
@@ -103,6 +104,7 @@ def test_place_puts_each_rank_s_padded_slice_on_its_device():
         place("layers.0.ffn.experts.w1.weight", host[:, :100], (2, 2560, 8), np.float32, mesh, plan)
 
 
+@pytest.mark.devices(4)
 def test_mesh_refuses_unsupported_worlds():
     with pytest.raises(ShardingError, match="world 3"):
         make_mesh(3)
@@ -123,6 +125,7 @@ def _moe_reference(x, ids, w, weights, *, swiglu_limit):
     return jnp.sum(jnp.where(inside[..., None], picked * w[..., None], 0.0), axis=1)
 
 
+@pytest.mark.devices
 @pytest.mark.parametrize("world,layout", [(8, "tp"), (8, "ep")])
 def test_routed_experts_wrapper_matches_one_device(world, layout):
     rng = np.random.default_rng(1)
@@ -145,6 +148,7 @@ def test_routed_experts_wrapper_matches_one_device(world, layout):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.devices(4)
 def test_wrappers_run_the_kernel_ops_per_device():
     """The real ops (pure-JAX impl) under the wrappers at world 4: the ExpertWeights pytree and the attention
     signature go through shard_map; results equal the unsharded op (f32 reassociation only, as above)."""

