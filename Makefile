@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest
 
 test-gpu:
-	JAX_PLATFORMS=cuda PYTHONPATH=. $(GPU_PY) -m pytest -rs
+	JAX_PLATFORMS=cuda PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pytest -rs
 
 clean:
 	rm -rf $(VENV)
