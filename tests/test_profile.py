@@ -71,6 +71,7 @@ def test_profile_tiny_world_1_and_4(capsys):
     assert spec1 / 4 < spec4 < spec1
 
 
+@pytest.mark.devices(2)
 def test_profile_fp4_experts_as_released(capsys):
     """``--expert-format fp4``: experts drawn on the devices as packed codes + ue8m0 scales; the bytes each
     device holds are the planner's fp4 count exactly (world 2), the step runs, and decoded experts have the right spread."""

@@ -148,8 +148,8 @@ class Experts(nnx.Module):
         if self.is_fp4:
             return ExpertWeights.from_fp4(self.w1.codes[...], self.w1.scales[...], self.w3.codes[...],
                                           self.w3.scales[...], self.w2.codes[...], self.w2.scales[...])
-        a = self.arrays()
-        return ExpertWeights(w1=a.w1, w3=a.w3, w2=a.w2)
+        a = self.arrays()  # the kernel multiplies bf16 operands (ModelOptions): a float32 model's experts cast
+        return ExpertWeights(*(x.astype(jnp.bfloat16) for x in (a.w1, a.w3, a.w2)))
 
 
 class SharedExpert(nnx.Module):

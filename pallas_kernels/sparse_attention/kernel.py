@@ -27,6 +27,9 @@ LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
 
+HIGHEST = lax.Precision.HIGHEST
+
+
 def lanes_for(head_tile: int) -> int:
     """MMA rows for a head tile: a power of two, at least 16 (PLANNER §D rule 2)."""
     return max(16, pl.next_power_of_2(head_tile))
@@ -48,7 +51,10 @@ def _online_softmax_step(carry, q, keys, key_ok, scale_log2):
     q: [L, Dh]; keys: [KT, Dh] (masked rows zero); key_ok: [KT] bool.
     """
     m_old, l_old, acc_old = carry
-    logits = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # precision=HIGHEST: full-f32 (IEEE) MMAs when a float32 model calls the kernel (Triton's default for
+    # f32 operands is TF32); bf16 operands are unaffected.
+    logits = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=HIGHEST)
     logits = jnp.where(key_ok[None, :], logits * scale_log2, -jnp.inf)          # [L, KT]
     m_new = jnp.maximum(m_old, logits.max(axis=1))                             # max is exact in any order
     alpha = jnp.exp2(m_old - m_new)
@@ -56,9 +62,10 @@ def _online_softmax_step(carry, q, keys, key_ok, scale_log2):
     # Row sums through the MMA (a dot with ones) so the summation order is the MMA's fixed K order, not a
     # layout-dependent tree reduction; every column holds the same sum, so max picks it exactly.
     ones = jnp.ones((keys.shape[0], 16), keys.dtype)
-    row_sum = jnp.dot(probs, ones, preferred_element_type=jnp.float32).max(axis=1)
+    row_sum = jnp.dot(probs, ones, preferred_element_type=jnp.float32, precision=HIGHEST).max(axis=1)
     l_new = l_old * alpha + row_sum
-    acc_new = acc_old * alpha[:, None] + jnp.dot(probs, keys, preferred_element_type=jnp.float32)
+    acc_new = acc_old * alpha[:, None] + jnp.dot(probs, keys, preferred_element_type=jnp.float32,
+                                                 precision=HIGHEST)
     return m_new, l_new, acc_new
 
 
