@@ -6,7 +6,7 @@ are compiled ahead of time (``jit(...).lower(...).compile()``), all the shapes a
 parallel, and kept in a table keyed by input shapes: a shape seen before never compiles again, and compile
 seconds are measured apart from run time.
 
-Three programs:
+The programs:
 
 * ``forward[B, T]``: the model over a segment of T rows (``ids [B, T]``, ``lengths [B]``), keeping each
   sequence's last real row's logits. Rows ``t >= lengths[b]`` are padding the model ignores (DESIGN.md "Model
@@ -14,6 +14,11 @@ Three programs:
 * ``sample[B]``: picks every running sequence's next token and decides on device which keep going (an end id,
   the max new tokens).
 * ``init[B]``: an empty cache.
+* ``encode[images]`` (only for prompts with images): the vision tower and aligner over every image of the batch,
+  padded to one size bucket, once per request (VISION.md §V.G). Its rows stay on device; each ``forward`` call of
+  such a request takes the table plus its segment's slice of row indices and roles (``ImageRows``), so spans may
+  cross segment boundaries, and every forward call of that request (decode included) uses the image signature,
+  so one program per row count serves it.
 
 Prefill cuts the batch's longest prompt into the planner's segments ``[start, start + n)``; sequence b
 contributes ``clip(len_b - start, 0, n)`` real rows. A segment of more than ``short_rows`` rows runs as one
@@ -305,8 +310,9 @@ class Engine:
         rows = [1 if n <= self.short_rows else bucket_rows(n, cap) for n in sizes]
         return sizes, rows
 
-    def _specs(self, batch: int, program_rows: Sequence[int], record: bool) -> list[tuple]:
-        """Everything a batch of ``batch`` with these prefill program sizes runs."""
+    def _specs(self, batch: int, program_rows: Sequence[int], record: bool, images: bool = False) -> list[tuple]:
+        """Everything a batch of ``batch`` with these prefill program sizes runs (``images``: the forward
+        programs take image rows, whose shapes are known after encoding: they compile on first use)."""
         cache = _abstract(jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context,
                                                                   self.cache_dtype)), self._replicated)
 
@@ -320,7 +326,7 @@ class Engine:
                  ("sample", _sample_step, {}, (logits, arg((batch,), jnp.bool_),
                                                arg((len(self.eos_ids or (-1,)),), i32), vec, sampling,
                                                arg((), i32)), ())]
-        for t in sorted({1, *program_rows}):
+        for t in sorted({1, *program_rows}) if not images else ():
             ids = arg((batch, t), i32)
             specs.append(("forward", _forward, {"keep_first_row": record},
                           (self.state, cache, ids, vec, logits, None), (1, 4)))
@@ -330,11 +336,12 @@ class Engine:
         return {"init": self._init_cache, "cfg": self.cfg, "batch": batch, "max_context": self.max_context,
                 "dtype": self.cache_dtype, "sharding": self._replicated}
 
-    def precompile(self, batch: int, prompt_len: int, record_logits: bool = False) -> float:
-        """Compile what a batch of ``batch`` prompts of up to ``prompt_len`` tokens needs; returns seconds."""
+    def precompile(self, batch: int, prompt_len: int, record_logits: bool = False, images: bool = False) -> float:
+        """Compile what a batch of ``batch`` prompts of up to ``prompt_len`` tokens needs; returns seconds.
+        ``images``: the prompts have images, whose prefill programs compile on first use (decode only here)."""
         before = self._programs.compile_s
         _, rows = self._plan([Request((0,) * prompt_len)])
-        self._programs.ensure(self._specs(batch, rows, record_logits))
+        self._programs.ensure(self._specs(batch, rows, record_logits, images))
         return self._programs.compile_s - before
 
     # ------------------------------------------------------------------------------------------ running
@@ -346,13 +353,13 @@ class Engine:
         timings = Timings(prompt_tokens=sum(len(r.prompt_ids) for r in requests), segments=tuple(sizes))
         compile_before, count_before = self._programs.compile_s, self.compile_count
         has_images = any(r.images is not None for r in requests)
-        # With images, prefill programs take the image rows too: they compile on first use, not here.
-        self._programs.ensure(self._specs(len(requests), [] if has_images else rows, record_logits))
+        self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images))
         cache = self._programs.run("init", _fresh_cache, self._init_static(len(requests)), ())
         images = self._encode(requests)
         cache, logits, prefill_logits = self._prefill(requests, cache, sizes, rows, timings, on_prefill,
                                                       record_logits, images)
-        generations, decode_logits = self._decode(requests, cache, logits, timings, on_tokens, record_logits)
+        generations, decode_logits = self._decode(requests, cache, logits, timings, on_tokens, record_logits,
+                                                  _segment_images(images, 0, 0, 1))
         timings.compile_s = self._programs.compile_s - compile_before
         timings.programs_compiled = self.compile_count - count_before
         return GenerateResult(generations, timings, prefill_logits, decode_logits)
@@ -420,7 +427,7 @@ class Engine:
         timings.prefill_s = time.perf_counter() - t0
         return cache, logits, (np.concatenate(first_rows, axis=0) if record else None)
 
-    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record):
+    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record, images=None):
         batch = len(requests)
         max_new = np.array([r.max_new_tokens for r in requests], np.int32)
         eos = np.array(self.eos_ids or (-1,), np.int32)
@@ -445,7 +452,8 @@ class Engine:
             if on_tokens:
                 on_tokens(step, tokens_np, running.copy())
             if keep_np.any():  # feed the new tokens of the sequences that go on
-                cache, logits, _ = self._forward(cache, tokens_np[:, None], keep_np.astype(np.int32), logits, record)
+                cache, logits, _ = self._forward(cache, tokens_np[:, None], keep_np.astype(np.int32), logits, record,
+                                                 images)
             running = keep_np
             step += 1
         timings.decode_s = time.perf_counter() - t0
@@ -456,16 +464,15 @@ class Engine:
 
 
 def _segment_images(images, start: int, size: int, rows: int):
-    """The slice [start, start + size) of `Engine._encode`'s per-position arrays, padded to ``rows`` rows
-    (None when the request has no images or the slice holds no span position)."""
+    """The slice [start, start + size) of `Engine._encode`'s per-position arrays, padded to ``rows`` rows (None
+    when the batch has no images). A slice without span positions still goes this way (all TEXT), so one
+    program per row count serves a request with images, decode steps included."""
     if images is None:
         return None
     table, row, roles = images
     seg_row = np.full((row.shape[0], rows), -1, np.int32)
     seg_roles = np.full((row.shape[0], rows), -1, np.int32)
     seg_row[:, :size], seg_roles[:, :size] = row[:, start:start + size], roles[:, start:start + size]
-    if not (seg_roles >= 0).any():
-        return None
     return table, seg_row, seg_roles
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -133,7 +134,10 @@ def open_image(source: str | Path | bytes) -> Image.Image:
     except OSError as e:
         raise ImageError(f"cannot read image {name}: {e.strerror or e}") from None
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with warnings.catch_warnings():  # the size is checked below, before decoding: no bomb warning needed
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+        with img:
             w, h = img.size
             if w < 1 or h < 1 or w * h > MAX_IMAGE_PIXELS:
                 raise ImageError(f"image {name} is {w}×{h} pixels: sizes from 1 pixel up to "
