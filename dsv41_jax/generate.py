@@ -581,6 +581,8 @@ def run(args) -> int:
     opened = open_images(specs)
     check_world(args.world)
     args.wants_images = any(s.images for s in specs)
+    if args.wants_images and args.world > 1:
+        raise UsageError(f"image prompts run on one device for now: use --world 1 (not {args.world})")
     inputs = load_model_inputs(args)
     cfg, description = inputs.cfg, inputs.description
     _say(f"model: {description}")
