@@ -161,13 +161,14 @@ def _forward(graphdef, state, cache, ids, lengths, last_logits, images, keep_fir
     the segment's slice of the request's image positions (VISION.md §V.E.6).
     """
     model = nnx.merge(graphdef, state)
-    rows = None
-    if images is not None:
+    if images is None:  # text: the plain call (every model wrapper takes it)
+        logits, cache = model(ids, cache, lengths=lengths)
+    else:
         from .model.transformer import ImageRows  # noqa: PLC0415
 
         table, row, roles = images
         rows = ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
-    logits, cache = model(ids, cache, lengths=lengths, images=rows)
+        logits, cache = model(ids, cache, lengths=lengths, images=rows)
     logits = logits.astype(jnp.float32)
     last_row = jnp.clip(lengths - 1, 0, ids.shape[1] - 1)
     row_logits = jnp.take_along_axis(logits, last_row[:, None, None], axis=1)[:, 0]
