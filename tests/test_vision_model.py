@@ -86,10 +86,11 @@ def test_tower_and_aligner_match_mlx_vlm(setup):
 
 def _prompt():
     """Text, image (100×70: span 10), text, image (30×300: span 18), text: 43 positions."""
-    tok = CFG.image_token_id
-    ids = [0, 17, 42, 99, 7, tok, 5, 6, 300, 11, tok, 12, 13, 14, 15, 16, 200]
     images = [load_image(FIXTURE, CFG.vision), prepare_image(_image(30, 300, 9), CFG.vision)]
-    return expand_prompt(ids, images, tok)
+    return expand_prompt(_PROMPT_IDS, images, CFG.image_token_id)
+
+
+_PROMPT_IDS = (0, 17, 42, 99, 7, CFG.image_token_id, 5, 6, 300, 11, CFG.image_token_id, 12, 13, 14, 15, 16, 200)
 
 
 def _mlx_logits(vlm, prompt, chunks=None, image_mask=True):
@@ -99,10 +100,10 @@ def _mlx_logits(vlm, prompt, chunks=None, image_mask=True):
         return vlm_prefill(vlm, prompt.ids, records, chunks, image_mask=image_mask)
 
 
-def _engine_logits(engine, prompt, chunks):
+def _engine_logits(engine, prompt, chunks, new_tokens=1):
     engine.segment_plan = lambda n: chunks
-    result = engine.generate([Request(prompt.ids, max_new_tokens=1, images=prompt)], record_logits=True)
-    return result.prefill_logits, result.generations[0].token_ids
+    result = engine.generate([Request(prompt.ids, max_new_tokens=new_tokens, images=prompt)], record_logits=True)
+    return result.prefill_logits, result.generations[0].token_ids, result.decode_logits
 
 
 def test_merged_prefill_matches_mlx_vlm(setup):
@@ -111,7 +112,7 @@ def test_merged_prefill_matches_mlx_vlm(setup):
     prompt = _prompt()
     assert len(prompt.ids) == 43 and prompt.starts == (5, 19)
     ref = _mlx_logits(vlm, prompt)
-    ours, tokens = _engine_logits(engine, prompt, [43])
+    ours, tokens, _ = _engine_logits(engine, prompt, [43])
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
     assert tokens == (int(np.argmax(ref[-1])),)
     # mlx-vlm routing image rows with `bias` instead of `bias_vl` is far off: the comparison above sees bias_vl.
@@ -121,11 +122,14 @@ def test_merged_prefill_matches_mlx_vlm(setup):
 @pytest.mark.slow
 def test_engine_segments_crossing_spans_match_mlx_vlm(setup):
     """The engine feeds each segment its slice of the image rows: segments [11, 11, 11, 10] cut the first span
-    (positions 5…14) at 11 and the second (19…36) at 22 and 33; mlx-vlm runs the same chunks."""
+    (positions 5…14) at 11 and the second (19…36) at 22 and 33; mlx-vlm runs the same chunks. Then two decode
+    steps (text rows after the spans), against mlx-vlm fed the same tokens as two more one-row chunks."""
     _, vlm, engine, _ = setup
     prompt = _prompt()
     chunks = [11, 11, 11, 10]
-    ref = _mlx_logits(vlm, prompt, chunks)
-    ours, _ = _engine_logits(engine, prompt, chunks)
-    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(ref, _mlx_logits(vlm, prompt), atol=1e-5, rtol=0)  # mlx-vlm: chunks = one pass
+    ours, tokens, decode = _engine_logits(engine, prompt, chunks, new_tokens=3)
+    longer = expand_prompt(list(_PROMPT_IDS) + list(tokens[:2]), prompt.images, CFG.image_token_id)
+    ref = _mlx_logits(vlm, longer, chunks + [1, 1])
+    np.testing.assert_allclose(ours, ref[:43], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(decode, ref[42:], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ref[:43], _mlx_logits(vlm, prompt), atol=1e-5, rtol=0)  # mlx-vlm: chunks = one pass
