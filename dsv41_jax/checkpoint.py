@@ -135,12 +135,13 @@ class Checkpoint:
     sources: dict[str, Source]  # official name → how it is stored
     skipped: list[str] = field(default_factory=list)
     expert_format: str = "dequantized"  # or "fp4": routed experts read packed (param_specs.model_tensors)
+    vision: bool = False  # the image path's tensors are read too (param_specs.vision_tensors)
     _files: _Files = field(default_factory=_Files, repr=False)
 
     @property
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
         """Model name → shape (`param_specs.model_tensors` in this checkpoint's ``expert_format``)."""
-        return param_specs.model_tensors(self.cfg, self.expert_format)
+        return param_specs.model_tensors(self.cfg, self.expert_format, vision=self.vision)
 
     @property
     def stored_expert_format(self) -> str:
@@ -316,10 +317,12 @@ def _logical_shape(src: Source) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------------------- opening
 def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
-                    expert_format: str = "dequantized") -> Checkpoint:
+                    expert_format: str = "dequantized", vision: bool = False) -> Checkpoint:
     """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``).
 
     ``expert_format="fp4"``: routed experts are read packed; every one must be stored as fp4 (refused by name).
+    ``vision=True``: the image path's tensors (VISION.md §V.F) are part of the inventory (missing or mis-shaped
+    ones refused by name) instead of skipped; the config must have a ``vision_config``.
     """
     if expert_format not in param_specs.EXPERT_FORMATS:
         raise CheckpointError(f"expert format {expert_format!r} is not one of {param_specs.EXPERT_FORMATS}")
@@ -328,8 +331,10 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if cfg is None:
         cfg = _read_config(path)
+    if vision and cfg.vision is None:
+        raise CheckpointError(f"{path / 'config.json'} has no vision_config: this checkpoint cannot read images")
     stored = _stored_tensors(path)
-    specs = {s.name: s for s in param_specs.release_tensors(cfg)}
+    specs = {s.name: s for s in param_specs.release_tensors(cfg, vision=vision)}
     skipped: dict[str, list[str]] = {}
     for name, t in stored.items():
         if name in specs:
@@ -348,7 +353,7 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
             if param_specs.expert_name(name) is not None and src.codec != "fp4":
                 raise CheckpointError(f"expert format fp4 needs routed experts stored as packed fp4; tensor {name} "
                                       f"in {src.weight.file.name} is {src.weight.dtype}")
-    return Checkpoint(path, cfg, sources, lines, expert_format)
+    return Checkpoint(path, cfg, sources, lines, expert_format, vision)
 
 
 def _read_config(path: Path) -> ModelConfig:
@@ -421,21 +426,24 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
 
 # -------------------------------------------------------------------------------------------------- loading
 def iter_tensors(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
-                 progress: bool = True, expert_format: str = "dequantized") -> Iterator[tuple[str, np.ndarray]]:
+                 progress: bool = True, expert_format: str = "dequantized",
+                 vision: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Validate, then yield ``(model name, array)`` one tensor at a time (see `Checkpoint.read`)."""
-    yield from open_checkpoint(path, cfg, expert_format=expert_format).iter_tensors(dtype=dtype, progress=progress)
+    yield from open_checkpoint(path, cfg, expert_format=expert_format, vision=vision).iter_tensors(
+        dtype=dtype, progress=progress)
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
-                    progress: bool = True, expert_format: str = "dequantized"
+                    progress: bool = True, expert_format: str = "dequantized", vision: bool = False
                     ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(cfg, {model name: array})`` for the whole text model, dequantised to ``dtype``.
 
     ``dtype``: "float32" (default) or "bfloat16" (ml_dtypes; the f32 parameters of §B.1 stay float32). With
     ``progress``, the skipped parts are printed to stderr and large loads show a progress bar.
     ``expert_format="fp4"``: routed experts stay packed (uint8 ``.codes`` / ``.scales``, see `open_checkpoint`).
+    ``vision=True``: the image path's tensors are returned too (see `open_checkpoint`).
     """
-    ckpt = open_checkpoint(path, cfg, expert_format=expert_format)
+    ckpt = open_checkpoint(path, cfg, expert_format=expert_format, vision=vision)
     if progress:
         for line in ckpt.skipped:
             print(f"{ckpt.path.name}: {line}", file=sys.stderr)

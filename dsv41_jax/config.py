@@ -32,6 +32,77 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower, aligner and image layout (VISION.md §V.A; HF ``vision_config`` names).
+
+    Defaults are the released values. ``patch_dim`` = 3·ps² (588), ``head_dim`` = C/h_v (64), ``cell`` = ps·r (42).
+    """
+
+    num_hidden_layers: int = 32
+    hidden_size: int = 1024
+    num_attention_heads: int = 16
+    intermediate_size: int = 2816
+    patch_size: int = 14
+    rope_theta: float = 10000.0
+    downsample_ratio: int = 3
+    max_image_tokens: int = 1024
+    min_pixels: int = 295936
+    max_wh_ratio: float | None = None
+    norm_eps: float = 1e-6  # not in the config: VISION.md §V.A constants
+
+    # The reference's flat ``ModelArgs`` names (VISION.md §V.A) → the HF ``vision_config`` names.
+    FLAT_NAMES = {"vision_n_layers": "num_hidden_layers", "vision_dim": "hidden_size",
+                  "vision_n_heads": "num_attention_heads", "vision_inter_dim": "intermediate_size",
+                  "vision_patch_size": "patch_size", "vision_rope_theta": "rope_theta",
+                  "vision_downsample_ratio": "downsample_ratio", "vision_max_n_token": "max_image_tokens",
+                  "vision_min_pixels": "min_pixels", "vision_max_wh_ratio": "max_wh_ratio"}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "VisionConfig | None":
+        """A nested ``vision_config`` dict → VisionConfig; None when it has no layers (vision disabled)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in names}
+        cfg = cls(**kwargs)
+        if cfg.num_hidden_layers == 0:
+            return None
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "norm_eps"}
+
+    def validate(self) -> None:
+        _require(self.hidden_size % self.num_attention_heads == 0 and self.head_dim % 4 == 0,
+                 f"vision hidden_size {self.hidden_size} / num_attention_heads {self.num_attention_heads} must be "
+                 f"a whole head dim divisible by 4 (2-D RoPE)")
+        _require(self.patch_size >= 1 and self.downsample_ratio >= 1, "vision patch_size and downsample_ratio "
+                 "must be positive")
+        _require(self.max_image_tokens >= 5, f"vision max_image_tokens {self.max_image_tokens} is below 5 "
+                 f"(one token plus its newline and the two delimiters)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size**2
+
+    @property
+    def cell(self) -> int:
+        return self.patch_size * self.downsample_ratio
+
+
+def _vision_from_raw(raw: dict[str, Any]) -> VisionConfig | None:
+    """``vision_config`` (nested, HF names) or the reference's flat ``vision_*`` names; None if absent."""
+    nested = raw.get("vision_config")
+    if nested:
+        return VisionConfig.from_dict(nested)
+    flat = {VisionConfig.FLAT_NAMES[k]: v for k, v in raw.items() if k in VisionConfig.FLAT_NAMES}
+    return VisionConfig.from_dict(flat) if flat else None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The V4.1 text model's configuration (official field names; defaults are the released values)."""
 
@@ -100,7 +171,8 @@ class ModelConfig:
     dspark_num_experts_per_tok: int = 3
     # The quantization_config of the file (None for a plain-float checkpoint).
     quantization: dict[str, Any] | None = field(default=None, compare=False)
-    has_vision: bool = False
+    # The image path (VISION.md); None: text only.
+    vision: VisionConfig | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -120,9 +192,12 @@ class ModelConfig:
                 kwargs["quantization"] = value
             elif key == "rope_scaling":
                 kwargs["rope_scaling"] = _rope_scaling(value)
-            elif key in names and key not in ("quantization", "has_vision"):
+            elif key in names and key not in ("quantization", "vision"):
                 kwargs[key] = tuple(value) if isinstance(value, list) else value
-        kwargs["has_vision"] = bool(raw.get("vision_config"))
+        try:
+            kwargs["vision"] = _vision_from_raw(raw)
+        except TypeError as e:
+            raise ConfigError(f"vision_config: {e}") from None
         try:
             cfg = cls(**kwargs)
         except TypeError as e:  # pragma: no cover - defensive
@@ -148,9 +223,11 @@ class ModelConfig:
         """A flat official-style dict (what ``make_tiny`` writes as ``config.json``)."""
         out: dict[str, Any] = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"]}
         for f in dataclasses.fields(self):
-            if f.name in ("has_vision",):
-                continue
             value = getattr(self, f.name)
+            if f.name == "vision":
+                if value is not None:
+                    out["vision_config"] = value.to_dict()
+                continue
             if f.name == "quantization":
                 if value is not None:
                     out["quantization_config"] = value
@@ -224,6 +301,10 @@ class ModelConfig:
         if self.num_nextn_predict_layers:
             _require(len(self.compress_ratios) >= n + self.num_nextn_predict_layers,
                      "compress_ratios must also list the DSpark stages")
+        if self.vision is not None:
+            _require(self.image_token_id is not None and 0 <= self.image_token_id < self.vocab_size,
+                     f"a config with a vision_config needs image_token_id inside the vocabulary, got "
+                     f"{self.image_token_id}")
 
     # ---------------------------------------------------------------- roles
     def ratio(self, layer: int) -> int:
@@ -281,15 +362,17 @@ class ModelConfig:
         return (2 + self.hc_mult) * self.hc_mult
 
     def unsupported_features(self) -> list[str]:
-        """Parts of the config the text model here does not run yet (engram, DSpark, vision)."""
+        """Parts of the config the model here does not run yet (engram, DSpark)."""
         out = []
         if self.engram_layer_ids:
             out.append(f"engram (layers {list(self.engram_layer_ids)})")
         if self.num_nextn_predict_layers:
             out.append(f"DSpark draft stages ({self.num_nextn_predict_layers}); the target model runs without them")
-        if self.has_vision:
-            out.append("image prompts (vision tower)")
         return out
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision is not None
 
 
 def _rope_scaling(value: Any) -> RopeScaling | None:

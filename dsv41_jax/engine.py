@@ -6,7 +6,7 @@ are compiled ahead of time (``jit(...).lower(...).compile()``), all the shapes a
 parallel, and kept in a table keyed by input shapes: a shape seen before never compiles again, and compile
 seconds are measured apart from run time.
 
-Three programs:
+The programs:
 
 * ``forward[B, T]``: the model over a segment of T rows (``ids [B, T]``, ``lengths [B]``), keeping each
   sequence's last real row's logits. Rows ``t >= lengths[b]`` are padding the model ignores (DESIGN.md "Model
@@ -14,6 +14,11 @@ Three programs:
 * ``sample[B]``: picks every running sequence's next token and decides on device which keep going (an end id,
   the max new tokens).
 * ``init[B]``: an empty cache.
+* ``encode[images]`` (only for prompts with images): the vision tower and aligner over every image of the batch,
+  padded to one size bucket, once per request (VISION.md §V.G). Its rows stay on device; each ``forward`` call of
+  such a request takes the table plus its segment's slice of row indices and roles (``ImageRows``), so spans may
+  cross segment boundaries, and every forward call of that request (decode included) uses the image signature,
+  so one program per row count serves it.
 
 Prefill cuts the batch's longest prompt into the planner's segments ``[start, start + n)``; sequence b
 contributes ``clip(len_b - start, 0, n)`` real rows. A segment of more than ``short_rows`` rows runs as one
@@ -50,11 +55,13 @@ class EngineInputError(ValueError):
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to continue. ``max_new_tokens`` >= 1."""
+    """One prompt to continue. ``max_new_tokens`` >= 1. ``images``: a prompt with image spans
+    (`vision.preprocess.ImagePrompt`); then ``prompt_ids`` are its expanded ids (``images.ids``)."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int = 16
     sampling: SamplingParams = SamplingParams()
+    images: object | None = None  # vision.preprocess.ImagePrompt (kept untyped: `import engine` stays light)
 
 
 @dataclass(frozen=True)
@@ -140,22 +147,41 @@ def check_requests(requests: Sequence[Request], vocab_size: int, max_context: in
             raise EngineInputError(f"{which} ({len(r.prompt_ids)} tokens) plus {r.max_new_tokens} new tokens "
                                    f"does not fit the context of {max_context} tokens")
         r.sampling.validate()
+        if r.images is not None and tuple(r.images.ids) != tuple(r.prompt_ids):
+            raise EngineInputError(f"{which}: its prompt ids are not the expanded ids of its image prompt")
 
 
 # ------------------------------------------------------------------------------------------------ programs
-def _forward(graphdef, state, cache, ids, lengths, last_logits, keep_first_row: bool):
+def _forward(graphdef, state, cache, ids, lengths, last_logits, images, keep_first_row: bool):
     """ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32 -> (cache, last_logits, first [T,V] f32 | None).
 
     ``last_logits[b]`` becomes the logits of row ``lengths[b] - 1`` wherever ``lengths[b] > 0``; after a prompt's
     last segment it holds the logits of the prompt's last row, after a decode step those of the fed token.
+    ``images``: None (text) or (table [R, D] encoded image rows, row [B,T] i32 (−1: none), roles [B,T] i32):
+    the segment's slice of the request's image positions (VISION.md §V.E.6).
     """
     model = nnx.merge(graphdef, state)
-    logits, cache = model(ids, cache, lengths=lengths)
+    if images is None:  # text: the plain call (every model wrapper takes it)
+        logits, cache = model(ids, cache, lengths=lengths)
+    else:
+        from .model.transformer import ImageRows  # noqa: PLC0415
+
+        table, row, roles = images
+        rows = ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
+        logits, cache = model(ids, cache, lengths=lengths, images=rows)
     logits = logits.astype(jnp.float32)
     last_row = jnp.clip(lengths - 1, 0, ids.shape[1] - 1)
     row_logits = jnp.take_along_axis(logits, last_row[:, None, None], axis=1)[:, 0]
     last_logits = jnp.where((lengths > 0)[:, None], row_logits, last_logits)
     return cache, last_logits, (logits[0] if keep_first_row else None)
+
+
+def _encode_images(graphdef, state, batch):
+    """``vision.batch.ImageBatch`` -> aligner rows [B_img, M, D] (VISION.md §V.C–§V.D), once per request."""
+    return nnx.merge(graphdef, state).encode_images(batch)
+
+
+_MODEL_PROGRAMS = (_forward, _encode_images)  # programs whose first argument is the model state
 
 
 def _sample_step(graphdef, logits, running, eos_ids, max_new, sampling: SamplingArrays, step):
@@ -206,7 +232,7 @@ class _Programs:
         """Compile every (name, fn, static, abstract args, donate) not compiled yet, in parallel threads."""
         todo = {}
         for name, fn, static, args, donate in specs:
-            key = _key(name, static, args[1:] if fn is _forward else args)
+            key = _key(name, static, args[1:] if fn in _MODEL_PROGRAMS else args)
             if key not in self.compiled and key not in todo:
                 todo[key] = (name, fn, static, args, donate)
         if not todo:
@@ -220,10 +246,10 @@ class _Programs:
 
     def run(self, name, fn, static, args, donate=(), sharding=None):
         """Call the program for these arguments, compiling it first if this shape is new."""
-        abstract = _abstract(args[1:] if fn is _forward else args, sharding)
+        abstract = _abstract(args[1:] if fn in _MODEL_PROGRAMS else args, sharding)
         key = _key(name, static, abstract)
         if key not in self.compiled:
-            self.ensure([(name, fn, static, (args[0], *abstract) if fn is _forward else abstract, donate)])
+            self.ensure([(name, fn, static, (args[0], *abstract) if fn in _MODEL_PROGRAMS else abstract, donate)])
         return self.compiled[key](*args)
 
 
@@ -285,8 +311,9 @@ class Engine:
         rows = [1 if n <= self.short_rows else bucket_rows(n, cap) for n in sizes]
         return sizes, rows
 
-    def _specs(self, batch: int, program_rows: Sequence[int], record: bool) -> list[tuple]:
-        """Everything a batch of ``batch`` with these prefill program sizes runs."""
+    def _specs(self, batch: int, program_rows: Sequence[int], record: bool, images: bool = False) -> list[tuple]:
+        """Everything a batch of ``batch`` with these prefill program sizes runs (``images``: the forward
+        programs take image rows, whose shapes are known after encoding: they compile on first use)."""
         cache = _abstract(jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context,
                                                                   self.cache_dtype)), self._replicated)
 
@@ -300,21 +327,22 @@ class Engine:
                  ("sample", _sample_step, {}, (logits, arg((batch,), jnp.bool_),
                                                arg((len(self.eos_ids or (-1,)),), i32), vec, sampling,
                                                arg((), i32)), ())]
-        for t in sorted({1, *program_rows}):
+        for t in sorted({1, *program_rows}) if not images else ():
             ids = arg((batch, t), i32)
             specs.append(("forward", _forward, {"keep_first_row": record},
-                          (self.state, cache, ids, vec, logits), (1, 4)))
+                          (self.state, cache, ids, vec, logits, None), (1, 4)))
         return specs
 
     def _init_static(self, batch: int) -> dict:
         return {"init": self._init_cache, "cfg": self.cfg, "batch": batch, "max_context": self.max_context,
                 "dtype": self.cache_dtype, "sharding": self._replicated}
 
-    def precompile(self, batch: int, prompt_len: int, record_logits: bool = False) -> float:
-        """Compile what a batch of ``batch`` prompts of up to ``prompt_len`` tokens needs; returns seconds."""
+    def precompile(self, batch: int, prompt_len: int, record_logits: bool = False, images: bool = False) -> float:
+        """Compile what a batch of ``batch`` prompts of up to ``prompt_len`` tokens needs; returns seconds.
+        ``images``: the prompts have images, whose prefill programs compile on first use (decode only here)."""
         before = self._programs.compile_s
         _, rows = self._plan([Request((0,) * prompt_len)])
-        self._programs.ensure(self._specs(batch, rows, record_logits))
+        self._programs.ensure(self._specs(batch, rows, record_logits, images))
         return self._programs.compile_s - before
 
     # ------------------------------------------------------------------------------------------ running
@@ -325,20 +353,53 @@ class Engine:
         sizes, rows = self._plan(requests)
         timings = Timings(prompt_tokens=sum(len(r.prompt_ids) for r in requests), segments=tuple(sizes))
         compile_before, count_before = self._programs.compile_s, self.compile_count
-        self._programs.ensure(self._specs(len(requests), rows, record_logits))
+        has_images = any(r.images is not None for r in requests)
+        self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images))
         cache = self._programs.run("init", _fresh_cache, self._init_static(len(requests)), ())
+        images = self._encode(requests)
         cache, logits, prefill_logits = self._prefill(requests, cache, sizes, rows, timings, on_prefill,
-                                                      record_logits)
-        generations, decode_logits = self._decode(requests, cache, logits, timings, on_tokens, record_logits)
+                                                      record_logits, images)
+        generations, decode_logits = self._decode(requests, cache, logits, timings, on_tokens, record_logits,
+                                                  _segment_images(images, 0, 0, 1))
         timings.compile_s = self._programs.compile_s - compile_before
         timings.programs_compiled = self.compile_count - count_before
         return GenerateResult(generations, timings, prefill_logits, decode_logits)
 
-    def _forward(self, cache, ids, lengths, logits, record):
+    def _forward(self, cache, ids, lengths, logits, record, images=None):
         return self._programs.run("forward", _forward, {"keep_first_row": record},
-                                  (self.state, cache, ids, lengths, logits), donate=(1, 4), sharding=self._replicated)
+                                  (self.state, cache, ids, lengths, logits, images), donate=(1, 4),
+                                  sharding=self._replicated)
 
-    def _prefill(self, requests, cache, sizes, rows, timings: Timings, on_prefill, record):
+    def _encode(self, requests):
+        """Encode every image of the batch once (one tower call, VISION.md §V.G) -> None (no images) or
+        (table [R, D] on device, row [B, T_max] i32 host, roles [B, T_max] i32 host) for `_prefill`."""
+        if all(r.images is None or not r.images.images for r in requests):
+            return None
+        vc = self.cfg.vision
+        if vc is None or "vision" not in self.state:
+            raise EngineInputError("this model has no vision tower: image prompts need a checkpoint with a "
+                                   "vision_config, loaded with its image path")
+        from .vision.batch import build_batch, image_row_index  # noqa: PLC0415
+
+        total = max(len(r.prompt_ids) for r in requests)
+        row = np.full((len(requests), total), -1, np.int32)
+        roles = np.full((len(requests), total), -1, np.int32)
+        images = [im for r in requests if r.images is not None for im in r.images.images]
+        batch = build_batch(images, vc)
+        m = batch.gather.shape[1]
+        first = 0
+        for b, r in enumerate(requests):
+            if r.images is None:
+                continue
+            n = len(r.images.images)
+            row[b, : len(r.prompt_ids)] = image_row_index(r.images.roles, [(first + k) * m for k in range(n)],
+                                                          r.images.starts)
+            roles[b, : len(r.prompt_ids)] = r.images.roles
+            first += n
+        encoded = self._programs.run("encode", _encode_images, {}, (self.state, batch), sharding=self._replicated)
+        return encoded.reshape(-1, encoded.shape[-1]), row, roles
+
+    def _prefill(self, requests, cache, sizes, rows, timings: Timings, on_prefill, record, images=None):
         batch = len(requests)
         lengths = np.array([len(r.prompt_ids) for r in requests], np.int32)
         total = int(lengths.max())
@@ -355,7 +416,8 @@ class Engine:
                 ids = np.zeros((batch, t), np.int32)
                 ids[:, :sub_size] = padded[:, sub_start : sub_start + sub_size]
                 sub_lengths = np.clip(lengths - sub_start, 0, sub_size).astype(np.int32)
-                cache, logits, first = self._forward(cache, ids, sub_lengths, logits, record)
+                cache, logits, first = self._forward(cache, ids, sub_lengths, logits, record,
+                                                     _segment_images(images, sub_start, sub_size, t))
                 if record:
                     first_rows.append(np.asarray(first)[: min(sub_size, max(0, int(lengths[0]) - sub_start))])
             start += size
@@ -366,7 +428,7 @@ class Engine:
         timings.prefill_s = time.perf_counter() - t0
         return cache, logits, (np.concatenate(first_rows, axis=0) if record else None)
 
-    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record):
+    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record, images=None):
         batch = len(requests)
         max_new = np.array([r.max_new_tokens for r in requests], np.int32)
         eos = np.array(self.eos_ids or (-1,), np.int32)
@@ -391,7 +453,8 @@ class Engine:
             if on_tokens:
                 on_tokens(step, tokens_np, running.copy())
             if keep_np.any():  # feed the new tokens of the sequences that go on
-                cache, logits, _ = self._forward(cache, tokens_np[:, None], keep_np.astype(np.int32), logits, record)
+                cache, logits, _ = self._forward(cache, tokens_np[:, None], keep_np.astype(np.int32), logits, record,
+                                                 images)
             running = keep_np
             step += 1
         timings.decode_s = time.perf_counter() - t0
@@ -399,6 +462,19 @@ class Engine:
         timings.generated_tokens = sum(len(p) for p in produced)
         generations = [Generation(tuple(r.prompt_ids), tuple(p), f) for r, p, f in zip(requests, produced, finish)]
         return generations, (np.stack(recorded) if record else None)
+
+
+def _segment_images(images, start: int, size: int, rows: int):
+    """The slice [start, start + size) of `Engine._encode`'s per-position arrays, padded to ``rows`` rows (None
+    when the batch has no images). A slice without span positions still goes this way (all TEXT), so one
+    program per row count serves a request with images, decode steps included."""
+    if images is None:
+        return None
+    table, row, roles = images
+    seg_row = np.full((row.shape[0], rows), -1, np.int32)
+    seg_roles = np.full((row.shape[0], rows), -1, np.int32)
+    seg_row[:, :size], seg_roles[:, :size] = row[:, start:start + size], roles[:, start:start + size]
+    return table, seg_row, seg_roles
 
 
 # --------------------------------------------------------------------------------------------- model building

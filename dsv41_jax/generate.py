@@ -13,6 +13,7 @@ tokenizer, so the text shows what those ids are: byte-level fragments of a rando
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -29,6 +30,7 @@ examples:
   python -m dsv41_jax.generate --prompt-ids 0,5,6,7 --greedy --logits-out run.npz
   python -m dsv41_jax.generate --prompts-file prompts.jsonl --temperature 0.7 --top-p 0.9 --seed 1
   python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi" --skip-engram
+  python -m dsv41_jax.generate --chat --image photo.png --prompt "What is in this picture?"
 
 The released config has engram layers, which this engine does not implement: such a config is refused unless
 --skip-engram is given, and then the output is not the model's (a warning says so).
@@ -36,10 +38,16 @@ The released config has engram layers, which this engine does not implement: suc
 --prompts-file holds one JSON object per line: {"prompt": "text"}, {"prompt_ids": [0, 5, 6]} or
 {"messages": [{"role": "user", "content": "Hi"}]} (OpenAI-style messages: roles system, user, assistant, tool;
 assistant "reasoning_content" and "tool_calls", tool "tool_call_id"), optionally with "tools" (OpenAI function
-specs); each may add "max_new_tokens". Chat prompts use DeepSeek-V4.1's own format (dsv41_jax/chat.py); with
---json their replies are also split into "reasoning_content", "content" and "tool_calls" (and
-"unparsed_tool_call_text" when tool-call markup does not parse).
+specs); each may add "max_new_tokens" and "images": ["a.png", ...]. Chat prompts use DeepSeek-V4.1's own format
+(dsv41_jax/chat.py); with --json their replies are also split into "reasoning_content", "content" and
+"tool_calls" (and "unparsed_tool_call_text" when tool-call markup does not parse).
 The tokenizer is the checkpoint's tokenizer.json when --checkpoint has one, else the packaged DeepSeek-V4 one.
+
+Images (--image, "images"): each becomes one image span (VISION.md). Where it goes: at each <｜deepseek_image｜>
+in the text or the image token id in raw ids (their count must equal the number of images); otherwise, with
+--chat / "messages", at the start of the (last) user message, images joined to the text by blank lines as the V4
+chat encoder renders image blocks; otherwise right after BOS. Without --checkpoint, images switch the embedded
+model to configs/tiny_vision.json (tiny plus a tiny vision tower, random weights).
 Without --checkpoint the embedded tiny model runs: configs/tiny.json (or --config) with random weights
 (seed 0). Its vocabulary is 512 ids, so text prompt ids are folded into it (id mod 512) and the output is noise.
 """
@@ -88,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", metavar="FILE", help="one JSON object per line (see below)")
     src.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
                      help="raw token ids, no tokenizer (repeatable)")
+    src.add_argument("--image", action="append", default=[], metavar="FILE",
+                     help="an image for the (single) command-line prompt (repeatable; see below where it goes)")
     src.add_argument("--chat", action="store_true", help="wrap text prompts in the DeepSeek-V4.1 chat format")
     src.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                      help="chat prompts: think first (open the answer with <think>; default: off, answer directly)")
@@ -148,6 +158,7 @@ class PromptSpec:
     max_new_tokens: int | None = None
     label: str = "prompt"
     tools: tuple = ()
+    images: tuple[str, ...] = ()  # image files, in prompt order
 
 
 def _parse_ids(text: str, label: str) -> tuple[int, ...]:
@@ -173,15 +184,19 @@ def _file_prompt(obj, where: str) -> PromptSpec:
     max_new = obj.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
         raise UsageError(f"{where}: max_new_tokens must be a positive integer")
+    images = obj.get("images", [])
+    if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+        raise UsageError(f"{where}: \"images\" must be a list of image file names")
+    images = tuple(images)
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise UsageError(f"{where}: \"prompt\" must be a string")
-        return PromptSpec(text=obj["prompt"], max_new_tokens=max_new, label=where)
+        return PromptSpec(text=obj["prompt"], max_new_tokens=max_new, label=where, images=images)
     if "prompt_ids" in obj:
         ids = obj["prompt_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise UsageError(f"{where}: \"prompt_ids\" must be a list of integers")
-        return PromptSpec(ids=tuple(ids), max_new_tokens=max_new, label=where)
+        return PromptSpec(ids=tuple(ids), max_new_tokens=max_new, label=where, images=images)
     msgs, tools = obj["messages"], obj.get("tools") or []
     if not isinstance(msgs, list) or not isinstance(tools, list):
         raise UsageError(f"{where}: \"messages\" and \"tools\" must be lists")
@@ -191,7 +206,7 @@ def _file_prompt(obj, where: str) -> PromptSpec:
             tool_function(t, f"{where}: tool {i + 1}")
     except ChatFormatError as e:
         raise UsageError(str(e)) from None
-    return PromptSpec(messages=messages, max_new_tokens=max_new, label=where, tools=tuple(tools))
+    return PromptSpec(messages=messages, max_new_tokens=max_new, label=where, tools=tuple(tools), images=images)
 
 
 def check_chat_flags(args) -> None:
@@ -218,6 +233,11 @@ def gather_prompts(args) -> list[PromptSpec]:
     """All prompts in command-line order: --prompt, --prompt-ids, then the file's lines."""
     specs = [PromptSpec(text=t, label=f"--prompt {i + 1}") for i, t in enumerate(args.prompt)]
     specs += [PromptSpec(ids=_parse_ids(t, "--prompt-ids"), label="--prompt-ids") for t in args.prompt_ids]
+    if args.image:
+        if len(specs) != 1:
+            raise UsageError(f"--image goes with exactly one --prompt or --prompt-ids (got {len(specs)}); give "
+                             f"several prompts their images with \"images\" in --prompts-file")
+        specs = [dataclasses.replace(specs[0], images=tuple(args.image))]
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
@@ -239,12 +259,19 @@ def gather_prompts(args) -> list[PromptSpec]:
     return specs
 
 
-def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int) -> tuple[list[tuple[int, ...]], bool]:
-    """Ids per prompt, and whether any text ids were folded into a smaller model vocabulary."""
+def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int,
+             image_token_id: int | None = None) -> tuple[list[tuple[int, ...]], bool]:
+    """Ids per prompt, and whether any text ids were folded into a smaller model vocabulary. A prompt with
+    images gets one ``image_token_id`` per image (`_image_ids`)."""
     from .chat import ChatFormatError, chat_ids  # noqa: PLC0415
 
     out, folded = [], False
     for s in specs:
+        if s.images:
+            ids, was_folded = _image_ids(s, tokenizer, args, model_vocab, image_token_id)
+            out.append(ids)
+            folded |= was_folded
+            continue
         if s.ids is not None:
             out.append(tuple(s.ids))  # raw ids are checked against the vocabulary, never folded
             continue
@@ -261,6 +288,68 @@ def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int) -> 
             ids, folded = [i % model_vocab for i in ids], True
         out.append(tuple(ids))
     return out, folded
+
+
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the V4 chat encoder's text for an image block (VISION.md §V.B.5)
+
+
+def _image_ids(spec: PromptSpec, tokenizer, args, model_vocab: int, image_id: int) -> tuple[tuple[int, ...], bool]:
+    """Ids of a prompt with images: one ``image_id`` where each image goes (see the --help epilog); text ids
+    folded into a smaller model vocabulary never land on ``image_id`` (they step one below)."""
+    from .chat import ChatFormatError, Message, encode_messages  # noqa: PLC0415
+
+    n = len(spec.images)
+    if spec.ids is not None:
+        if sum(i == image_id for i in spec.ids) != n:
+            raise UsageError(f"{spec.label}: raw ids need one image token id {image_id} per image ({n}), "
+                             f"found {sum(i == image_id for i in spec.ids)}")
+        return tuple(spec.ids), False
+    blank = "\n\n".join([IMAGE_PLACEHOLDER] * n)
+    messages = chat_messages(spec, args)
+    if messages is not None:
+        messages = list(messages)
+        if not any(IMAGE_PLACEHOLDER in m.content for m in messages):
+            last = max(i for i, m in enumerate(messages) if m.role == "user")
+            messages[last] = dataclasses.replace(messages[last], content=f"{blank}\n\n{messages[last].content}")
+        try:
+            text = encode_messages(messages, thinking=args.thinking, reasoning_effort=args.reasoning_effort,
+                                   tools=spec.tools)
+        except ChatFormatError as e:
+            raise UsageError(f"{spec.label}: {e}") from None
+        add_bos = False
+    else:
+        text = spec.text if IMAGE_PLACEHOLDER in spec.text else blank + spec.text
+        add_bos = True
+    if text.count(IMAGE_PLACEHOLDER) != n:
+        raise UsageError(f"{spec.label}: the text has {text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} for "
+                         f"{n} image(s)")
+    ids: list[int] = []
+    folded = False
+    for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if k:
+            ids.append(image_id)
+        part = tokenizer.encode(piece, add_bos=add_bos and k == 0) if piece or (add_bos and k == 0) else []
+        if model_vocab < tokenizer.vocab_size and any(i >= model_vocab for i in part):
+            part, folded = [i % model_vocab for i in part], True
+            part = [i - 1 if i == image_id else i for i in part]
+        ids += part
+    return tuple(ids), folded
+
+
+def open_images(specs: Sequence[PromptSpec]) -> list[list]:
+    """Every prompt's images decoded (RGB), before anything slow runs: an unusable image (missing, unreadable,
+    not an image, absurd size) is a one-line `ImageError`."""
+    from .vision.preprocess import open_image  # noqa: PLC0415
+
+    return [[open_image(f) for f in spec.images] for spec in specs]
+
+
+def image_prompts(opened: Sequence[list], prompt_ids, cfg) -> list:
+    """Per prompt: None, or its `vision.preprocess.ImagePrompt` (images laid out, VISION.md §V.B)."""
+    from .vision.preprocess import expand_prompt, prepare_image  # noqa: PLC0415
+
+    return [expand_prompt(ids, [prepare_image(im, cfg.vision) for im in images], cfg.image_token_id)
+            if images else None for images, ids in zip(opened, prompt_ids)]
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -288,6 +377,7 @@ class ModelInputs:
     weights: object
     description: str
     expert_format: str = "dequantized"
+    vision: bool = False  # the image path is loaded (prompts have images)
 
 
 def check_engram(cfg, args) -> None:
@@ -300,6 +390,10 @@ def check_engram(cfg, args) -> None:
         raise UsageError(f"engram layers {layers} of this config are not implemented by this engine, so its output "
                          f"would not be the model's; pass --skip-engram to run without them anyway")
     _say(f"WARNING: --skip-engram: running WITHOUT the engram layers {layers}; the output is NOT the model's")
+
+
+def _wants_images(args) -> bool:
+    return bool(getattr(args, "wants_images", False))
 
 
 def open_checkpoint_inputs(args) -> ModelInputs:
@@ -316,19 +410,20 @@ def open_checkpoint_inputs(args) -> ModelInputs:
     if not path.is_dir():
         raise UsageError(f"checkpoint directory {path} does not exist")
     cfg_override = ModelConfig.from_json(args.config) if args.config else None
-    ckpt = open_checkpoint(path, cfg_override)
+    vision = _wants_images(args)
+    ckpt = open_checkpoint(path, cfg_override, vision=vision)
     check_engram(ckpt.cfg, args)
     fmt = args.expert_format
     if fmt == "auto":
         fmt = ckpt.stored_expert_format
     if fmt != "dequantized":
-        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt)  # refuses non-fp4 experts by name
+        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision)  # refuses non-fp4 experts
     for line in ckpt.skipped:
         if not line.startswith("not run by this engine"):
             _say(f"note: {line}")
     experts = ", fp4 experts" if fmt == "fp4" else ""
     weights = checkpoint_source(ckpt, dtype=args.dtype)
-    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt)
+    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision)
 
 
 def load_model_inputs(args) -> ModelInputs:
@@ -346,6 +441,10 @@ def load_model_inputs(args) -> ModelInputs:
             raise UsageError(f"config file {args.config} does not exist")
         cfg = ModelConfig.from_json(args.config)
         name = args.config
+        if _wants_images(args) and cfg.vision is None:
+            raise UsageError(f"--config {args.config} has no vision_config: it cannot read images")
+    elif _wants_images(args):  # tiny plus a tiny vision tower (the text weights are tiny's)
+        cfg, name = load_named("tiny_vision"), "configs/tiny_vision.json"
     else:
         cfg, name = load_named("tiny"), "configs/tiny.json"
     if cfg.vocab_size <= 0:
@@ -356,7 +455,7 @@ def load_model_inputs(args) -> ModelInputs:
     except ValueError as e:
         raise UsageError(str(e)) from None
     return ModelInputs(cfg, random_weights(cfg, seed=0),
-                       f"{name} with RANDOM weights (seed 0): the output is not language")
+                       f"{name} with RANDOM weights (seed 0): the output is not language", vision=_wants_images(args))
 
 
 def kernel_impl(args) -> str:
@@ -368,7 +467,7 @@ def kernel_impl(args) -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def model_options(args, expert_format: str):
+def model_options(args, expert_format: str, vision: bool = False):
     """ModelOptions for the run; says so when float32 experts would be computed in bf16 by the Pallas MoE."""
     from .model.transformer import ModelOptions  # noqa: PLC0415
 
@@ -377,14 +476,14 @@ def model_options(args, expert_format: str):
         _say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
              "takes bf16 activations); use --impl reference for float32 experts")
     return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
-                        quant_rounding=args.quant_rounding)
+                        quant_rounding=args.quant_rounding, vision=vision)
 
 
 def build(inputs: ModelInputs, args):
     """(model, mesh | None) for --world; the weights are placed tensor by tensor."""
     from .engine import build_model  # noqa: PLC0415
 
-    options = model_options(args, inputs.expert_format)
+    options = model_options(args, inputs.expert_format, inputs.vision)
     if args.world == 1:
         return build_model(inputs.cfg, options, inputs.weights), None
     try:
@@ -498,7 +597,8 @@ def generate_with_output(engine, requests, tokenizer, args):
     if not args.json:
         _say("compiling ...")
     count_before = engine.compile_count
-    compile_s = engine.precompile(len(requests), longest, record_logits=record)
+    compile_s = engine.precompile(len(requests), longest, record_logits=record,
+                                  images=any(r.images is not None for r in requests))
     on_prefill, stop_bar = _progress(longest, enabled=not args.json and len(engine.segment_plan(longest)) > 1)
     try:
         result = engine.generate(requests, on_tokens=stream, on_prefill=on_prefill, record_logits=record)
@@ -564,9 +664,13 @@ def run(args) -> int:
     SamplingParams(sampling_temperature(args), args.top_k, args.top_p, args.seed).validate()
     if args.logits_out and not Path(args.logits_out).resolve().parent.is_dir():
         raise UsageError(f"--logits-out: directory {Path(args.logits_out).parent} does not exist")
+    opened = open_images(specs)
     check_world(args.world)
     cache_dir = enable_compile_cache(args.compile_cache)
     _say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
+    args.wants_images = any(s.images for s in specs)
+    if args.wants_images and args.world > 1:
+        raise UsageError(f"image prompts run on one device for now: use --world 1 (not {args.world})")
     inputs = load_model_inputs(args)
     cfg, description = inputs.cfg, inputs.description
     _say(f"model: {description}")
@@ -575,12 +679,15 @@ def run(args) -> int:
             _say(f"note: not run by this engine: {feature}")
     tokenizer, tokenizer_description = load_tokenizer(args.checkpoint)
     _say(f"tokenizer: {tokenizer_description}")
-    prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size)
+    prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size, cfg.image_token_id)
+    with_images = image_prompts(opened, prompt_ids, cfg)
+    prompt_ids = [ip.ids if ip is not None else ids for ip, ids in zip(with_images, prompt_ids)]
     if folded:
         _say(f"note: the model's vocabulary ({cfg.vocab_size} ids) is smaller than the tokenizer's "
              f"({tokenizer.vocab_size:,}): text prompt ids are folded into it (id mod {cfg.vocab_size}); "
              f"generated ids are decoded with the tokenizer as they are")
     requests, max_context = make_requests(specs, prompt_ids, cfg, args)
+    requests = [dataclasses.replace(r, images=ip) for r, ip in zip(requests, with_images)]
     check_requests(requests, cfg.vocab_size, max_context)  # before the (slow) model build
     plan = segment_plan(cfg, args.world)
     plan(max(len(p) for p in prompt_ids))  # the planner may refuse the prompt
@@ -604,6 +711,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [UsageError, ConfigError, EngineInputError, SamplingError, TokenizerError,
                                          CompileCacheError]
     for module, name in (("dsv41_jax.checkpoint", "CheckpointError"), ("dsv41_jax.planner", "PlanRefused"),
+                         ("dsv41_jax.vision.preprocess", "ImageError"),
                          ("dsv41_jax.model.transformer", "WeightsError"), ("sharding.mesh", "ShardingError")):
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))

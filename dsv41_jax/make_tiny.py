@@ -40,7 +40,7 @@ RANDOM_LIMIT_BYTES = 4 << 30  # random float32 weights above this are not a "tin
 
 def random_weights_bytes(cfg: ModelConfig) -> int:
     """Bytes of ``random_weights(cfg)`` (float32, every model tensor)."""
-    return 4 * sum(math.prod(s) for s in param_specs.model_tensors(cfg).values())
+    return 4 * sum(math.prod(s) for s in param_specs.model_tensors(cfg, vision=cfg.has_vision).values())
 
 
 def check_random_size(cfg: ModelConfig) -> None:
@@ -58,12 +58,14 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     Linear weights ~ N(0, 1/fan_in); norm weights ~ 1 ± 0.1; the HC ``fn`` small (mix logits of std ≈ 0.3, so
     the pre/post/comb mixes stay near uniform); router bias and attention sinks near 0; embedding N(0, 1).
     Values are already on the grid of their plain storage (bf16 or f32), so ``write_checkpoint(...,
-    "none")`` stores them exactly.
+    "none")`` stores them exactly. A config with a ``vision_config`` also gets the image path's tensors
+    (VISION.md §V.F), drawn after the text ones (so the text weights equal those of the same config without it).
     """
     rng = np.random.default_rng(seed)
-    kinds = {_model_name(s.name): s.stored for s in param_specs.release_tensors(cfg)}
+    vision = cfg.has_vision
+    kinds = {_model_name(s.name): s.stored for s in param_specs.release_tensors(cfg, vision=vision)}
     out = {}
-    for name, shape in param_specs.model_tensors(cfg).items():
+    for name, shape in param_specs.model_tensors(cfg, vision=vision).items():
         w = _init(name, shape, cfg, rng)
         out[name] = formats.round_trip(w, "f32" if kinds.get(name, "bf16") == "f32" else "bf16")
     return out
@@ -89,8 +91,10 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Ge
         return rng.uniform(0.5, 1.5, shape).astype(np.float32)
     if name.endswith(".attn_sink"):
         return normal(0.1)
-    if name.endswith(".gate.bias"):
+    if name.endswith(".gate.bias") or name.endswith(".gate.bias_vl"):
         return normal(0.05)
+    if name.startswith("image_"):  # span delimiters replace embedding rows: the embedding's scale
+        return normal(1.0)
     return normal(1.0 / math.sqrt(shape[-1]))  # every linear: [.., out, in]
 
 
@@ -100,7 +104,7 @@ def storage_kinds(cfg: ModelConfig, quantize: str) -> dict[str, str]:
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not {quantize!r}")
     out = {}
-    for spec in param_specs.release_tensors(cfg):
+    for spec in param_specs.release_tensors(cfg, vision=cfg.has_vision):
         kind = spec.stored
         if kind == "fp4" and quantize != "fp4" or kind == "fp8" and quantize == "none":
             kind = "bf16"
@@ -143,11 +147,12 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, weights: dict[str, n
 
     ``weights``: model names (as `random_weights`). Returns model name → float32 values as stored (what
     `checkpoint.load_checkpoint` gives back). Each ``layers.L.ffn.gate.bias_vl`` is written as a copy of the
-    router bias, as in the release; the loader skips it.
+    router bias, as in the release, unless the config has a vision_config: then the weights hold the image
+    path too (`random_weights`), ``bias_vl`` included, and it is written from them.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    missing = set(param_specs.model_tensors(cfg)) - set(weights)
+    missing = set(param_specs.model_tensors(cfg, vision=cfg.has_vision)) - set(weights)
     if missing:
         raise ValueError(f"weights lack {sorted(missing)[0]} (and {len(missing) - 1} more)")
     stored_values: dict[str, np.ndarray] = {}
@@ -155,7 +160,7 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, weights: dict[str, n
     size = 0
     for name, tensors in encode(cfg, weights, quantize):
         _place(stored_values, cfg, name, _decode(tensors, name))
-        if name.endswith(".ffn.gate.bias"):
+        if name.endswith(".ffn.gate.bias") and not cfg.has_vision:
             tensors = {**tensors, name + "_vl": tensors[name].copy()}
         nbytes = sum(t.nbytes for t in tensors.values())
         if size and size + nbytes > shard_bytes:
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"make_tiny: error: {e}", file=sys.stderr)
         return 2
-    n = sum(math.prod(s) for s in param_specs.model_tensors(cfg).values())
+    n = sum(math.prod(s) for s in param_specs.model_tensors(cfg, vision=cfg.has_vision).values())
     print(f"wrote {out} ({n:,} parameters, quantize={args.quantize}, seed={args.seed})")
     return 0
 

@@ -13,8 +13,10 @@ Two naming schemes (docs/DESIGN.md, "Parameter names"):
   uint8 tensors: ``layers.L.ffn.experts.wN.codes`` (e2m1 pairs, ``[E, F, D/2]`` for w1/w3, ``[E, D, F/2]`` for
   w2) and ``layers.L.ffn.experts.wN.scales`` (ue8m0 bytes, ``[E, F, D/32]`` / ``[E, D, F/32]``).
 
-Only the text model is listed. DSpark (``mtp.*``), engram, vision and ``gate.bias_vl`` tensors are not part of
-it yet: `skip_reason` names why a checkpoint tensor is left out.
+By default only the text model is listed. ``vision=True`` adds the image path (VISION.md §V.F): ``vision.*``,
+``aligner.*``, ``image_start`` / ``image_newline`` / ``image_end`` and every backbone ``layers.L.ffn.gate.bias_vl``
+(same names in both schemes), after the text tensors. DSpark (``mtp.*``) and engram tensors are not part of it
+yet: `skip_reason` names why a checkpoint tensor is left out.
 """
 
 from __future__ import annotations
@@ -89,11 +91,12 @@ def stored_form(name: str, shape: tuple[int, ...], kind: str) -> dict[str, Tenso
 
 
 # ------------------------------------------------------------------------------------------------ inventory
-def release_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+def release_tensors(cfg: ModelConfig, *, vision: bool = False) -> list[TensorSpec]:
     """Every text-model tensor in official naming with its **logical** shape and the release's kind.
 
     Kinds: "fp8" / "fp4" for the matrices the release quantises, "bf16" / "f32" otherwise (§E.2; the f32 set
-    follows §B.1: ``hc_*``, ``attn_sink``, ``gate.bias``, ``compressor.*``).
+    follows §B.1: ``hc_*``, ``attn_sink``, ``gate.bias``, ``compressor.*``). ``vision=True`` appends
+    `vision_tensors`.
     """
     out = [TensorSpec("embed.weight", (cfg.vocab_size, cfg.hidden_size), "bf16")]
     for layer in range(cfg.num_hidden_layers):
@@ -101,7 +104,36 @@ def release_tensors(cfg: ModelConfig) -> list[TensorSpec]:
     out.append(TensorSpec("norm.weight", (cfg.hidden_size,), "bf16"))
     if not cfg.tie_word_embeddings:
         out.append(TensorSpec("head.weight", (cfg.vocab_size, cfg.hidden_size), "bf16"))
+    if vision:
+        out += vision_tensors(cfg)
     return out
+
+
+def vision_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+    """The image path's tensors (VISION.md §V.F): the ViT, the aligner, the span delimiters and the backbone
+    routers' ``bias_vl`` (f32). All plain floats; the names are the model's names too. ValueError without a
+    vision config."""
+    vc = cfg.vision
+    if vc is None:
+        raise ValueError("this config has no vision_config: no image path to list")
+    C, D, P = vc.hidden_size, cfg.hidden_size, vc.patch_dim
+    specs: list[tuple[str, tuple[int, ...], str]] = [("vision.patch_embed.proj.weight", (C, P), "bf16"),
+                                                      ("vision.patch_embed.proj.bias", (C,), "bf16")]
+    for i in range(vc.num_hidden_layers):
+        b = f"vision.blocks.{i}."
+        specs += [(b + "norm1.weight", (C,), "bf16"), (b + "norm2.weight", (C,), "bf16"),
+                  (b + "attn.wqkv.weight", (3 * C, C), "bf16"), (b + "attn.wqkv.bias", (3 * C,), "bf16"),
+                  (b + "attn.wo.weight", (C, C), "bf16"), (b + "attn.wo.bias", (C,), "bf16"),
+                  (b + "mlp.w1.weight", (2 * vc.intermediate_size, C), "bf16"),
+                  (b + "mlp.w2.weight", (C, vc.intermediate_size), "bf16")]
+    r2 = vc.downsample_ratio**2
+    specs += [("vision.norm.weight", (C,), "bf16"),
+              ("aligner.w1.weight", (D, r2 * C), "bf16"), ("aligner.w1.bias", (D,), "bf16"),
+              ("aligner.w2.weight", (D, D), "bf16"), ("aligner.w2.bias", (D,), "bf16"),
+              ("image_start", (D,), "bf16"), ("image_newline", (D,), "bf16"), ("image_end", (D,), "bf16")]
+    specs += [(f"layers.{L}.ffn.gate.bias_vl", (cfg.n_routed_experts,), "f32")
+              for L in range(cfg.num_hidden_layers)]
+    return [TensorSpec(name, shape, kind) for name, shape, kind in specs]
 
 
 def _layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
@@ -151,7 +183,7 @@ def _layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
     return [TensorSpec(p + name, shape, kind) for name, shape, kind in specs]
 
 
-def expected_tensors(cfg: ModelConfig, *, quantized: bool) -> dict[str, TensorSpec]:
+def expected_tensors(cfg: ModelConfig, *, quantized: bool, vision: bool = False) -> dict[str, TensorSpec]:
     """Official name → stored spec of every text-model checkpoint tensor.
 
     ``quantized=True``: the release layout (fp8 dense, fp4 routed experts, each with its ``.scale``).
@@ -159,7 +191,7 @@ def expected_tensors(cfg: ModelConfig, *, quantized: bool) -> dict[str, TensorSp
     Skipped parts (see `skip_reason`) are not listed.
     """
     out: dict[str, TensorSpec] = {}
-    for spec in release_tensors(cfg):
+    for spec in release_tensors(cfg, vision=vision):
         kind = spec.stored if quantized or spec.stored in PLAIN_KINDS else "bf16"
         out.update(stored_form(spec.name, spec.shape, kind))
     return out
@@ -200,13 +232,15 @@ def packed_expert_shapes(stacked: tuple[int, ...]) -> dict[str, tuple[int, ...]]
     return {"codes": fp4_packed_shape(stacked), "scales": fp4_scale_shape(stacked)}
 
 
-def model_tensors(cfg: ModelConfig, expert_format: str = "dequantized") -> dict[str, tuple[int, ...]]:
+def model_tensors(cfg: ModelConfig, expert_format: str = "dequantized", *,
+                  vision: bool = False) -> dict[str, tuple[int, ...]]:
     """Model name → shape; routed experts stacked (w1, w3 ``[E, F, D]``, w2 ``[E, D, F]``), dequantised or,
-    with ``expert_format="fp4"``, as packed ``.codes`` / ``.scales`` (see the module docstring)."""
+    with ``expert_format="fp4"``, as packed ``.codes`` / ``.scales`` (see the module docstring).
+    ``vision=True`` appends the image path (`vision_tensors`)."""
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert format {expert_format!r} must be one of {EXPERT_FORMATS}")
     out: dict[str, tuple[int, ...]] = {}
-    for spec in release_tensors(cfg):
+    for spec in release_tensors(cfg, vision=vision):
         hit = expert_name(spec.name)
         if hit is None:
             out[spec.name] = spec.shape

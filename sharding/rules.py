@@ -89,6 +89,11 @@ PARAM_RULES: tuple[Rule, ...] = (
          "the indexer's top-k is one selection for all heads: computed redundantly (identical on every rank)"),
     Rule(_LAYER + r"ffn\.gate\.(?:weight|bias|bias_vl)", (None, None),
          "router: every rank must pick the same experts, so it routes the same all-reduced input itself"),
+    Rule(r"(?:vision|aligner)\..+", (None, None),
+         "vision tower and aligner (VISION.md §V.G): ~0.97 GB in all, replicated; each rank encodes the request's "
+         "images itself, so the span embeddings need no collective"),
+    Rule(r"image_(?:start|newline|end)", (None,),
+         "image span delimiters [D]: replaced into the replicated input embeddings on every rank"),
 )
 # Axes lists are per dim; a 1-D replicated tensor simply uses the first entry (see ``param_logical_axes``).
 

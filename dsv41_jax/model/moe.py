@@ -80,9 +80,11 @@ def routed_experts(x, topk_ids, topk_weights, weights: ExpertArrays, *, swiglu_l
 
 
 class Router(nnx.Module):
-    """``gate.weight [E, D]`` (model dtype), ``gate.bias [E]`` f32 (selection only)."""
+    """``gate.weight [E, D]`` (model dtype), ``gate.bias [E]`` f32 (selection only); with ``image_bias``, also
+    ``gate.bias_vl [E]`` f32, the selection bias at image positions (VISION.md §V.E.3)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, n_experts: int | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, n_experts: int | None = None,
+                 image_bias: bool = False):
         n_experts = n_experts or cfg.n_routed_experts
         self.top_k = cfg.num_experts_per_tok
         self.temp = cfg.gate_temp
@@ -90,13 +92,21 @@ class Router(nnx.Module):
         self.route_scale = cfg.routed_scaling_factor
         self.weight = nnx.Param(random_normal(rngs, (n_experts, cfg.hidden_size), cfg.hidden_size**-0.5, dtype))
         self.bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
+        self.bias_vl = nnx.Param(jnp.zeros((n_experts,), jnp.float32)) if image_bias else None
 
-    def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-        """x [N,D] -> (topk_ids [N,k] int32, topk_weights [N,k] f32)."""
+    def __call__(self, x: jnp.ndarray, is_image: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x [N,D], is_image bool [N] or None (all text) -> (topk_ids [N,k] int32, topk_weights [N,k] f32).
+
+        Image rows select with ``bias_vl`` instead of ``bias``; the weights are the raw scores either way."""
         logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
                             precision=HIGHEST) / self.temp
         scores = jnp.sqrt(jax.nn.softplus(logits))
-        _, ids = jax.lax.top_k(scores + self.bias[...], self.top_k)
+        bias = self.bias[...]
+        if is_image is not None:
+            if self.bias_vl is None:
+                raise ValueError("image positions need a router built with image_bias (ModelOptions.vision)")
+            bias = jnp.where(is_image[:, None], self.bias_vl[...], bias)
+        _, ids = jax.lax.top_k(scores + bias, self.top_k)
         w = jnp.take_along_axis(scores, ids, axis=-1)
         if self.normalize and self.top_k > 1:
             w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -169,10 +179,10 @@ class MoE(nnx.Module):
     """``ffn.{gate, experts, shared_experts}``: out = bf16(Σ routed + shared)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, moe_impl: str, rngs: nnx.Rngs,
-                 expert_format: str = "dequantized"):
+                 expert_format: str = "dequantized", image_bias: bool = False):
         self.limit = cfg.swiglu_limit
         self.moe_impl = moe_impl
-        self.gate = Router(cfg, dtype=dtype, rngs=rngs)
+        self.gate = Router(cfg, dtype=dtype, rngs=rngs, image_bias=image_bias)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                dtype=dtype, rngs=rngs, expert_format=expert_format)
         if cfg.n_shared_experts:
@@ -181,10 +191,10 @@ class MoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, u: jnp.ndarray) -> jnp.ndarray:
-        """u [B,T,D] -> [B,T,D] in u's dtype."""
+    def __call__(self, u: jnp.ndarray, is_image: jnp.ndarray | None = None) -> jnp.ndarray:
+        """u [B,T,D], is_image bool [B,T] or None -> [B,T,D] in u's dtype."""
         flat = u.reshape(-1, u.shape[-1])
-        ids, w = self.gate(flat)
+        ids, w = self.gate(flat, None if is_image is None else is_image.reshape(-1))
         out = self._routed(flat, ids, w)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat).astype(jnp.float32)

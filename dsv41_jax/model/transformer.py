@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ class ModelOptions:
     attention_impl: str = "reference"
     moe_impl: str = "reference"
     expert_format: str = "dequantized"
+    vision: bool = False  # build the image path (VISION.md): tower, aligner, span delimiters, gate.bias_vl
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -50,6 +52,22 @@ class ModelOptions:
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+
+class ImageRows(NamedTuple):
+    """The image part of one segment's input (VISION.md §V.E.1).
+
+    ``embeds`` [B, T, D]: at IMAGE positions the aligner row of that slot (elsewhere don't-care);
+    ``roles`` int32 [B, T]: TEXT (−1) or START / IMAGE / NEWLINE / END (`vision.preprocess`).
+    ``is_image = roles >= 0`` (every span position) is the mask the router uses and engram's DEAD marking can use.
+    """
+
+    embeds: jnp.ndarray
+    roles: jnp.ndarray
+
+    @property
+    def is_image(self) -> jnp.ndarray:
+        return self.roles >= 0
 
 
 class Embed(nnx.Module):
@@ -88,22 +106,23 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
                               impl=options.attention_impl, rngs=rngs)
-        self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format)
+        self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format,
+                       image_bias=options.vision)
 
     def _mix(self, sub: str, streams):
         p = [getattr(self, f"hc_{sub}_{k}")[...] for k in ("fn", "base", "scale")]
         return hc_mix(streams, *p, **self.hc_kwargs)
 
-    def __call__(self, streams, pre_prev, seg: Segment, cache, shared):
-        """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4) ->
-        (streams, pre of the FFN mix, new LayerCache)."""
+    def __call__(self, streams, pre_prev, seg: Segment, cache, shared, is_image=None):
+        """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4), is_image bool [B,T] or
+        None (all text) -> (streams, pre of the FFN mix, new LayerCache)."""
         with jax.named_scope("attn"):
             pre_a, post_a, comb_a = self._mix("attn", streams)
             y, cache = self.attn(self.attn_norm(collapse(streams, pre_prev)), seg, cache, shared)
             streams = expand(y, streams, post_a, comb_a)
         with jax.named_scope("moe"):
             pre_f, post_f, comb_f = self._mix("ffn", streams)
-            y = self.ffn(self.ffn_norm(collapse(streams, pre_a)))
+            y = self.ffn(self.ffn_norm(collapse(streams, pre_a)), is_image)
             return expand(y, streams, post_f, comb_f), pre_f, cache
 
 
@@ -123,14 +142,43 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([Block(cfg, i, options, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.head = Head(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        if options.vision:
+            self._init_vision(cfg, dtype, rngs)
 
-    def __call__(self, ids, cache: Cache, lengths=None):
-        logits, cache, _ = self.forward(ids, cache, lengths)
+    def _init_vision(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> None:
+        """``vision.*`` (ViT), ``aligner.*`` and the span delimiters ``image_start/newline/end`` [D] (§V.F)."""
+        from ..vision.tower import Aligner, VisionTower  # noqa: PLC0415
+
+        if cfg.vision is None:
+            raise ValueError("ModelOptions.vision needs a config with a vision_config")
+        self.vision = VisionTower(cfg.vision, dtype=dtype, rngs=rngs)
+        self.aligner = Aligner(cfg, dtype=dtype, rngs=rngs)
+        for name in ("image_start", "image_newline", "image_end"):
+            setattr(self, name, nnx.Param(random_normal(rngs, (cfg.hidden_size,), 1.0, dtype)))
+
+    def encode_images(self, batch):
+        """``vision.batch.ImageBatch`` → aligner rows E [B, M, D] in the model dtype (VISION.md §V.C–§V.D)."""
+        return self.aligner(self.vision(batch), batch)
+
+    def merge_images(self, e, images: ImageRows):
+        """e [B,T,D] token embeddings → the same with image positions replaced (VISION.md §V.E.1)."""
+        from ..vision.preprocess import END, IMAGE, NEWLINE, START  # noqa: PLC0415
+
+        roles = images.roles[..., None]
+        e = jnp.where(roles == IMAGE, images.embeds.astype(e.dtype), e)
+        for role, vec in ((START, self.image_start), (NEWLINE, self.image_newline), (END, self.image_end)):
+            e = jnp.where(roles == role, vec[...].astype(e.dtype), e)
+        return e
+
+    def __call__(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None):
+        logits, cache, _ = self.forward(ids, cache, lengths, images)
         return logits, cache
 
-    def forward(self, ids, cache: Cache, lengths=None):
+    def forward(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None):
         """``__call__`` plus the per-call selections (for tests and diagnostics): returns
-        (logits [B,T,V] f32, new Cache, {index-source layer: top-k [B,T,K] int32, −1 = none})."""
+        (logits [B,T,V] f32, new Cache, {index-source layer: top-k [B,T,K] int32, −1 = none}).
+
+        ``images``: the segment's image rows and roles (None: text only; needs ``ModelOptions.vision``)."""
         b, t = ids.shape
         s = self.cfg.hc_mult
         lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
@@ -139,13 +187,16 @@ class Transformer(nnx.Module):
         seg = Segment(positions=offset[:, None] + rows, valid=rows < lengths[:, None], offset=offset,
                       lengths=lengths)
         e = self.embed(ids)
+        is_image = None
+        if images is not None:
+            e, is_image = self.merge_images(e, images), images.is_image
         streams = jnp.broadcast_to(e[:, :, None, :], (b, t, s, e.shape[-1]))
         pre = jnp.broadcast_to(jax.nn.one_hot(0, s, dtype=jnp.float32), (b, t, s))  # §B.2: pre⁻¹ = stream 0
         shared: dict = {}
         new_layers = []
         for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
             with jax.named_scope(f"layer_{i}"):  # per-layer op names for traces (profiling/trace.py)
-                streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared)
+                streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared, is_image)
             new_layers.append(layer_cache)
         logits = self.head(self.norm(collapse(streams, pre)))
         selections = {key[1]: v for key, v in shared.items() if isinstance(key, tuple) and key[0] == "topk"}
