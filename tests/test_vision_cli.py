@@ -48,7 +48,7 @@ def test_prompts_file_with_images_runs(tmp_path, capsys):
 
 def test_chat_puts_images_first_in_the_user_message():
     tok = DeepSeekTokenizer()
-    args = Namespace(chat=True, thinking=False)
+    args = Namespace(chat=True, thinking=False, system=None, reasoning_effort=None)
     spec = PromptSpec(text="Describe it.", images=("a.png", "b.png"))
     ids, _ = _image_ids(spec, tok, args, tok.vocab_size, 129264)
     user = tok.token_to_id("<｜User｜>")
@@ -61,11 +61,11 @@ def test_chat_puts_images_first_in_the_user_message():
     assert tok.decode(ids[k + 3 + len(blank):]).startswith("\n\nDescribe it.")
     # Placeholders given in the text are used where they are.
     spec = PromptSpec(text=f"left {IMAGE_PLACEHOLDER} right", images=("a.png",))
-    ids, _ = _image_ids(spec, tok, Namespace(chat=False, thinking=False), tok.vocab_size, 129264)
+    ids, _ = _image_ids(spec, tok, Namespace(chat=False, thinking=False, system=None, reasoning_effort=None), tok.vocab_size, 129264)
     assert ids.count(129264) == 1 and tok.decode(ids[: ids.index(129264)]).endswith("left ")
     # Folding text ids into the tiny vocabulary never forges an image position.
     ids, folded = _image_ids(PromptSpec(text="x" * 200, images=("a.png",)), tok,
-                             Namespace(chat=False, thinking=False), 512, 509)
+                             Namespace(chat=False, thinking=False, system=None, reasoning_effort=None), 512, 509)
     assert folded and ids.count(509) == 1
     assert span_roles(2, 3).size == SPAN
 
