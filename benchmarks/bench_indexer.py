@@ -10,6 +10,7 @@ sorted picks are identical / rows compared; at most 128 evenly spaced rows are c
 even where it is too slow to time).
 
     PYTHONPATH=. python benchmarks/bench_indexer.py [--quick] [--json out.json]
+        [--block-rows 16|32|64] [--key-tile 32|64|128] [--splits S] [--warps 4|8] [--stages 2|3]
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.indexer.kernel import fp8_exact, index_topk_pallas
-from pallas_kernels.indexer.xla import index_topk_xla
+from pallas_kernels.indexer.tiling import launch_rows
+from pallas_kernels.indexer.xla import index_topk_xla, map_row_blocks
 
 HEADS, HEAD_DIM, TOPK, CONTEXT = 32, 128, 512, 1_048_576
 SCORE_BUDGET = 256 << 20          # the model's XLA-path row block (dsv41_jax.model.indexer.SCORE_BUDGET_BYTES)
@@ -72,10 +74,21 @@ def xla_fn(rows: int, n: int, ratio: int):
     return jax.jit(lambda q, w, k, p: index_topk_xla(q, w, k, p, ratio=ratio, k=TOPK, rows_per_block=block)[0])
 
 
+TILING: dict = {}   # --block-rows / --key-tile / --splits / --warps / --stages (None: kernel defaults)
+
+
+def kernel_rows(rows: int, n: int) -> int:
+    """Rows per launch, as the model launches the kernel (its workspace within SCORE_BUDGET)."""
+    return launch_rows(1, rows, n, TOPK, budget=SCORE_BUDGET, heads=HEADS, head_dim=HEAD_DIM)
+
+
 @functools.lru_cache(maxsize=None)
-def kernel_fn(ratio: int, score_dtype: str):
-    return jax.jit(lambda q, w, k, p: index_topk_pallas(q, w, k, p, ratio=ratio, k=TOPK,
-                                                        score_dtype=score_dtype)[0])
+def kernel_fn(rows: int, n: int, ratio: int, score_dtype: str):
+    def launch(k, q, w, p):
+        return index_topk_pallas(q, w, k, p, ratio=ratio, k=TOPK, score_dtype=score_dtype, **TILING)[0]
+
+    return jax.jit(lambda q, w, k, p: map_row_blocks(functools.partial(launch, k), (q, w, p),
+                                                     kernel_rows(rows, n)))
 
 
 def equal_rows(picks, q, w, keys, positions, ratio: int) -> str:
@@ -110,7 +123,7 @@ def bench_one(rows: int, position: int, ratio: int, repeats: int, gemm: float) -
             out.append(row)
             continue
         try:
-            fn = kernel_fn(ratio, dtype)
+            fn = kernel_fn(rows, n, ratio, dtype)
             row["ms"] = time_ms(fn, (q, w, keys, positions), repeats)
             row["equal"] = equal_rows(fn(q, w, keys, positions), q, w, keys, positions, ratio)
         except Exception as exc:
@@ -122,7 +135,7 @@ def bench_one(rows: int, position: int, ratio: int, repeats: int, gemm: float) -
         r["speedup"] = None if (r["ms"] is None or xla_ms is None) else xla_ms / r["ms"]
         ms = "-" if r["ms"] is None else f"{r['ms']:.3f} ms"
         print(f"  rows {rows:>5} pos {position:>9,} r{ratio} keys {n:>9,} {r['impl']:<12} {ms:>12}  "
-              f"equal {r['equal']}", flush=True)
+              f"equal {r['equal']}  (kernel: {kernel_rows(rows, n)} rows a launch)", flush=True)
     return out
 
 
@@ -149,6 +162,9 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gemm-tflops", type=float, default=668.0, help="the measured bf16 GEMM rate (TFLOP/s)")
     p.add_argument("--json", help="write the rows to this file")
+    for flag, key in (("--block-rows", "block_rows"), ("--key-tile", "key_tile"), ("--splits", "splits"),
+                      ("--warps", "num_warps"), ("--stages", "num_stages")):
+        p.add_argument(flag, type=int, default=None, dest=key, help=f"kernel tiling: {key} (default: kernel.tiling)")
     a = p.parse_args(argv)
     quick = a.quick
     try:
@@ -171,6 +187,8 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print("error: this benchmark needs a GPU (the kernel only runs compiled there)", file=sys.stderr)
         return 2
+    TILING.update({k: getattr(args, k) for k in ("block_rows", "key_tile", "splits", "num_warps", "num_stages")
+                   if getattr(args, k) is not None})
     results = []
     for rows in args.rows:
         for position in args.positions:

@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--position", default="0", help="start position(s) of the segment, comma-separated")
     p.add_argument("--layers", type=int, default=None, help="cut the model to K layers (keeps its layer roles)")
     p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
-    p.add_argument("--impl", choices=("reference", "pallas"), default="reference", help="attention and MoE ops")
+    p.add_argument("--impl", choices=("reference", "pallas"), default="reference",
+                   help="attention, MoE and indexer ops")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per step (median reported)")
@@ -129,7 +130,8 @@ def planner_bytes(req: Request, rows: int, position: int) -> dict:
     profiled cache (``position + rows`` tokens a sequence, ``batch`` slots).
     """
     fmt = "bf16" if req.dtype == "bfloat16" else "f32"
-    options = PlanOptions(kv="bf16", experts=fmt, dense=fmt, slots=req.batch)
+    options = PlanOptions(kv="bf16", experts=fmt, dense=fmt, slots=req.batch, indexer_impl=req.impl,
+                          context_limit=position + req.rows if req.impl == "pallas" else None)
     capacity = req.batch * (position + req.rows)
     out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=fmt, dense=fmt),
            "cache": cache_pool_bytes(req.cfg, req.world, options, MemoryBudget(kv_tokens=capacity)),
@@ -161,7 +163,7 @@ def run(req: Request, on_step=None) -> dict:
     measure.COMPILER_OPTIONS.clear()
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
-    options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl)
+    options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl, indexer_impl=req.impl)
     _check_fits(req, jax.devices()[0])
     start = time.perf_counter()
     model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.indexer.ops import index_topk, map_row_blocks  # noqa: F401  (map_row_blocks: attention's)
+from pallas_kernels.indexer.tiling import launch_rows
 
 from ..config import ModelConfig
 from .norms import Linear, RMSNorm
@@ -45,8 +46,8 @@ class Indexer(nnx.Module):
 
         u [B,T,D]; q_res [B,T,R_q]; positions [B,T]; keys [B,N,d_I]; kept_blocks bool [B,T,⌈N/B_c⌉] (the
         candidate source's, for a candidate-masked layer). Returns (int32 [B,T,K], kept_blocks | None).
-        Scores and selection: ``pallas_kernels.indexer`` (``impl``); the XLA path forms the scores in blocks
-        of query rows so that [rows, H_I, N] stays within SCORE_BUDGET_BYTES; the kernel never forms them.
+        Scores and selection: ``pallas_kernels.indexer`` (``impl``), over blocks of query rows: the XLA path's
+        [rows, H_I, N] scores, the kernel's workspace (``tiling.launch_rows``) within SCORE_BUDGET_BYTES.
         """
         b, t = u.shape[:2]
         q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
@@ -62,7 +63,10 @@ class Indexer(nnx.Module):
             except ImportError as e:
                 raise RuntimeError(f"indexer_impl='pallas' needs pallas_kernels.indexer.ops and sharding ({e})"
                                    ) from None
-            return kernel(q, w, keys, positions, kept_blocks, **kw, impl="pallas")
+            block = launch_rows(b, t, keys.shape[1], self.index_topk, budget=SCORE_BUDGET_BYTES,
+                                heads=self.n_heads, head_dim=self.head_dim, keep_blocks=kw["keep_blocks"],
+                                block_size=self.block, masked=kept_blocks is not None)
+            return kernel(q, w, keys, positions, kept_blocks, **kw, impl="pallas", rows_per_block=block)
         block = rows_per_block(t, 4 * keys.shape[1] * (self.n_heads + 2))
         return index_topk(q, w, keys, positions, kept_blocks, **kw, impl="reference", rows_per_block=block)
 

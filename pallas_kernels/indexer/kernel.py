@@ -38,10 +38,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.indexer.tiling import tiling
+
 MAXIMA, COUNT, EMIT = 0, 1, 2
 NO_QUOTA = 2**31 - 1
-# H200: 132 SMs; aim for two waves of programs before splitting keys.
-TARGET_PROGRAMS = 264
 
 
 def _kernel(mode_ref, nvis_ref, thresh_ref, quota_ref, offset_ref, q_ref, w_ref, keys_ref, kscale_ref,
@@ -51,7 +51,8 @@ def _kernel(mode_ref, nvis_ref, thresh_ref, quota_ref, offset_ref, q_ref, w_ref,
     mode [1] int32; nvis, thresh [BR] (int32, f32); quota, offset [BR] int32 (this split's tie quota and first
     candidate slot); q [Hp, BR, d]; w [Hp, BR] f32 (× d^-1/2 × q scale); keys [Np, d]; kscale [Np] f32;
     kept [BR, nb] int8 (candidate mask of reindex layers; unused otherwise).
-    Outputs: maxima [BR, groups of this split] f32; cand_s, cand_i [BR, C]; n_gt, n_eq [BR] int32."""
+    Outputs: maxima [BR, groups of this split] f32; cand_s, cand_i [BR, C + 1] (slot C: spare); n_gt, n_eq
+    [BR] int32."""
     mode = mode_ref[0]
     rows_in_block = nvis_ref.shape[0]
     split = pl.program_id(1)
@@ -64,7 +65,7 @@ def _kernel(mode_ref, nvis_ref, thresh_ref, quota_ref, offset_ref, q_ref, w_ref,
     strictly_before = (iota[:, None] < iota[None, :]).astype(jnp.bfloat16)   # [KT, KT]: exclusive prefix
     groups_per_tile = key_tile // group
     first_tile = split * tiles_per_split
-    seen = jnp.max(nvis) - first_tile * key_tile
+    seen = jnp.maximum(jnp.max(nvis) - first_tile * key_tile, 0)              # keys of this split in range
     live_tiles = jnp.clip((seen + key_tile - 1) // key_tile, 0, tiles_per_split)
     write_maxima = jnp.broadcast_to(mode == MAXIMA, (rows_in_block,))
 
@@ -107,7 +108,9 @@ def _kernel(mode_ref, nvis_ref, thresh_ref, quota_ref, offset_ref, q_ref, w_ref,
         take = gt | eq
         slot = offset[:, None] + n_gt[:, None] + n_eq[:, None] + prefix(take)
         emit = take & (slot < capacity) & (mode == EMIT)
-        idx = (rows[:, None], jnp.minimum(slot, capacity - 1))
+        # Lanes that do not emit point at the spare slot `capacity` (never read): an emulated masked scatter
+        # (interpret mode) may still write them, and must not hit a slot another lane fills.
+        idx = (rows[:, None], jnp.where(emit, slot, capacity))
         plgpu.store(cand_s_ref.at[idx], s, mask=emit)
         plgpu.store(cand_i_ref.at[idx], jnp.broadcast_to(col[None, :], s.shape), mask=emit)
         return n_gt + jnp.sum(gt.astype(jnp.int32), axis=1), n_eq + jnp.sum(eq.astype(jnp.int32), axis=1)
@@ -145,7 +148,7 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
     tiles = -(-n // kt)
     per_split = -(-tiles // s_count)
     n_pad = s_count * per_split * kt
-    capacity = kk * (g + 1)
+    capacity = tl["capacity"]
 
     qs, ws, ks, kscale = _score_operands(q, w, keys, score_dtype)
     pad_rows = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))
@@ -172,12 +175,12 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
         pl.BlockSpec((None, br, kept.shape[2]), lambda i, s, bb: (bb, i, 0)),
     ]
     groups_split = per_split * kt // g
-    cand = pl.BlockSpec((None, br, capacity), lambda i, s, bb: (bb, i, 0))
+    cand = pl.BlockSpec((None, br, capacity + 1), lambda i, s, bb: (bb, i, 0))
     out_specs = [pl.BlockSpec((None, br, groups_split), lambda i, s, bb: (bb, i, s)), cand, cand,
                  split_vec, split_vec]
     out_shape = [jax.ShapeDtypeStruct((b, t_pad, s_count * groups_split), jnp.float32),
-                 jax.ShapeDtypeStruct((b, t_pad, capacity), jnp.float32),
-                 jax.ShapeDtypeStruct((b, t_pad, capacity), jnp.int32),
+                 jax.ShapeDtypeStruct((b, t_pad, capacity + 1), jnp.float32),
+                 jax.ShapeDtypeStruct((b, t_pad, capacity + 1), jnp.int32),
                  jax.ShapeDtypeStruct((b, s_count, t_pad), jnp.int32),
                  jax.ShapeDtypeStruct((b, s_count, t_pad), jnp.int32)]
     call = pl.pallas_call(
@@ -218,7 +221,7 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
     modes = jnp.asarray([MAXIMA, EMIT] if s_count == 1 else [MAXIMA, COUNT, EMIT], jnp.int32)
     state = (jnp.zeros((b, t_pad), jnp.float32), zeros_split, zeros_split,
              jnp.zeros((b, t_pad, n_groups), jnp.float32),
-             jnp.zeros((b, t_pad, capacity), jnp.float32), jnp.zeros((b, t_pad, capacity), jnp.int32),
+             jnp.zeros((b, t_pad, capacity + 1), jnp.float32), jnp.zeros((b, t_pad, capacity + 1), jnp.int32),
              zeros_split, zeros_split)
     _, _, offset, maxima, cand_s, cand_i, n_gt, n_eq = lax.fori_loop(0, len(modes), one_pass, state)
     new_kept = None
@@ -228,48 +231,10 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
                                   keep_blocks=keep_blocks)
     total = (offset + n_gt + n_eq)[:, -1, :t]                     # candidates per row
     cand_s, cand_i = cand_s[:, :t], cand_i[:, :t]
-    filled = jnp.arange(capacity)[None, None, :] < total[..., None]
+    filled = jnp.arange(capacity + 1)[None, None, :] < total[..., None]
     best, slot = lax.top_k(jnp.where(filled, cand_s, -jnp.inf), kk)
     picks = jnp.take_along_axis(cand_i, slot, axis=-1)
     return jnp.where(best > -jnp.inf, picks, -1).astype(jnp.int32), new_kept
-
-
-def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, block_size: int = 1,
-           block_rows=None, key_tile=None, group=None, splits=None, num_warps=None, num_stages=None) -> dict:
-    """The kernel's static tiling for a launch (the planner sizes its workspace from the same function).
-
-    block_rows: query rows per program (16 for ≤ 16 rows, else 32; ≥ 16 for the MMA); key_tile: 64 keys;
-    group: keys per maximum (B_c for the candidate source, else 8); splits: key splits per row block so that
-    about TARGET_PROGRAMS programs run (1 for a 2,048-row prefill; many for decode)."""
-    br = block_rows or (16 if rows <= 16 else 32)
-    kt = key_tile or 64
-    g = block_size if keep_blocks else (group or 8)
-    if kt % g or g & (g - 1) or kt & (kt - 1) or br & (br - 1) or br < 16 or kt < 16:
-        raise ValueError(f"indexer kernel tiling: block_rows {br} and key_tile {kt} must be powers of two ≥ 16 "
-                         f"and the group {g} a power of two dividing key_tile")
-    tiles = max(1, -(-keys // kt))
-    blocks = batch * -(-rows // br)
-    s = splits or max(1, min(tiles, -(-TARGET_PROGRAMS // blocks)))
-    return {"block_rows": br, "key_tile": kt, "group": g, "splits": min(s, tiles),
-            "num_warps": num_warps or 4, "num_stages": num_stages or 2,
-            "capacity": min(k, keys) * (g + 1)}
-
-
-def workspace_bytes(batch: int, rows: int, keys: int, k: int, *, heads: int, head_dim: int,
-                    keep_blocks: int = 0, block_size: int = 1, score_bytes: int = 2) -> dict:
-    """Bytes of the kernel's HBM scratch for one launch (role -> bytes); the planner's ``L.index.*`` roles."""
-    tl = tiling(batch, rows, keys, k, keep_blocks=keep_blocks, block_size=block_size)
-    br, kt, g, s = tl["block_rows"], tl["key_tile"], tl["group"], tl["splits"]
-    t_pad = -(-rows // br) * br
-    n_pad = s * -(-max(1, -(-keys // kt)) // s) * kt
-    hp = 1 << max(0, (heads - 1).bit_length())
-    groups = n_pad // g
-    return {
-        "maxima": batch * t_pad * groups * 4 * 2,            # the maxima and lax.top_k's copy of them
-        "candidates": batch * t_pad * tl["capacity"] * 8 * 2,  # (score, index) and the final top-k's input
-        "operands": batch * (hp * t_pad * (head_dim * score_bytes + 4) + n_pad * (head_dim * score_bytes + 4)),
-        "counts": batch * s * t_pad * 4 * 6,
-    }
 
 
 def _score_operands(q, w, keys, score_dtype: str):

@@ -49,10 +49,11 @@ def index_topk(q, w, keys, positions, kept_blocks=None, *, ratio: int, k: int, k
 
     Returns (int32 [B,T,K] picks in no particular order, −1 where the pick's score is −∞;
     bool [B,T,⌈N/block_size⌉] kept blocks or None). Tie rule (both impls): among equal scores the lower
-    entry index is selected. impl "reference": XLA, over blocks of ``rows_per_block`` query rows;
-    "pallas": the fused kernel (no [T, N] score matrix), ``score_dtype`` of its MMA inputs (e4m3 runs only
-    when q and keys are exact in it, else bf16); interpret: None = True unless running on a GPU;
-    ``tiling``: block_rows, key_tile, group, splits, num_warps, num_stages (kernel.tiling).
+    entry index is selected. Both impls work over blocks of ``rows_per_block`` query rows (default all):
+    "reference" = XLA (the block's [rows, H, N] scores exist), "pallas" = the fused kernel, one launch per
+    block (no score matrix; ``tiling.launch_rows`` sizes a block to a workspace budget), ``score_dtype`` of its
+    MMA inputs (e4m3 runs only when q and keys are exact in it, else bf16); interpret: None = True unless
+    running on a GPU; ``tiling``: block_rows, key_tile, group, splits, num_warps, num_stages (tiling.tiling).
     """
     _check(q, w, keys, positions, kept_blocks, keep_blocks, block_size, impl, score_dtype)
     kw = dict(ratio=ratio, k=k, keep_blocks=keep_blocks, block_size=block_size)
@@ -61,8 +62,14 @@ def index_topk(q, w, keys, positions, kept_blocks=None, *, ratio: int, k: int, k
                               **kw)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    run = lambda dtype: index_topk_pallas(q, w, keys, positions, kept_blocks, **kw, score_dtype=dtype,
-                                          interpret=interpret, **tiling)
+    def launch(dtype, q, w, positions, *kept):
+        return index_topk_pallas(q, w, keys, positions, *kept, **kw, score_dtype=dtype, interpret=interpret,
+                                 **tiling)
+
+    def run(dtype):
+        rows = (q, w, positions) + (() if kept_blocks is None else (kept_blocks,))
+        return map_row_blocks(lambda *r: launch(dtype, *r), rows, rows_per_block or q.shape[1])
+
     if score_dtype == "bfloat16" or keys.shape[1] == 0:
         return run("bfloat16")
     return lax.cond(fp8_exact(q, keys), lambda: run(score_dtype), lambda: run("bfloat16"))

@@ -1,6 +1,7 @@
 """``ModelOptions.indexer_impl="pallas"`` (the fused scores + top-k kernel, interpret mode on CPU) selects what
-the XLA path selects inside the tiny model: every index layer, including the candidate source (level-1
-blocks) and the candidate-masked reindex layers, over two segments (the second sees cached index keys).
+the XLA path selects inside the tiny model cut to 3 layers (``profiling.cut``: a ratio-2 full layer, the
+ratio-1 candidate source with its level-1 blocks, a candidate-masked reindex layer), over two segments (the
+second sees cached index keys; its padding rows score the unwritten, all-zero keys: exact ties at 0).
 
 With the rounding points on, q and the index keys are on the fp4 grid, so both paths form every q·k exactly
 and differ only in the order of the f32 sum over heads (last bits); with continuous random weights no two
@@ -17,12 +18,14 @@ from model_helpers import Runner, model_state
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model import ModelOptions
+from dsv41_jax.profiling.cut import cut_layers
 
 pytest.importorskip("pallas_kernels.indexer.ops")
 
 
 def test_pallas_indexer_selects_what_the_xla_path_selects():
-    cfg = load_named("tiny")
+    cfg = cut_layers(load_named("tiny"), 3)
+    assert [cfg.role(i) for i in range(3)] == ["full", "full", "reindex"]
     flat = random_weights(cfg, 0)
     ids = np.random.default_rng(3).integers(3, cfg.vocab_size - 3, 56)
     picks, logits = {}, {}
