@@ -17,7 +17,7 @@ threshold L no larger than the K-th best score, and writes out only the keys at 
    as an MMA with a triangular 0/1 matrix (exact in f32).
 
 Fewer than K groups have a maximum > L, so at most (K−1)·G keys beat L, plus ≤ K ties: the candidate buffer of
-K·(G+1) slots per row never overflows. Ties at L are taken lowest index first and the final ``lax.top_k``
+min(K·(G+1), N) slots per row never overflows. Ties at L are taken lowest index first and the final ``lax.top_k``
 prefers the lower buffer slot = the lower index: the op's tie rule (equal scores -> lower entry index), the
 same as the XLA path. All three passes run one compiled kernel (the mode is a runtime input), so a key's
 score is bitwise the same in every pass and the threshold test is exact.
@@ -25,7 +25,13 @@ score is bitwise the same in every pass and the threshold test is exact.
 Scores per key tile: for each head h (a loop), ReLU(q_h · kᵀ) on the MMA with f32 accumulation, times
 w_h·d_I^(−1/2), summed in f32; q and keys in bf16 (fp4-rounded values are exact in bf16) or e4m3 with a
 power-of-two scale per (row, head) and per key folded back exactly (``score_dtype="float8_e4m3fn"``).
-Grid (row block, key split, sequence); a program walks only the key tiles its rows can see.
+Grid (row block, key split, sequence); a program walks only the key tiles its rows can see. The group maxima
+scale with the cache (rows × N/G), so ``ops`` runs long segments in launches of rows sized to a workspace
+budget (``tiling.launch_rows``; the planner's "fused" path uses the same function).
+
+Cost (to be measured, docs/BENCHMARKS.md): 2 score passes with one key split, 3 with several (decode, and
+launches of few rows), each the full score GEMM over the visible keys; the pass loop, the K-th-maximum
+``lax.top_k`` over N/G maxima and the final ``lax.top_k`` over the candidates run in XLA between passes.
 """
 
 from __future__ import annotations
