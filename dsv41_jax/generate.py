@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "bytes; needs fp4 experts in the checkpoint) or dequantised; auto (default): fp4 when "
                             "the checkpoint stores fp4 experts (the official release), dequantised otherwise")
     model.add_argument("--impl", choices=("auto", "reference", "pallas"), default="auto",
-                       help="attention and MoE kernels; auto (default): pallas on GPU, reference elsewhere "
+                       help="attention, MoE and indexer kernels; auto (default): pallas on GPU, reference elsewhere "
                             "(pallas on CPU runs interpreted: slow)")
     model.add_argument("--skip-engram", action="store_true",
                        help="run a config with engram layers without them (NOT the model's output)")
@@ -476,7 +476,7 @@ def model_options(args, expert_format: str, vision: bool = False):
         _say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
              "takes bf16 activations); use --impl reference for float32 experts")
     return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
-                        quant_rounding=args.quant_rounding, vision=vision)
+                        quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl)
 
 
 def build(inputs: ModelInputs, args):

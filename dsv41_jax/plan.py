@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                         "dsv41_flash, bf16 without one)")
     p.add_argument("--moe", choices=("auto", "bounded", "whole", "halving"), default="auto")
     p.add_argument("--index-budget-mib", type=_at_least(1), default=256, help="B_idx (MiB, ≥ 1)")
+    p.add_argument("--indexer", choices=("pallas", "reference"), default="pallas",
+                   help="index selection: pallas (default: the fused scores + top-k kernel, path 'fused', its "
+                        "workspace) or reference (PLANNER.md §B-3 paths)")
     p.add_argument("--budget-gib", type=_positive, default=None,
                    help="usable memory per device for R10 (default: the H200's 139 GiB, PLANNER.md §F)")
     p.add_argument("--no-memory-check", action="store_true", help="skip R10")
@@ -100,7 +103,7 @@ def _options(args: argparse.Namespace, cfg) -> PlanOptions:
     experts, dense = (args.experts, args.dense) if args.experts and args.dense else stored_formats(cfg)
     return PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
                        experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
-                       index_budget=args.index_budget_mib * (1 << 20))
+                       index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer)
 
 
 def _as_json(cfg, plan: SegmentPlan, options: PlanOptions) -> dict:

@@ -25,6 +25,9 @@ import math
 from dataclasses import dataclass, replace
 
 from dsv41_jax.config import ModelConfig
+from pallas_kernels.indexer.tiling import launch_rows as index_kernel_rows
+from pallas_kernels.indexer.tiling import tiling as index_kernel_tiling
+from pallas_kernels.indexer.tiling import workspace_bytes as index_kernel_workspace
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -219,6 +222,7 @@ class PlanOptions:
     tbo: bool = False  # two-batch overlap (R9)
     moe: str = "auto"  # "auto" | "bounded" | "whole" | "halving" (§E)
     index_budget: int = 256 * MiB  # B_idx
+    indexer_impl: str = "reference"  # "pallas": every index layer takes the fused kernel's path ("fused")
     context_limit: int | None = None  # None: the model's max_position_embeddings
     slots: int = 1  # concurrent requests (window rings, default KV pool)
     expert_rows: int = 1024  # R_e, decode expert-scratch rows
@@ -601,14 +605,18 @@ def index_paths(cfg: ModelConfig, n: int, start: int, options: PlanOptions) -> l
             continue
         if part == "decoder" and d is not None and layer < d:
             continue
-        out.append(_index_path(cfg, layer, n, start, options.index_budget))
+        out.append(_index_path(cfg, layer, n, start, options.index_budget, impl=options.indexer_impl,
+                               limit=context_limit(cfg, options)))
     return out
 
 
 def _index_path(cfg: ModelConfig, layer: int, n: int, start: int, budget: int,
-                small_rows: int = SHORT_ROWS) -> IndexPath:
-    """``small_rows``: the most rows the small-window top-k takes (16 in prefill, 64 in decode windows)."""
+                small_rows: int = SHORT_ROWS, impl: str = "reference", limit: int = 0) -> IndexPath:
+    """``small_rows``: the most rows the small-window top-k takes (16 in prefill, 64 in decode windows);
+    ``impl`` "pallas": the fused kernel over the index-key cache of a ``limit``-token context."""
     end = start + n
+    if impl == "pallas":
+        return _fused(cfg, layer, n, end, limit or cfg.max_position_embeddings, budget)
     if cfg.uses_candidates(layer):
         return _rescoring(cfg, layer, n, end, budget)
     visible = end // cfg.ratio(layer)
@@ -624,6 +632,24 @@ def _index_path(cfg: ModelConfig, layer: int, n: int, start: int, budget: int,
     st = n if n * visible * 12 <= budget else max(SHORT_ROWS, budget // (12 * visible))
     st = min(st, n)
     return IndexPath(layer, "materialised", visible, st, -(-n // st), 1, st * visible * per_key)
+
+
+def _fused(cfg: ModelConfig, layer: int, n: int, end: int, limit: int, budget: int) -> IndexPath:
+    """The fused scores + top-k kernel (pallas_kernels/indexer) over the whole index-key cache (⌈limit/r⌉
+    keys: its group maxima are sized by the cache, its work by the visible keys), in launches of rows whose
+    row-dependent scratch fits B_idx (``tiling.launch_rows``, as the model launches it); splits = key splits
+    per row block; scratch = one launch's HBM workspace (``tiling.workspace_bytes``)."""
+    r = cfg.ratio(layer)
+    keys = -(-limit // r)
+    source = layer == cfg.candidate_source_layer_id and cfg.candidate_topk_blocks > 0
+    kw = dict(heads=cfg.index_n_heads, head_dim=cfg.index_head_dim, block_size=cfg.candidate_block_size,
+              keep_blocks=cfg.candidate_topk_blocks if source else 0,
+              masked=cfg.uses_candidates(layer) and cfg.candidate_topk_blocks > 0)
+    rows = index_kernel_rows(1, n, keys, cfg.index_topk, budget=budget, **kw)
+    work = index_kernel_workspace(1, rows, keys, cfg.index_topk, **kw)
+    splits = index_kernel_tiling(1, rows, keys, cfg.index_topk, keep_blocks=kw["keep_blocks"],
+                                 block_size=kw["block_size"])["splits"]
+    return IndexPath(layer, "fused", min(end // r, keys), rows, -(-n // rows), splits, sum(work.values()))
 
 
 def _streamed(cfg: ModelConfig, layer: int, n: int, visible: int) -> IndexPath:
@@ -673,7 +699,8 @@ def plan_decode_window(cfg: ModelConfig, world: int, rank: int, rows: int, posit
         raise PlanRefused("R5", f"{where}: a decode window takes 1..{re:,} rows (P = m·(k+1) ≤ R_e·(k+1) pairs "
                           f"of the decode expert scratch). Run at most {re:,} rows, or plan it as a prefill segment.")
     tile = min(DECODE_HEAD_TILE, adm.heads_per_rank)
-    paths = tuple(_index_path(cfg, layer, rows, position, options.index_budget, DECODE_SMALL_ROWS)
+    paths = tuple(_index_path(cfg, layer, rows, position, options.index_budget, DECODE_SMALL_ROWS,
+                              impl=options.indexer_impl, limit=context_limit(cfg, options))
                   for layer in cfg.index_source_layer_ids)
     return DecodePlan(world=world, rank=rank, rows=rows, start=position, row_path=rows <= SHORT_ROWS,
                       head_tile=tile, attention_grid=-(-adm.heads_per_rank // tile),

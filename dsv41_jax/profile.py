@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--position", default="0", help="start position(s) of the segment, comma-separated")
     p.add_argument("--layers", type=int, default=None, help="cut the model to K layers (keeps its layer roles)")
     p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
-    p.add_argument("--impl", choices=("reference", "pallas"), default="reference", help="attention and MoE ops")
+    p.add_argument("--impl", choices=("reference", "pallas"), default="reference",
+                   help="attention, MoE and indexer ops")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--expert-format", choices=("dequantized", "fp4"), default="dequantized",
                    help="routed experts held in --dtype, or packed fp4 + ue8m0 scales as the release stores them "
@@ -138,7 +139,8 @@ def planner_bytes(req: Request, rows: int, position: int) -> dict:
     """
     fmt = "bf16" if req.dtype == "bfloat16" else "f32"
     experts = "fp4" if req.expert_format == "fp4" else fmt
-    options = PlanOptions(kv="bf16", experts=experts, dense=fmt, slots=req.batch)
+    options = PlanOptions(kv="bf16", experts=experts, dense=fmt, slots=req.batch, indexer_impl=req.impl,
+                          context_limit=position + req.rows if req.impl == "pallas" else None)
     capacity = req.batch * (position + req.rows)
     out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=experts, dense=fmt),
            "cache": cache_pool_bytes(req.cfg, req.world, options, MemoryBudget(kv_tokens=capacity)),
@@ -173,7 +175,7 @@ def run(req: Request, on_step=None) -> dict:
     measure.COMPILER_OPTIONS.clear()
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
-    options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl,
+    options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl, indexer_impl=req.impl,
                            expert_format=req.expert_format)
     _check_fits(req, jax.devices()[0])
     start = time.perf_counter()

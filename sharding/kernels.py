@@ -7,8 +7,10 @@ The partitioner cannot split a Pallas call, so under a mesh the kernels run per 
 * ``routed_experts``: x, top-k ids and weights replicated (every rank routes identically); layout "tp": each
   device's expert weights hold its F columns (padding columns are zero); layout "ep": its whole experts, the
   other ranks' picks passed as id -1 (outside [0, E): no work, no contribution) with weight 0. Each device's y is a partial sum; one ``psum`` in f32 (§F.4).
+* ``index_topk``: every input and output replicated (``rules``: the indexer's top-k is one selection for
+  all heads, computed redundantly); the shard_map only lets each device run the whole kernel. No collective.
 
-Both have the ops' signatures (docs/DESIGN.md) plus ``mesh``/``layout`` (default: the active ones of
+All have the ops' signatures (docs/DESIGN.md) plus ``mesh``/``layout`` (default: the active ones of
 ``context.activate``; with neither, the op runs unsharded) and ``op`` (default: the ``pallas_kernels`` entry).
 """
 
@@ -50,6 +52,20 @@ def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, me
     run = jax.shard_map(local, mesh=mesh, in_specs=(heads, rep, rep, rep, rep, rep, P(TP)), out_specs=heads,
                         check_vma=False)
     return run(q, kv_pool, topk, window, window_start, q_pos, sinks)
+
+
+def index_topk(q, w, keys, positions, kept_blocks=None, *, mesh: Mesh | None = None, op: Callable | None = None,
+               **kwargs):
+    """(topk [B,T,K], kept | None) = op(...), every array replicated: each device runs the whole selection."""
+    if op is None:
+        from pallas_kernels.indexer.ops import index_topk as op
+    mesh, _ = _mesh_and_layout(mesh, None)
+    if mesh is None or mesh.size == 1:
+        return op(q, w, keys, positions, kept_blocks, **kwargs)
+    args = (q, w, keys, positions) + (() if kept_blocks is None else (kept_blocks,))
+    run = jax.shard_map(lambda *a: op(*a, **kwargs), mesh=mesh, in_specs=tuple(P() for _ in args),
+                        out_specs=P(), check_vma=False)
+    return run(*args)
 
 
 def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, mesh: Mesh | None = None,

@@ -83,7 +83,8 @@ def updated_ring(keys: jnp.ndarray, offset: jnp.ndarray, lengths: jnp.ndarray, w
 class Attention(nnx.Module):
     """``attn.*`` of one layer; owns a compressor (kv sources) and an indexer (index sources)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rounding: bool, impl: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rounding: bool, impl: str, rngs: nnx.Rngs,
+                 indexer_impl: str = "reference"):
         D, d, H = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
         self.layer = layer
         self.n_heads, self.head_dim, self.groups = H, d, cfg.o_groups
@@ -106,7 +107,7 @@ class Attention(nnx.Module):
         self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32))
         self.compressor = Compressor(cfg, layer, rngs=rngs) if self.role == "full" else None
         is_index_source = self.ratio > 0 and layer in cfg.index_source_layer_ids
-        self.indexer = Indexer(cfg, layer, dtype=dtype, rngs=rngs) if is_index_source else None
+        self.indexer = Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl) if is_index_source else None
 
     def __call__(self, u, seg: Segment, cache: LayerCache, shared: dict):
         """u [B,T,D] (normed collapse) -> (out [B,T,D], new LayerCache). ``shared`` (one dict per call) holds

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.indexer.ops import index_topk, map_row_blocks  # noqa: F401  (map_row_blocks: attention's)
+from pallas_kernels.indexer.tiling import launch_rows
+
 from ..config import ModelConfig
-from .norms import HIGHEST, Linear, RMSNorm
+from .norms import Linear, RMSNorm
 from .quant import round_index
 from .rope import apply_rope
 
@@ -18,7 +18,8 @@ class Indexer(nnx.Module):
     """``indexer.wq_b`` [H_I·d_I, R_q], ``indexer.weights_proj`` [H_I, D]; kv-and-index sources also own
     ``indexer.wk`` [d_I, d] and ``indexer.k_norm`` [d_I] (they make the index keys)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, impl: str = "reference"):
+        self.impl = impl  # "reference" (XLA, row-blocked scores) | "pallas" (fused kernel)
         self.ratio = cfg.ratio(layer)
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
@@ -45,58 +46,29 @@ class Indexer(nnx.Module):
 
         u [B,T,D]; q_res [B,T,R_q]; positions [B,T]; keys [B,N,d_I]; kept_blocks bool [B,T,⌈N/B_c⌉] (the
         candidate source's, for a candidate-masked layer). Returns (int32 [B,T,K], kept_blocks | None).
-        Scores are formed in blocks of query rows so that [rows, H_I, N] stays within SCORE_BUDGET_BYTES.
+        Scores and selection: ``pallas_kernels.indexer`` (``impl``), over blocks of query rows: the XLA path's
+        [rows, H_I, N] scores, the kernel's workspace (``tiling.launch_rows``) within SCORE_BUDGET_BYTES.
         """
         b, t = u.shape[:2]
         q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
         q = round_index(apply_rope(q, positions[..., None], inv_freq), rounding)
         w = self.weights_proj(u).astype(jnp.float32) * self.n_heads**-0.5  # [B,T,H_I]
-        keys = keys.astype(jnp.float32)
-        n = keys.shape[1]
-
-        def rows(q, w, positions, kept):
-            s = self.scores(q, w, positions, keys)
-            new_kept = None
-            if self.is_candidate_source:
-                new_kept = self.candidate_blocks(s, positions)
-            elif self.uses_candidates:
-                s = jnp.where(jnp.repeat(kept, self.block, axis=-1)[..., :n], s, -jnp.inf)
-            return self.select(s), new_kept
-
-        if kept_blocks is None:
-            kept_blocks = jnp.zeros((b, t, 0), bool)
-        block = rows_per_block(t, 4 * n * (self.n_heads + 2))
-        return map_row_blocks(rows, (q, w, positions, kept_blocks), block)
-
-    def scores(self, q, w, positions, keys):
-        """I [B,T,N] f32 (−∞ where not visible): Σ_h w[h] · ReLU(q_h · k) · d_I^(−1/2).
-        q [B,T,H_I,d_I] (roped, rounded); w f32 [B,T,H_I] (already × H_I^(−1/2)); keys f32 [B,N,d_I]."""
-        s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys, precision=HIGHEST)
-        s = jnp.maximum(s, 0.0) * self.head_dim**-0.5
-        s = jnp.sum(s * w[..., None], axis=2)
-        n_visible = (positions + 1) // self.ratio  # entry j is visible at p iff j < ⌊(p+1)/r⌋
-        visible = jnp.arange(keys.shape[1])[None, None, :] < n_visible[..., None]
-        return jnp.where(visible, s, -jnp.inf)
-
-    def candidate_blocks(self, scores, positions):
-        """Level 1 (candidate source): keep the best K_B blocks of B_c entries per query, the newest block
-        always; a kept block whose score is −∞ is dropped. scores [B,T,N] -> bool [B,T,⌈N/B_c⌉]."""
-        b, t, n = scores.shape
-        n_blocks = math.ceil(n / self.block)
-        padded = jnp.pad(scores, ((0, 0), (0, 0), (0, n_blocks * self.block - n)), constant_values=-jnp.inf)
-        block_scores = padded.reshape(b, t, n_blocks, self.block).max(axis=-1)
-        n_visible = (positions + 1) // self.ratio
-        newest = jnp.where(n_visible > 0, (n_visible - 1) // self.block, -1)
-        block_scores = jnp.where(jnp.arange(n_blocks) == newest[..., None], jnp.inf, block_scores)
-        best, chosen = jax.lax.top_k(block_scores, min(self.keep_blocks, n_blocks))
-        return jnp.put_along_axis(jnp.zeros((b, t, n_blocks), bool), chosen, best > -jnp.inf, axis=-1,
-                                  inplace=False)
-
-    def select(self, scores):
-        """Top-K entries per query (K = min(index_topk, N)); a pick with score −∞ becomes −1.
-        scores [B,T,N] -> int32 [B,T,K]."""
-        best, chosen = jax.lax.top_k(scores, min(self.index_topk, scores.shape[-1]))
-        return jnp.where(best > -jnp.inf, chosen, -1).astype(jnp.int32)
+        kw = dict(ratio=self.ratio, k=self.index_topk, block_size=self.block,
+                  keep_blocks=self.keep_blocks if self.is_candidate_source else 0)
+        kept_blocks = kept_blocks if self.uses_candidates else None
+        if self.impl == "pallas":
+            try:
+                import pallas_kernels.indexer.ops  # noqa: F401  (the wrapper's op)
+                from sharding.kernels import index_topk as kernel  # replicated shard_map when sharded
+            except ImportError as e:
+                raise RuntimeError(f"indexer_impl='pallas' needs pallas_kernels.indexer.ops and sharding ({e})"
+                                   ) from None
+            block = launch_rows(b, t, keys.shape[1], self.index_topk, budget=SCORE_BUDGET_BYTES,
+                                heads=self.n_heads, head_dim=self.head_dim, keep_blocks=kw["keep_blocks"],
+                                block_size=self.block, masked=kept_blocks is not None)
+            return kernel(q, w, keys, positions, kept_blocks, **kw, impl="pallas", rows_per_block=block)
+        block = rows_per_block(t, 4 * keys.shape[1] * (self.n_heads + 2))
+        return index_topk(q, w, keys, positions, kept_blocks, **kw, impl="reference", rows_per_block=block)
 
 
 SCORE_BUDGET_BYTES = 256 << 20  # scratch for one block of query rows (score matrices, gathered keys)
@@ -109,21 +81,3 @@ def rows_per_block(t: int, bytes_per_row: int, budget: int | None = None) -> int
     if t * bytes_per_row <= budget:
         return t
     return max(1, min(t, budget // bytes_per_row))
-
-
-def map_row_blocks(fn, rows: tuple, block: int):
-    """``fn(*rows)`` computed over blocks of ``block`` query rows (``jax.lax.map``) when block < T.
-
-    rows: arrays [B,T,...]; fn returns a pytree of [B,rows,...] arrays (or None leaves).
-    """
-    b, t = rows[0].shape[:2]
-    if block >= t:
-        return fn(*rows)
-    n = -(-t // block)
-
-    def split(x):
-        x = jnp.pad(x, [(0, 0), (0, n * block - t)] + [(0, 0)] * (x.ndim - 2))
-        return x.reshape(b, n, block, *x.shape[2:]).swapaxes(0, 1)
-
-    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(x) for x in rows))
-    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(b, n * block, *y.shape[3:])[:, :t], out)

@@ -37,13 +37,14 @@ class ModelOptions:
     quant_rounding: bool = True
     attention_impl: str = "reference"
     moe_impl: str = "reference"
+    indexer_impl: str = "reference"  # "pallas": the fused scores + top-k kernel (pallas_kernels/indexer)
     expert_format: str = "dequantized"
     vision: bool = False  # build the image path (VISION.md): tower, aligner, span delimiters, gate.bias_vl
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelOptions.dtype {self.dtype!r} must be one of {_DTYPES}")
-        for name in ("attention_impl", "moe_impl"):
+        for name in ("attention_impl", "moe_impl", "indexer_impl"):
             if getattr(self, name) not in _IMPLS:
                 raise ValueError(f"ModelOptions.{name} {getattr(self, name)!r} must be one of {_IMPLS}")
         if self.expert_format not in _EXPERT_FORMATS:
@@ -105,7 +106,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
-                              impl=options.attention_impl, rngs=rngs)
+                              impl=options.attention_impl, rngs=rngs, indexer_impl=options.indexer_impl)
         self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format,
                        image_bias=options.vision)
 

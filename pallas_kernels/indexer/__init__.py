@@ -1,0 +1,13 @@
+"""The indexer's scores fused with its top-k (MODEL.md §B.8): Pallas kernel, XLA implementation, public entry.
+
+``index_topk`` is imported lazily so that ``pallas_kernels.indexer.tiling`` (pure Python) serves the planner
+without importing JAX."""
+
+__all__ = ["index_topk"]
+
+
+def __getattr__(name: str):
+    if name == "index_topk":
+        from pallas_kernels.indexer.ops import index_topk
+        return index_topk
+    raise AttributeError(f"module 'pallas_kernels.indexer' has no attribute {name!r}")

@@ -1,0 +1,97 @@
+"""XLA implementation of the fused indexer op: the row-blocked scores + ``lax.top_k`` of MODEL.md §B.8.
+
+The [rows, entries] scores exist here, one block of query rows at a time (the caller picks the block so that
+[rows, H_I, N] f32 stays within its budget). It is the CPU path and the fallback; the Pallas kernel
+(``kernel.py``) selects the same entries without ever writing the score matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def scores(q, w, keys, positions, ratio: int):
+    """I [B,T,N] f32 (−∞ where not visible): Σ_h w[h] · ReLU(q_h · k) · d_I^(−1/2) (MODEL.md §B.8).
+
+    q [B,T,H_I,d_I] (roped, rounded); w f32 [B,T,H_I] (already × H_I^(−1/2)); keys f32 [B,N,d_I];
+    positions [B,T]: entry j is visible at p iff j < ⌊(p+1)/r⌋."""
+    s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys, precision=HIGHEST)
+    s = jnp.maximum(s, 0.0) * q.shape[-1] ** -0.5
+    s = jnp.sum(s * w[..., None], axis=2)
+    n_visible = (positions + 1) // ratio
+    visible = jnp.arange(keys.shape[1])[None, None, :] < n_visible[..., None]
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def candidate_mask(block_scores, positions, *, ratio: int, block_size: int, keep_blocks: int):
+    """Level 1 (candidate source, MODEL.md §B.8): keep the best K_B blocks per query, the newest always; a
+    kept block whose score is −∞ is dropped. block_scores f32 [B,T,⌈N/B_c⌉] (max of each block's scores,
+    −∞ past N) -> bool [B,T,⌈N/B_c⌉]."""
+    b, t, n_blocks = block_scores.shape
+    n_visible = (positions + 1) // ratio
+    newest = jnp.where(n_visible > 0, (n_visible - 1) // block_size, -1)
+    block_scores = jnp.where(jnp.arange(n_blocks) == newest[..., None], jnp.inf, block_scores)
+    best, chosen = lax.top_k(block_scores, min(keep_blocks, n_blocks))
+    return jnp.put_along_axis(jnp.zeros((b, t, n_blocks), bool), chosen, best > -jnp.inf, axis=-1,
+                              inplace=False)
+
+
+def block_maxima(s, block_size: int):
+    """s [B,T,N] -> max over each block of ``block_size`` entries [B,T,⌈N/B_c⌉] (padding counts as −∞)."""
+    b, t, n = s.shape
+    n_blocks = math.ceil(n / block_size)
+    padded = jnp.pad(s, ((0, 0), (0, 0), (0, n_blocks * block_size - n)), constant_values=-jnp.inf)
+    return padded.reshape(b, t, n_blocks, block_size).max(axis=-1)
+
+
+def select(s, k: int):
+    """Top-K entries per query (K = min(k, N)); a pick with score −∞ becomes −1. ``lax.top_k`` prefers the
+    lower index among equal scores (the op's tie rule). s [B,T,N] -> int32 [B,T,K]."""
+    best, chosen = lax.top_k(s, min(k, s.shape[-1]))
+    return jnp.where(best > -jnp.inf, chosen, -1).astype(jnp.int32)
+
+
+def map_row_blocks(fn, rows: tuple, block: int):
+    """``fn(*rows)`` computed over blocks of ``block`` query rows (``jax.lax.map``) when block < T.
+
+    rows: arrays [B,T,...]; fn returns a pytree of [B,rows,...] arrays (or None leaves).
+    """
+    b, t = rows[0].shape[:2]
+    if block >= t:
+        return fn(*rows)
+    n = -(-t // block)
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, n * block - t)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(b, n, block, *x.shape[2:]).swapaxes(0, 1)
+
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(x) for x in rows))
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(b, n * block, *y.shape[3:])[:, :t], out)
+
+
+def index_topk_xla(q, w, keys, positions, *, ratio: int, k: int, kept_blocks=None, keep_blocks: int = 0,
+                   block_size: int = 1, rows_per_block: int | None = None):
+    """The op's contract (``ops.index_topk``), computed over blocks of ``rows_per_block`` query rows."""
+    b, t = q.shape[:2]
+    keys = keys.astype(jnp.float32)
+    n = keys.shape[1]
+
+    def rows(q, w, positions, kept):
+        s = scores(q, w, keys, positions, ratio)
+        new_kept = None
+        if keep_blocks:
+            new_kept = candidate_mask(block_maxima(s, block_size), positions, ratio=ratio,
+                                      block_size=block_size, keep_blocks=keep_blocks)
+        elif kept.shape[-1]:
+            s = jnp.where(jnp.repeat(kept, block_size, axis=-1)[..., :n], s, -jnp.inf)
+        return select(s, k), new_kept
+
+    if kept_blocks is None:
+        kept_blocks = jnp.zeros((b, t, 0), bool)
+    return map_row_blocks(rows, (q, w, positions, kept_blocks), rows_per_block or t)
