@@ -135,12 +135,13 @@ class Checkpoint:
     sources: dict[str, Source]  # official name → how it is stored
     skipped: list[str] = field(default_factory=list)
     expert_format: str = "dequantized"  # or "fp4": routed experts read packed (param_specs.model_tensors)
+    engram: bool = True  # the engram layers' tensors are part of the model (False: skipped, --skip-engram)
     _files: _Files = field(default_factory=_Files, repr=False)
 
     @property
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
         """Model name → shape (`param_specs.model_tensors` in this checkpoint's ``expert_format``)."""
-        return param_specs.model_tensors(self.cfg, self.expert_format)
+        return param_specs.model_tensors(self.cfg, self.expert_format, engram=self.engram)
 
     @property
     def stored_expert_format(self) -> str:
@@ -167,6 +168,8 @@ class Checkpoint:
         packed = _packed(name)
         if packed is not None:
             return self._read_packed(*packed, experts)
+        if param_specs.is_engram_table(name):
+            return self.read_table(name)
         out_dtype = _out_dtype(name, dtype)
         if name == "head.weight" and self.cfg.tie_word_embeddings:
             name = "embed.weight"
@@ -183,6 +186,17 @@ class Checkpoint:
         for i, e in enumerate(ids):
             out[i] = self._decode(self.sources[f"layers.{layer}.ffn.experts.{e}.{proj}.weight"], out_dtype)
         return out
+
+    def read_table(self, name: str, rows: slice | np.ndarray | None = None) -> np.ndarray:
+        """An engram table as stored (``…engram.embed.weight``: e4m3 ``[rows, d]``; ``…engram.embed.scale``:
+        ue8m0 bytes uint8 ``[rows, d/32]``), memory-mapped: ``rows`` picks rows without reading the rest."""
+        src = self.sources[name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name]
+        if name.endswith(".scale"):
+            raw = self._files.array(src.scale)
+            raw = raw if rows is None else raw[rows]
+            return raw.view(np.uint8) if raw.dtype.itemsize == 1 else _ue8m0_bytes(raw, src.scale.name)
+        raw = self._files.array(src.weight)
+        return np.asarray(raw if rows is None else raw[rows])
 
     def _read_packed(self, layer: int, proj: str, part: str, experts) -> np.ndarray:
         """Stacked fp4 codes or ue8m0 scale bytes of the chosen experts, uint8 ``[len(experts), out, ·]``."""
@@ -273,10 +287,11 @@ def _logical_shape(src: Source) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------------------- opening
 def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
-                    expert_format: str = "dequantized") -> Checkpoint:
+                    expert_format: str = "dequantized", engram: bool = True) -> Checkpoint:
     """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``).
 
     ``expert_format="fp4"``: routed experts are read packed; every one must be stored as fp4 (refused by name).
+    ``engram=False``: the engram layers' tensors are skipped (the output is then not the model's).
     """
     if expert_format not in param_specs.EXPERT_FORMATS:
         raise CheckpointError(f"expert format {expert_format!r} is not one of {param_specs.EXPERT_FORMATS}")
@@ -286,7 +301,7 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
     if cfg is None:
         cfg = _read_config(path)
     stored = _stored_tensors(path)
-    specs = {s.name: s for s in param_specs.release_tensors(cfg)}
+    specs = {s.name: s for s in param_specs.release_tensors(cfg, engram=engram)}
     skipped: dict[str, list[str]] = {}
     for name, t in stored.items():
         if name in specs:
@@ -298,14 +313,16 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
             raise CheckpointError(f"unexpected tensor {name} in {t.file.name}: not part of the DeepSeek-V4.1 "
                                   f"text model for this config")
     sources = {name: _source(spec, stored) for name, spec in specs.items()}
-    lines = [f"skipped {len(names)} tensors: {reason} (not supported yet)" for reason, names in skipped.items()]
-    lines += [f"not run by this engine yet: {feature}" for feature in cfg.unsupported_features()]
+    lines = [f"skipped {len(names)} tensors: {reason}" + ("" if reason.startswith("engram") else " (not supported yet)")
+             for reason, names in skipped.items()]
+    lines += [f"not run by this engine yet: {feature}" for feature in cfg.unsupported_features()
+              if engram or not feature.startswith("engram")]
     if expert_format == "fp4":
         for name, src in sources.items():
             if param_specs.expert_name(name) is not None and src.codec != "fp4":
                 raise CheckpointError(f"expert format fp4 needs routed experts stored as packed fp4; tensor {name} "
                                       f"in {src.weight.file.name} is {src.weight.dtype}")
-    return Checkpoint(path, cfg, sources, lines, expert_format)
+    return Checkpoint(path, cfg, sources, lines, expert_format, engram)
 
 
 def _read_config(path: Path) -> ModelConfig:
@@ -350,7 +367,12 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
     w = stored[name]
     scale_name = name.removesuffix(".weight") + ".scale"
     scale = stored.get(scale_name) if name.endswith(".weight") else None
-    if w.dtype in _FLOAT_DTYPES:
+    if spec.stored == param_specs.TABLE_KIND:  # engram table: held as stored, so only e4m3 rows are accepted
+        if w.dtype != "F8_E4M3":
+            raise CheckpointError(f"engram table {name} in {w.file.name} has dtype {w.dtype}; expected F8_E4M3 "
+                                  f"rows with a ue8m0 {scale_name} (MODEL.md §B.12)")
+        codec, want_w, want_s = param_specs.TABLE_KIND, shape, param_specs.fp4_scale_shape(shape)
+    elif w.dtype in _FLOAT_DTYPES:
         codec, want_w, want_s = "plain", shape, None
     elif w.dtype == "F8_E4M3" and spec.stored in param_specs.QUANT_KINDS:
         codec, want_w, want_s = "fp8", shape, param_specs.fp8_scale_shape(shape)
@@ -378,13 +400,15 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
 
 # -------------------------------------------------------------------------------------------------- loading
 def iter_tensors(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
-                 progress: bool = True, expert_format: str = "dequantized") -> Iterator[tuple[str, np.ndarray]]:
+                 progress: bool = True, expert_format: str = "dequantized",
+                 engram: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """Validate, then yield ``(model name, array)`` one tensor at a time (see `Checkpoint.read`)."""
-    yield from open_checkpoint(path, cfg, expert_format=expert_format).iter_tensors(dtype=dtype, progress=progress)
+    yield from open_checkpoint(path, cfg, expert_format=expert_format, engram=engram).iter_tensors(
+        dtype=dtype, progress=progress)
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
-                    progress: bool = True, expert_format: str = "dequantized"
+                    progress: bool = True, expert_format: str = "dequantized", engram: bool = True
                     ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(cfg, {model name: array})`` for the whole text model, dequantised to ``dtype``.
 
@@ -392,7 +416,7 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: 
     ``progress``, the skipped parts are printed to stderr and large loads show a progress bar.
     ``expert_format="fp4"``: routed experts stay packed (uint8 ``.codes`` / ``.scales``, see `open_checkpoint`).
     """
-    ckpt = open_checkpoint(path, cfg, expert_format=expert_format)
+    ckpt = open_checkpoint(path, cfg, expert_format=expert_format, engram=engram)
     if progress:
         for line in ckpt.skipped:
             print(f"{ckpt.path.name}: {line}", file=sys.stderr)

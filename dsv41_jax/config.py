@@ -280,10 +280,8 @@ class ModelConfig:
         return (2 + self.hc_mult) * self.hc_mult
 
     def unsupported_features(self) -> list[str]:
-        """Parts of the config the text model here does not run yet (engram, DSpark, vision)."""
+        """Parts of the config the text model here does not run yet (DSpark, vision)."""
         out = []
-        if self.engram_layer_ids:
-            out.append(f"engram (layers {list(self.engram_layer_ids)})")
         if self.num_nextn_predict_layers:
             out.append(f"DSpark draft stages ({self.num_nextn_predict_layers}); the target model runs without them")
         if self.has_vision:

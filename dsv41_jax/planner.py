@@ -835,7 +835,7 @@ def param_bytes_per_rank(cfg: ModelConfig, world: int, rank: int, *, experts: st
 def _model_tensors(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     from dsv41_jax.param_specs import model_tensors  # stdlib-only module; imported late to keep this one light
 
-    return tuple(model_tensors(cfg).items())
+    return tuple(model_tensors(cfg, engram=False).items())  # engram: `engram_bytes_per_rank`
 
 
 @functools.lru_cache(maxsize=256)

@@ -89,6 +89,10 @@ PARAM_RULES: tuple[Rule, ...] = (
          "the indexer's top-k is one selection for all heads: computed redundantly (identical on every rank)"),
     Rule(_LAYER + r"ffn\.gate\.(?:weight|bias|bias_vl)", (None, None),
          "router: every rank must pick the same experts, so it routes the same all-reduced input itself"),
+    Rule(r"layers\.\d+\.engram\.(?:embed\.weight|embed\.scale|wkv\.weight|q_weight|k_weight)", (None, None),
+         "engram (§B.12): table rows, wkv and the gate computed redundantly on every rank, no collective "
+         "(MODEL.md §F.1); splitting the tables by hash column (24/W a rank, rows all-gathered) is the planned "
+         "memory saving for the release's 98 GB tables"),
 )
 # Axes lists are per dim; a 1-D replicated tensor simply uses the first entry (see ``param_logical_axes``).
 
