@@ -257,9 +257,25 @@ def engram_hasher(cfg, args, checkpoint_dir=None):
     from .planner import engram_bytes_per_rank  # noqa: PLC0415
 
     need = engram_bytes_per_rank(cfg, args.world, tables="device")
+    limit = _device_memory_bytes()
+    if limit and need["tables"] > 0.9 * limit:
+        raise UsageError(f"the engram tables need {need['tables'] / 2**30:,.1f} GiB on every device (replicated), "
+                         f"more than the {limit / 2**30:,.1f} GiB a device has; splitting them by hash column and "
+                         f"--engram-tables host are not implemented yet: use --skip-engram (not the model's output)")
     _say(f"engram layers {layers}: tables on the devices, {need['tables'] / 2**30:,.2f} GiB a device "
          f"(+{need['projection'] / 2**20:,.1f} MiB projection)")
     return hasher
+
+
+def _device_memory_bytes() -> int | None:
+    """Bytes of the first device's memory when the backend reports it (GPUs), else None (CPU)."""
+    import jax  # noqa: PLC0415
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory statistics
+        return None
+    return stats.get("bytes_limit")
 
 
 def open_checkpoint_inputs(args) -> ModelInputs:
