@@ -119,8 +119,9 @@ def token_map(cfg: ModelConfig, checkpoint_dir: str | Path | None = None) -> np.
     """
     where = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if where is not None and (where / TOKEN_MAP_FILE).is_file():
+        source = where / TOKEN_MAP_FILE
         try:
-            tmap, source = np.asarray(json.loads((where / TOKEN_MAP_FILE).read_text()), np.int64), where / TOKEN_MAP_FILE
+            tmap = np.asarray(json.loads(source.read_text()), np.int64)
         except (json.JSONDecodeError, ValueError, TypeError) as e:
             raise EngramError(f"{where / TOKEN_MAP_FILE} is not a JSON list of ids ({e})") from None
     elif where is not None and (where / "tokenizer.json").is_file():
