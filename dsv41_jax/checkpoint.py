@@ -136,12 +136,13 @@ class Checkpoint:
     skipped: list[str] = field(default_factory=list)
     expert_format: str = "dequantized"  # or "fp4": routed experts read packed (param_specs.model_tensors)
     vision: bool = False  # the image path's tensors are read too (param_specs.vision_tensors)
+    engram: bool = True  # the engram layers' tensors are part of the model (False: skipped, --skip-engram)
     _files: _Files = field(default_factory=_Files, repr=False)
 
     @property
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
         """Model name → shape (`param_specs.model_tensors` in this checkpoint's ``expert_format``)."""
-        return param_specs.model_tensors(self.cfg, self.expert_format, vision=self.vision)
+        return param_specs.model_tensors(self.cfg, self.expert_format, vision=self.vision, engram=self.engram)
 
     @property
     def stored_expert_format(self) -> str:
@@ -168,6 +169,8 @@ class Checkpoint:
         packed = _packed(name)
         if packed is not None:
             return self._read_packed(*packed, experts)
+        if param_specs.is_engram_table(name):
+            return self.read_table(name)
         out_dtype = _out_dtype(name, dtype)
         if name == "head.weight" and self.cfg.tie_word_embeddings:
             name = "embed.weight"
@@ -227,6 +230,16 @@ class Checkpoint:
         codes = self._files.array(src.weight)[(*lead, *wide)]
         scale = self._files.array(src.scale)[(*lead, *scale_window)]
         return formats.fp8_dequantize(codes, scale, dtype=out_dtype)[(..., *crop)]
+    def read_table(self, name: str, rows: slice | np.ndarray | None = None) -> np.ndarray:
+        """An engram table as stored (``…engram.embed.weight``: e4m3 ``[rows, d]``; ``…engram.embed.scale``:
+        ue8m0 bytes uint8 ``[rows, d/32]``), memory-mapped: ``rows`` picks rows without reading the rest."""
+        src = self.sources[name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name]
+        if name.endswith(".scale"):
+            raw = self._files.array(src.scale)
+            raw = raw if rows is None else raw[rows]
+            return raw.view(np.uint8) if raw.dtype.itemsize == 1 else _ue8m0_bytes(raw, src.scale.name)
+        raw = self._files.array(src.weight)
+        return np.asarray(raw if rows is None else raw[rows])
 
     def _read_packed(self, layer: int, proj: str, part: str, experts) -> np.ndarray:
         """Stacked fp4 codes or ue8m0 scale bytes of the chosen experts, uint8 ``[len(experts), out, ·]``."""
@@ -317,12 +330,13 @@ def _logical_shape(src: Source) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------------------- opening
 def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
-                    expert_format: str = "dequantized", vision: bool = False) -> Checkpoint:
+                    expert_format: str = "dequantized", vision: bool = False, engram: bool = True) -> Checkpoint:
     """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``).
 
     ``expert_format="fp4"``: routed experts are read packed; every one must be stored as fp4 (refused by name).
     ``vision=True``: the image path's tensors (VISION.md §V.F) are part of the inventory (missing or mis-shaped
     ones refused by name) instead of skipped; the config must have a ``vision_config``.
+    ``engram=False``: the engram layers' tensors are skipped (the output is then not the model's).
     """
     if expert_format not in param_specs.EXPERT_FORMATS:
         raise CheckpointError(f"expert format {expert_format!r} is not one of {param_specs.EXPERT_FORMATS}")
@@ -334,7 +348,7 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
     if vision and cfg.vision is None:
         raise CheckpointError(f"{path / 'config.json'} has no vision_config: this checkpoint cannot read images")
     stored = _stored_tensors(path)
-    specs = {s.name: s for s in param_specs.release_tensors(cfg, vision=vision)}
+    specs = {s.name: s for s in param_specs.release_tensors(cfg, vision=vision, engram=engram)}
     skipped: dict[str, list[str]] = {}
     for name, t in stored.items():
         if name in specs:
@@ -346,14 +360,16 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
             raise CheckpointError(f"unexpected tensor {name} in {t.file.name}: not part of the DeepSeek-V4.1 "
                                   f"text model for this config")
     sources = {name: _source(spec, stored) for name, spec in specs.items()}
-    lines = [f"skipped {len(names)} tensors: {reason} (not supported yet)" for reason, names in skipped.items()]
-    lines += [f"not run by this engine yet: {feature}" for feature in cfg.unsupported_features()]
+    lines = [f"skipped {len(names)} tensors: {reason}" + ("" if reason.startswith("engram") else " (not supported yet)")
+             for reason, names in skipped.items()]
+    lines += [f"not run by this engine yet: {feature}" for feature in cfg.unsupported_features()
+              if engram or not feature.startswith("engram")]
     if expert_format == "fp4":
         for name, src in sources.items():
             if param_specs.expert_name(name) is not None and src.codec != "fp4":
                 raise CheckpointError(f"expert format fp4 needs routed experts stored as packed fp4; tensor {name} "
                                       f"in {src.weight.file.name} is {src.weight.dtype}")
-    return Checkpoint(path, cfg, sources, lines, expert_format, vision)
+    return Checkpoint(path, cfg, sources, lines, expert_format, vision, engram)
 
 
 def _read_config(path: Path) -> ModelConfig:
@@ -398,7 +414,12 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
     w = stored[name]
     scale_name = name.removesuffix(".weight") + ".scale"
     scale = stored.get(scale_name) if name.endswith(".weight") else None
-    if w.dtype in _FLOAT_DTYPES:
+    if spec.stored == param_specs.TABLE_KIND:  # engram table: held as stored, so only e4m3 rows are accepted
+        if w.dtype != "F8_E4M3":
+            raise CheckpointError(f"engram table {name} in {w.file.name} has dtype {w.dtype}; expected F8_E4M3 "
+                                  f"rows with a ue8m0 {scale_name} (MODEL.md §B.12)")
+        codec, want_w, want_s = param_specs.TABLE_KIND, shape, param_specs.fp4_scale_shape(shape)
+    elif w.dtype in _FLOAT_DTYPES:
         codec, want_w, want_s = "plain", shape, None
     elif w.dtype == "F8_E4M3" and spec.stored in param_specs.QUANT_KINDS:
         codec, want_w, want_s = "fp8", shape, param_specs.fp8_scale_shape(shape)
@@ -427,14 +448,15 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
 # -------------------------------------------------------------------------------------------------- loading
 def iter_tensors(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
                  progress: bool = True, expert_format: str = "dequantized",
-                 vision: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+                 vision: bool = False, engram: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """Validate, then yield ``(model name, array)`` one tensor at a time (see `Checkpoint.read`)."""
-    yield from open_checkpoint(path, cfg, expert_format=expert_format, vision=vision).iter_tensors(
+    yield from open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram).iter_tensors(
         dtype=dtype, progress=progress)
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
-                    progress: bool = True, expert_format: str = "dequantized", vision: bool = False
+                    progress: bool = True, expert_format: str = "dequantized", vision: bool = False,
+                    engram: bool = True
                     ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(cfg, {model name: array})`` for the whole text model, dequantised to ``dtype``.
 
@@ -443,7 +465,7 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: 
     ``expert_format="fp4"``: routed experts stay packed (uint8 ``.codes`` / ``.scales``, see `open_checkpoint`).
     ``vision=True``: the image path's tensors are returned too (see `open_checkpoint`).
     """
-    ckpt = open_checkpoint(path, cfg, expert_format=expert_format, vision=vision)
+    ckpt = open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram)
     if progress:
         for line in ckpt.skipped:
             print(f"{ckpt.path.name}: {line}", file=sys.stderr)

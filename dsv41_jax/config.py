@@ -362,10 +362,8 @@ class ModelConfig:
         return (2 + self.hc_mult) * self.hc_mult
 
     def unsupported_features(self) -> list[str]:
-        """Parts of the config the model here does not run yet (engram, DSpark)."""
+        """Parts of the config the model here does not run yet (DSpark)."""
         out = []
-        if self.engram_layer_ids:
-            out.append(f"engram (layers {list(self.engram_layer_ids)})")
         if self.num_nextn_predict_layers:
             out.append(f"DSpark draft stages ({self.num_nextn_predict_layers}); the target model runs without them")
         return out

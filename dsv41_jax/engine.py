@@ -26,6 +26,14 @@ contributes ``clip(len_b - start, 0, n)`` real rows. A segment of more than ``sh
 length); a *short* segment (PLANNER.md §A: ≤ 16 rows) runs row by row through ``forward[B, 1]`` — the decode
 program — which saves a compile for short prompts. Decode alternates ``sample`` and ``forward[B, 1]`` with
 ``lengths = keep_going``, so finished sequences' caches stay untouched.
+
+Engram (`MODEL.md` §B.12): for a model with engram layers every ``forward`` call also takes the call's table
+rows (``EngramInput``), hashed on the host just before the call (`dsv41_jax.engram.Hasher`) from the call's ids
+and each sequence's last three ids. That history lives here, in the engine, per ``generate`` call (numpy
+``[B, 3]``), not in the device cache: the ids of every segment and every sampled token pass through the host
+anyway (tokens are read back each step to stream them and to stop), the hash needs the host, and the device
+program stays free of host-only state; segments and decode steps then hash exactly as one pass
+(tests/test_engram_parity.py).
 """
 
 from __future__ import annotations
@@ -152,8 +160,9 @@ def check_requests(requests: Sequence[Request], vocab_size: int, max_context: in
 
 
 # ------------------------------------------------------------------------------------------------ programs
-def _forward(graphdef, state, cache, ids, lengths, last_logits, images, keep_first_row: bool):
-    """ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32 -> (cache, last_logits, first [T,V] f32 | None).
+def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, keep_first_row: bool):
+    """ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32, engram rows (EngramInput | None) ->
+    (cache, last_logits, first [T,V] f32 | None).
 
     ``last_logits[b]`` becomes the logits of row ``lengths[b] - 1`` wherever ``lengths[b] > 0``; after a prompt's
     last segment it holds the logits of the prompt's last row, after a decode step those of the fed token.
@@ -161,14 +170,13 @@ def _forward(graphdef, state, cache, ids, lengths, last_logits, images, keep_fir
     the segment's slice of the request's image positions (VISION.md §V.E.6).
     """
     model = nnx.merge(graphdef, state)
-    if images is None:  # text: the plain call (every model wrapper takes it)
-        logits, cache = model(ids, cache, lengths=lengths)
-    else:
+    kwargs = {} if engram is None else {"engram": engram}
+    if images is not None:
         from .model.transformer import ImageRows  # noqa: PLC0415
 
         table, row, roles = images
-        rows = ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
-        logits, cache = model(ids, cache, lengths=lengths, images=rows)
+        kwargs["images"] = ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
+    logits, cache = model(ids, cache, lengths=lengths, **kwargs)  # text, no engram: the plain call
     logits = logits.astype(jnp.float32)
     last_row = jnp.clip(lengths - 1, 0, ids.shape[1] - 1)
     row_logits = jnp.take_along_axis(logits, last_row[:, None, None], axis=1)[:, 0]
@@ -270,12 +278,15 @@ class Engine:
     """Runs batches of requests through one model. ``max_context``: cache capacity per sequence (positions).
 
     ``segment_plan(longest prompt) -> sizes`` (default: fixed 2,048-row segments); segments of at most
-    ``short_rows`` rows run row by row through the decode program (0: never).
+    ``short_rows`` rows run row by row through the decode program (0: never). ``hasher``: the engram hasher
+    (`dsv41_jax.engram.Hasher`, e.g. with a checkpoint's token map) when the model runs engram layers; default
+    ``Hasher(cfg)``.
     """
 
     def __init__(self, model: nnx.Module, cfg: ModelConfig, *, max_context: int, cache_dtype: str = "bfloat16",
                  eos_ids: Sequence[int] | None = None, segment_plan: SegmentPlan | None = None,
-                 short_rows: int = SHORT_SEGMENT_ROWS, init_cache: Callable | None = None, mesh=None):
+                 short_rows: int = SHORT_SEGMENT_ROWS, init_cache: Callable | None = None, mesh=None,
+                 hasher=None):
         if init_cache is None:
             from .model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light
         self.cfg = cfg
@@ -288,6 +299,11 @@ class Engine:
         self._init_cache = init_cache
         # With a mesh (a sharded model) every input but the weights is replicated over it.
         self._replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self.hasher = None
+        if getattr(model, "engram_layers", ()):
+            from .engram import Hasher  # noqa: PLC0415
+
+            self.hasher = hasher or Hasher(cfg)
         graphdef, self.state = nnx.split(model)
         self._programs = _shared_programs(graphdef, self.state)
 
@@ -330,8 +346,36 @@ class Engine:
         for t in sorted({1, *program_rows}) if not images else ():
             ids = arg((batch, t), i32)
             specs.append(("forward", _forward, {"keep_first_row": record},
-                          (self.state, cache, ids, vec, logits, None), (1, 4)))
+                          (self.state, cache, ids, vec, logits, None, self._engram_abstract(batch, t, arg)),
+                          (1, 4)))
         return specs
+
+    def _engram_abstract(self, batch, t, arg):
+        if self.hasher is None:
+            return None
+        from .model.engram import EngramInput  # noqa: PLC0415
+
+        lay = self.hasher.layout
+        return EngramInput(rows=arg((batch, t, len(lay.layer_ids), lay.columns), jnp.int32),
+                           text=arg((batch, t), jnp.bool_))
+
+    def _engram_rows(self, ids: np.ndarray, lengths: np.ndarray, history, is_image: np.ndarray | None = None):
+        """(EngramInput for this call | None, the history after it): hashed on the host (module docstring).
+        ``is_image [B, T]``: image-span positions are DEAD in the hash history and gated to 0 (VISION.md §V.E.4)."""
+        if self.hasher is None:
+            return None, history
+        from .model.engram import EngramInput  # noqa: PLC0415
+
+        rows, history = self.hasher.rows(ids, history, is_image=is_image, lengths=lengths)
+        text = np.ones(ids.shape, bool) if is_image is None else ~is_image
+        return EngramInput(rows=rows.astype(np.int32), text=text), history
+
+    def _empty_history(self, batch: int):
+        if self.hasher is None:
+            return None
+        from .engram import empty_history  # noqa: PLC0415
+
+        return empty_history(self.cfg, batch)
 
     def _init_static(self, batch: int) -> dict:
         return {"init": self._init_cache, "cfg": self.cfg, "batch": batch, "max_context": self.max_context,
@@ -357,18 +401,22 @@ class Engine:
         self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images))
         cache = self._programs.run("init", _fresh_cache, self._init_static(len(requests)), ())
         images = self._encode(requests)
-        cache, logits, prefill_logits = self._prefill(requests, cache, sizes, rows, timings, on_prefill,
-                                                      record_logits, images)
+        cache, logits, prefill_logits, history = self._prefill(requests, cache, sizes, rows, timings, on_prefill,
+                                                               record_logits, images)
         generations, decode_logits = self._decode(requests, cache, logits, timings, on_tokens, record_logits,
-                                                  _segment_images(images, 0, 0, 1))
+                                                  history, _segment_images(images, 0, 0, 1))
         timings.compile_s = self._programs.compile_s - compile_before
         timings.programs_compiled = self.compile_count - count_before
         return GenerateResult(generations, timings, prefill_logits, decode_logits)
 
-    def _forward(self, cache, ids, lengths, logits, record, images=None):
-        return self._programs.run("forward", _forward, {"keep_first_row": record},
-                                  (self.state, cache, ids, lengths, logits, images), donate=(1, 4),
-                                  sharding=self._replicated)
+    def _forward(self, cache, ids, lengths, logits, record, history, images=None):
+        """One forward call; returns (cache, logits, first rows, engram history after the call)."""
+        is_image = None if images is None else images[2] >= 0
+        engram, history = self._engram_rows(ids, lengths, history, is_image)
+        cache, logits, first = self._programs.run("forward", _forward, {"keep_first_row": record},
+                                                  (self.state, cache, ids, lengths, logits, images, engram),
+                                                  donate=(1, 4), sharding=self._replicated)
+        return cache, logits, first, history
 
     def _encode(self, requests):
         """Encode every image of the batch once (one tower call, VISION.md §V.G) -> None (no images) or
@@ -409,6 +457,7 @@ class Engine:
         logits = np.zeros((batch, self.vocab_size), np.float32)
         first_rows = []
         start = 0
+        history = self._empty_history(batch)
         t0 = time.perf_counter()
         for size, t in zip(sizes, rows):
             # A short segment runs as `size` one-row calls; a long one as one call of `t >= size` rows.
@@ -416,8 +465,8 @@ class Engine:
                 ids = np.zeros((batch, t), np.int32)
                 ids[:, :sub_size] = padded[:, sub_start : sub_start + sub_size]
                 sub_lengths = np.clip(lengths - sub_start, 0, sub_size).astype(np.int32)
-                cache, logits, first = self._forward(cache, ids, sub_lengths, logits, record,
-                                                     _segment_images(images, sub_start, sub_size, t))
+                cache, logits, first, history = self._forward(cache, ids, sub_lengths, logits, record, history,
+                                                              _segment_images(images, sub_start, sub_size, t))
                 if record:
                     first_rows.append(np.asarray(first)[: min(sub_size, max(0, int(lengths[0]) - sub_start))])
             start += size
@@ -426,9 +475,9 @@ class Engine:
                 on_prefill(start, total)
         jax.block_until_ready(logits)
         timings.prefill_s = time.perf_counter() - t0
-        return cache, logits, (np.concatenate(first_rows, axis=0) if record else None)
+        return cache, logits, (np.concatenate(first_rows, axis=0) if record else None), history
 
-    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record, images=None):
+    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record, history, images=None):
         batch = len(requests)
         max_new = np.array([r.max_new_tokens for r in requests], np.int32)
         eos = np.array(self.eos_ids or (-1,), np.int32)
@@ -453,8 +502,8 @@ class Engine:
             if on_tokens:
                 on_tokens(step, tokens_np, running.copy())
             if keep_np.any():  # feed the new tokens of the sequences that go on
-                cache, logits, _ = self._forward(cache, tokens_np[:, None], keep_np.astype(np.int32), logits, record,
-                                                 images)
+                cache, logits, _, history = self._forward(cache, tokens_np[:, None], keep_np.astype(np.int32),
+                                                          logits, record, history, images)
             running = keep_np
             step += 1
         timings.decode_s = time.perf_counter() - t0

@@ -3,6 +3,8 @@
 * fp8 weights: e4m3 codes ``[.., out, in]`` + one ue8m0 scale per 32×32 block ``[.., ⌈out/32⌉, ⌈in/32⌉]``.
 * fp4 weights: e2m1 codes packed two a byte ``[.., out, in/2]`` (low nibble = even column) + one ue8m0 scale per
   row and 32 inputs ``[.., out, in/32]``.
+* fp8 rows (engram tables, `MODEL.md` §B.12): e4m3 codes ``[.., R, d]`` + one ue8m0 scale per row and 32 dims
+  ``[.., R, d/32]``.
 * ue8m0: an unsigned byte ``e`` meaning ``2^(e−127)``; stored as ``ml_dtypes.float8_e8m0fnu`` (safetensors
   ``F8_E8M0``) or plain ``uint8``. Dequantisers also accept float scales (the multiplier itself, §G.12).
 
@@ -87,6 +89,28 @@ def fp8_dequantize(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np
     return (codes.astype(np.float64) * step).astype(dtype)
 
 
+# ------------------------------------------------------------------------------------ fp8 rows (engram tables)
+def fp8_rows_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [.., R, d] (d a multiple of 32) → (codes e4m3 [.., R, d], scale ue8m0 [.., R, d/32]): one scale per
+    row and 32 dims, ``⌈log2(amax/448)⌉ + 127`` as for the fp8 blocks."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"fp8 rows need the last dim to be a multiple of {BLOCK}, got shape {w.shape}")
+    groups = w.reshape(*w.shape[:-1], -1, BLOCK)
+    e = ue8m0_from_amax(np.abs(groups).max(axis=-1), FP8_MAX)
+    y = np.clip(groups / scale_values(e)[..., None], -FP8_MAX, FP8_MAX).reshape(w.shape)
+    return y.astype(ml_dtypes.float8_e4m3fn), as_ue8m0(e)
+
+
+def fp8_rows_dequantize(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """codes [.., R, d] (e4m3 or its raw bytes), scale [.., R, d/32] → [.., R, d]."""
+    codes = np.asarray(codes)
+    if codes.dtype in (np.uint8, np.int8):
+        codes = codes.view(ml_dtypes.float8_e4m3fn)
+    step = np.repeat(scale_values(scale), BLOCK, axis=-1)[..., : codes.shape[-1]]
+    return (codes.astype(np.float64) * step).astype(dtype)
+
+
 # ----------------------------------------------------------------------------------------------------- fp4
 def fp4_codes(y: np.ndarray) -> np.ndarray:
     """Round y (already divided by its scale, |y| ≤ 6) to e2m1 codes 0..15 by the §C.2 table (ties to even)."""
@@ -153,4 +177,6 @@ def round_trip(w: np.ndarray, kind: str) -> np.ndarray:
         return fp8_dequantize(*fp8_quantize(w))
     if kind == "fp4":
         return fp4_dequantize(*fp4_quantize(w))
+    if kind == "fp8r":
+        return fp8_rows_dequantize(*fp8_rows_quantize(w))
     raise ValueError(f"unknown storage kind {kind!r}")

@@ -29,11 +29,14 @@ examples:
   python -m dsv41_jax.generate --prompt "a" --prompt "bb" --json             # a batch of two, JSON summary
   python -m dsv41_jax.generate --prompt-ids 0,5,6,7 --greedy --logits-out run.npz
   python -m dsv41_jax.generate --prompts-file prompts.jsonl --temperature 0.7 --top-p 0.9 --seed 1
-  python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi" --skip-engram
+  python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi"
+  python -m dsv41_jax.generate --config configs/tiny_engram.json --prompt-ids 5,6,7,5,6,7 --greedy
   python -m dsv41_jax.generate --chat --image photo.png --prompt "What is in this picture?"
 
-The released config has engram layers, which this engine does not implement: such a config is refused unless
---skip-engram is given, and then the output is not the model's (a warning says so).
+Engram layers (the released config has two) run by default: their n-gram rows are hashed on the host from the
+token map of the checkpoint's tokenizer.json (or engram_token_map.json; else the packaged tokenizer's), and the
+tables are held on the devices (--engram-tables device). --skip-engram runs without them: the output is then
+NOT the model's (a warning says so).
 
 --prompts-file holds one JSON object per line: {"prompt": "text"}, {"prompt_ids": [0, 5, 6]} or
 {"messages": [{"role": "user", "content": "Hi"}]} (OpenAI-style messages: roles system, user, assistant, tool;
@@ -123,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "--no-quant-rounding: for comparisons only — sharded and segmented float32 runs then "
                             "agree with one device to ~1e-5 (with them on, an fp4 boundary flip can move later "
                             "logits by up to ~1 on random weights)")
+    model.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
+                       help="where engram tables live: device (replicated on every device, e4m3 + ue8m0 as "
+                            "stored) or host (memory-mapped, rows gathered per step: not implemented yet); "
+                            "auto (default): device")
     model.add_argument("--world", type=_positive_int, default=1, metavar="N",
                        help="devices to shard over (default 1: unsharded)")
     model.add_argument("--max-context", type=_positive_int, metavar="N",
@@ -378,18 +385,47 @@ class ModelInputs:
     description: str
     expert_format: str = "dequantized"
     vision: bool = False  # the image path is loaded (prompts have images)
+    hasher: object = None  # the engram hasher (token map + layout) when engram layers run
 
 
-def check_engram(cfg, args) -> None:
-    """Refuse a config with engram layers (not implemented: the output would not be the model's) unless
-    ``--skip-engram``, which gets a loud warning instead."""
+def engram_hasher(cfg, args, checkpoint_dir=None):
+    """The engram hasher when the config's engram layers run (None without engram layers or with
+    ``--skip-engram``, which gets a loud warning); refuses an unusable token map or table layout, and
+    ``--engram-tables host`` (not implemented yet), before any weight is read."""
+    from .engram import Hasher  # noqa: PLC0415
+
     if not cfg.engram_layer_ids:
-        return
+        return None
     layers = list(cfg.engram_layer_ids)
-    if not args.skip_engram:
-        raise UsageError(f"engram layers {layers} of this config are not implemented by this engine, so its output "
-                         f"would not be the model's; pass --skip-engram to run without them anyway")
-    _say(f"WARNING: --skip-engram: running WITHOUT the engram layers {layers}; the output is NOT the model's")
+    if args.skip_engram:
+        _say(f"WARNING: --skip-engram: running WITHOUT the engram layers {layers}; the output is NOT the model's")
+        return None
+    if args.engram_tables == "host":
+        raise UsageError("--engram-tables host (tables memory-mapped on the host, rows gathered per step) is not "
+                         "implemented yet; use --engram-tables device, or --skip-engram (not the model's output)")
+    hasher = Hasher(cfg, checkpoint_dir=checkpoint_dir)
+    from .planner import engram_bytes_per_rank  # noqa: PLC0415
+
+    need = engram_bytes_per_rank(cfg, args.world, tables="device")
+    limit = _device_memory_bytes()
+    if limit and need["tables"] > 0.9 * limit:
+        raise UsageError(f"the engram tables need {need['tables'] / 2**30:,.1f} GiB on every device (replicated), "
+                         f"more than the {limit / 2**30:,.1f} GiB a device has; splitting them by hash column and "
+                         f"--engram-tables host are not implemented yet: use --skip-engram (not the model's output)")
+    _say(f"engram layers {layers}: tables on the devices, {need['tables'] / 2**30:,.2f} GiB a device "
+         f"(+{need['projection'] / 2**20:,.1f} MiB projection)")
+    return hasher
+
+
+def _device_memory_bytes() -> int | None:
+    """Bytes of the first device's memory when the backend reports it (GPUs), else None (CPU)."""
+    import jax  # noqa: PLC0415
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory statistics
+        return None
+    return stats.get("bytes_limit")
 
 
 def _wants_images(args) -> bool:
@@ -411,19 +447,20 @@ def open_checkpoint_inputs(args) -> ModelInputs:
         raise UsageError(f"checkpoint directory {path} does not exist")
     cfg_override = ModelConfig.from_json(args.config) if args.config else None
     vision = _wants_images(args)
-    ckpt = open_checkpoint(path, cfg_override, vision=vision)
-    check_engram(ckpt.cfg, args)
+    engram = not args.skip_engram
+    ckpt = open_checkpoint(path, cfg_override, vision=vision, engram=engram)
+    hasher = engram_hasher(ckpt.cfg, args, checkpoint_dir=path)
     fmt = args.expert_format
     if fmt == "auto":
         fmt = ckpt.stored_expert_format
     if fmt != "dequantized":
-        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision)  # refuses non-fp4 experts
+        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram)  # refuses non-fp4 experts
     for line in ckpt.skipped:
         if not line.startswith("not run by this engine"):
             _say(f"note: {line}")
     experts = ", fp4 experts" if fmt == "fp4" else ""
     weights = checkpoint_source(ckpt, dtype=args.dtype)
-    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision)
+    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision, hasher)
 
 
 def load_model_inputs(args) -> ModelInputs:
@@ -449,13 +486,16 @@ def load_model_inputs(args) -> ModelInputs:
         cfg, name = load_named("tiny"), "configs/tiny.json"
     if cfg.vocab_size <= 0:
         raise ConfigError("vocab_size must be positive")
-    check_engram(cfg, args)
     try:
         check_random_size(cfg)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return ModelInputs(cfg, random_weights(cfg, seed=0),
-                       f"{name} with RANDOM weights (seed 0): the output is not language", vision=_wants_images(args))
+    hasher = engram_hasher(cfg, args)
+    weights = random_weights(cfg, seed=0)
+    if args.skip_engram:
+        weights = {k: v for k, v in weights.items() if ".engram." not in k}
+    return ModelInputs(cfg, weights, f"{name} with RANDOM weights (seed 0): the output is not language",
+                       vision=_wants_images(args), hasher=hasher)
 
 
 def kernel_impl(args) -> str:
@@ -468,7 +508,8 @@ def kernel_impl(args) -> str:
 
 
 def model_options(args, expert_format: str, vision: bool = False):
-    """ModelOptions for the run; says so when float32 experts would be computed in bf16 by the Pallas MoE."""
+    """ModelOptions for the run (engram layers unless --skip-engram); says so when float32 experts would be
+    computed in bf16 by the Pallas MoE."""
     from .model.transformer import ModelOptions  # noqa: PLC0415
 
     impl = kernel_impl(args)
@@ -476,7 +517,8 @@ def model_options(args, expert_format: str, vision: bool = False):
         _say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
              "takes bf16 activations); use --impl reference for float32 experts")
     return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
-                        quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl)
+                        quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl,
+                        engram=not args.skip_engram)
 
 
 def build(inputs: ModelInputs, args):
@@ -675,8 +717,7 @@ def run(args) -> int:
     cfg, description = inputs.cfg, inputs.description
     _say(f"model: {description}")
     for feature in cfg.unsupported_features():
-        if not feature.startswith("engram"):  # refused or warned about by check_engram
-            _say(f"note: not run by this engine: {feature}")
+        _say(f"note: not run by this engine: {feature}")
     tokenizer, tokenizer_description = load_tokenizer(args.checkpoint)
     _say(f"tokenizer: {tokenizer_description}")
     prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size, cfg.image_token_id)
@@ -692,8 +733,10 @@ def run(args) -> int:
     plan = segment_plan(cfg, args.world)
     plan(max(len(p) for p in prompt_ids))  # the planner may refuse the prompt
     model, mesh = build(inputs, args)
+    hasher = inputs.hasher
     del inputs
-    engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh)
+    engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
+                    hasher=hasher)
     result = generate_with_output(engine, requests, tokenizer, args)
     report(result, tokenizer, args, description, max_context, folded,
            [chat_messages(s, args) is not None for s in specs])
@@ -712,6 +755,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
                                          CompileCacheError]
     for module, name in (("dsv41_jax.checkpoint", "CheckpointError"), ("dsv41_jax.planner", "PlanRefused"),
                          ("dsv41_jax.vision.preprocess", "ImageError"),
+                         ("dsv41_jax.engram", "EngramError"),
                          ("dsv41_jax.model.transformer", "WeightsError"), ("sharding.mesh", "ShardingError")):
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))

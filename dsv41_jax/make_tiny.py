@@ -8,8 +8,11 @@
 * ``fp8``:  dense matrices fp8 (e4m3, 32×32 ue8m0 scales), routed experts bf16;
 * ``fp4``:  the release layout: dense fp8, routed experts fp4 (packed e2m1, per-32 ue8m0 scales).
 
-Other tensors are bf16 or f32 as `param_specs.release_tensors` says. `write_checkpoint` returns the values as
-stored (dequantised, float32, model names), so a model and an oracle loading the directory see exactly them.
+Other tensors are bf16 or f32 as `param_specs.release_tensors` says. Engram tables are always fp8 rows (e4m3 +
+a ue8m0 byte per row and 32 dims, as released and as the model holds them), and a config with engram layers
+whose compressed vocabulary is its vocabulary (TINY-E) gets the identity ``engram_token_map.json``.
+`write_checkpoint` returns the values as stored (dequantised, float32, model names; engram tables as their
+codes and scale bytes), so a model and an oracle loading the directory see exactly them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from safetensors.numpy import save_file
 
 from dsv41_jax import formats, param_specs
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
+from dsv41_jax.engram import TOKEN_MAP_FILE
 
 QUANTIZE_MODES = ("none", "fp8", "fp4")
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
@@ -66,6 +70,11 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     kinds = {_model_name(s.name): s.stored for s in param_specs.release_tensors(cfg, vision=vision)}
     out = {}
     for name, shape in param_specs.model_tensors(cfg, vision=vision).items():
+        if param_specs.is_engram_table(name):  # codes and scale bytes as stored; rows ~ N(0, 1)
+            if name.endswith(".weight"):
+                codes, scale = formats.fp8_rows_quantize(rng.standard_normal(shape).astype(np.float32))
+                out[name], out[name.removesuffix(".weight") + ".scale"] = codes, scale.view(np.uint8)
+            continue
         w = _init(name, shape, cfg, rng)
         out[name] = formats.round_trip(w, "f32" if kinds.get(name, "bf16") == "f32" else "bf16")
     return out
@@ -95,6 +104,8 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Ge
         return normal(0.05)
     if name.startswith("image_"):  # span delimiters replace embedding rows: the embedding's scale
         return normal(1.0)
+    if name.endswith((".engram.q_weight", ".engram.k_weight")):
+        return 1.0 + normal(0.3)
     return normal(1.0 / math.sqrt(shape[-1]))  # every linear: [.., out, in]
 
 
@@ -108,7 +119,7 @@ def storage_kinds(cfg: ModelConfig, quantize: str) -> dict[str, str]:
         kind = spec.stored
         if kind == "fp4" and quantize != "fp4" or kind == "fp8" and quantize == "none":
             kind = "bf16"
-        if kind in param_specs.QUANT_KINDS and spec.shape[-1] % formats.BLOCK:
+        if kind in (*param_specs.QUANT_KINDS, param_specs.TABLE_KIND) and spec.shape[-1] % formats.BLOCK:
             raise ValueError(f"{spec.name} {list(spec.shape)}: a {kind} matrix needs its input dim to be a "
                              f"multiple of {formats.BLOCK}; use --quantize none for this config")
         out[spec.name] = kind
@@ -122,7 +133,10 @@ def encode(cfg: ModelConfig, weights: dict[str, np.ndarray],
         hit = param_specs.expert_name(name)
         src = weights[_model_name(name)]
         w = src[hit[1]] if hit else src
-        if kind == "bf16":
+        if kind == param_specs.TABLE_KIND:
+            scale = name.removesuffix(".weight") + ".scale"
+            yield name, {name: w, scale: formats.as_ue8m0(weights[scale])}
+        elif kind == "bf16":
             yield name, {name: np.asarray(w, dtype=np.float32).astype(ml_dtypes.bfloat16)}
         elif kind == "f32":
             yield name, {name: np.asarray(w, dtype=np.float32)}
@@ -159,7 +173,10 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, weights: dict[str, n
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, tensors in encode(cfg, weights, quantize):
-        _place(stored_values, cfg, name, _decode(tensors, name))
+        if param_specs.is_engram_table(name):
+            stored_values.update({k: v if k == name else v.view(np.uint8) for k, v in tensors.items()})
+        else:
+            _place(stored_values, cfg, name, _decode(tensors, name))
         if name.endswith(".ffn.gate.bias") and not cfg.has_vision:
             tensors = {**tensors, name + "_vl": tensors[name].copy()}
         nbytes = sum(t.nbytes for t in tensors.values())
@@ -177,6 +194,8 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, weights: dict[str, n
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / "config.json").write_text(json.dumps(_config_dict(cfg, quantize), indent=2) + "\n")
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if cfg.engram_layer_ids and cfg.engram_compressed_vocab_size == cfg.vocab_size:
+        (out_dir / TOKEN_MAP_FILE).write_text(json.dumps(list(range(cfg.vocab_size))) + "\n")
     return stored_values
 
 

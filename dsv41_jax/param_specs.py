@@ -13,10 +13,13 @@ Two naming schemes (docs/DESIGN.md, "Parameter names"):
   uint8 tensors: ``layers.L.ffn.experts.wN.codes`` (e2m1 pairs, ``[E, F, D/2]`` for w1/w3, ``[E, D, F/2]`` for
   w2) and ``layers.L.ffn.experts.wN.scales`` (ue8m0 bytes, ``[E, F, D/32]`` / ``[E, D, F/32]``).
 
-By default only the text model is listed. ``vision=True`` adds the image path (VISION.md §V.F): ``vision.*``,
-``aligner.*``, ``image_start`` / ``image_newline`` / ``image_end`` and every backbone ``layers.L.ffn.gate.bias_vl``
-(same names in both schemes), after the text tensors. DSpark (``mtp.*``) and engram tensors are not part of it
-yet: `skip_reason` names why a checkpoint tensor is left out.
+Only the text model is listed by default, with its engram layers (`MODEL.md` §B.12) unless ``engram=False``. An
+engram table is held as stored in both schemes (kind "fp8r": e4m3 rows ``layers.L.engram.embed.weight [rows, d]``
+with one ue8m0 byte per row and 32 dims ``layers.L.engram.embed.scale [rows, d/32]``): 98 GB a layer in the
+release, never dequantised. ``vision=True`` adds the image path (VISION.md §V.F): ``vision.*``, ``aligner.*``,
+``image_start`` / ``image_newline`` / ``image_end`` and every backbone ``layers.L.ffn.gate.bias_vl`` (same names in
+both schemes), after the text tensors. DSpark (``mtp.*``) tensors are not part of it yet: `skip_reason` names why
+a checkpoint tensor is left out.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from dsv41_jax.config import ModelConfig
 # How a tensor is stored: plain floats, or quantised (§C.1, §E.1). "ue8m0" is the kind of a `.scale` companion.
 PLAIN_KINDS = ("bf16", "f32")
 QUANT_KINDS = ("fp8", "fp4")
-STORED_BYTES = {"bf16": 2.0, "f32": 4.0, "fp8": 1.0, "fp4": 1.0, "ue8m0": 1.0}
+TABLE_KIND = "fp8r"  # engram tables: e4m3 rows + one ue8m0 byte per row and 32 dims (stored and held so)
+STORED_BYTES = {"bf16": 2.0, "f32": 4.0, "fp8": 1.0, "fp4": 1.0, "fp8r": 1.0, "ue8m0": 1.0}
 FP8_BLOCK = 32  # fp8 weights: one ue8m0 scale per 32×32 block (§E.1)
 FP4_GROUP = 32  # fp4 weights: one ue8m0 scale per row and 32 inputs (§E.1)
 
@@ -87,19 +91,25 @@ def stored_form(name: str, shape: tuple[int, ...], kind: str) -> dict[str, Tenso
     if kind == "fp4":
         return {name: TensorSpec(name, fp4_packed_shape(shape), "fp4"),
                 scale: TensorSpec(scale, fp4_scale_shape(shape), "ue8m0")}
+    if kind == TABLE_KIND:
+        return {name: TensorSpec(name, tuple(shape), TABLE_KIND),
+                scale: TensorSpec(scale, fp4_scale_shape(shape), "ue8m0")}
     raise ValueError(f"unknown storage kind {kind!r}")
 
 
 # ------------------------------------------------------------------------------------------------ inventory
-def release_tensors(cfg: ModelConfig, *, vision: bool = False) -> list[TensorSpec]:
+def release_tensors(cfg: ModelConfig, *, vision: bool = False, engram: bool = True) -> list[TensorSpec]:
     """Every text-model tensor in official naming with its **logical** shape and the release's kind.
 
-    Kinds: "fp8" / "fp4" for the matrices the release quantises, "bf16" / "f32" otherwise (§E.2; the f32 set
-    follows §B.1: ``hc_*``, ``attn_sink``, ``gate.bias``, ``compressor.*``). ``vision=True`` appends
-    `vision_tensors`.
+    Kinds: "fp8" / "fp4" for the matrices the release quantises, "fp8r" for engram tables, "bf16" / "f32"
+    otherwise (§E.2; the f32 set follows §B.1: ``hc_*``, ``attn_sink``, ``gate.bias``, ``compressor.*``, and the
+    engram ``q_weight`` / ``k_weight``). ``engram=False`` leaves the engram layers' tensors out; ``vision=True``
+    appends `vision_tensors`.
     """
     out = [TensorSpec("embed.weight", (cfg.vocab_size, cfg.hidden_size), "bf16")]
     for layer in range(cfg.num_hidden_layers):
+        if engram and layer in cfg.engram_layer_ids:
+            out += engram_tensors(cfg, layer)
         out += _layer_tensors(cfg, layer)
     out.append(TensorSpec("norm.weight", (cfg.hidden_size,), "bf16"))
     if not cfg.tie_word_embeddings:
@@ -134,6 +144,20 @@ def vision_tensors(cfg: ModelConfig) -> list[TensorSpec]:
     specs += [(f"layers.{L}.ffn.gate.bias_vl", (cfg.n_routed_experts,), "f32")
               for L in range(cfg.num_hidden_layers)]
     return [TensorSpec(name, shape, kind) for name, shape, kind in specs]
+def engram_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
+    """``layers.L.engram.*`` (§E.2): the table, ``wkv`` ``[(S+1)·D, cols·d]`` fp8, ``q_weight`` / ``k_weight``."""
+    p, s, d = f"layers.{layer}.engram.", cfg.hc_mult, cfg.hidden_size
+    rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)]
+    cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    return [TensorSpec(p + "embed.weight", (rows, cfg.engram_head_dim), TABLE_KIND),
+            TensorSpec(p + "wkv.weight", ((s + 1) * d, cols * cfg.engram_head_dim), "fp8"),
+            TensorSpec(p + "q_weight", (s, d), "f32"),
+            TensorSpec(p + "k_weight", (s, d), "f32")]
+
+
+def is_engram_table(name: str) -> bool:
+    """True for ``layers.L.engram.embed.weight`` / ``.scale`` (held as stored: e4m3 codes, ue8m0 bytes)."""
+    return re.fullmatch(r"layers\.\d+\.engram\.embed\.(?:weight|scale)", name) is not None
 
 
 def _layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
@@ -183,16 +207,17 @@ def _layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
     return [TensorSpec(p + name, shape, kind) for name, shape, kind in specs]
 
 
-def expected_tensors(cfg: ModelConfig, *, quantized: bool, vision: bool = False) -> dict[str, TensorSpec]:
+def expected_tensors(cfg: ModelConfig, *, quantized: bool, vision: bool = False,
+                     engram: bool = True) -> dict[str, TensorSpec]:
     """Official name → stored spec of every text-model checkpoint tensor.
 
     ``quantized=True``: the release layout (fp8 dense, fp4 routed experts, each with its ``.scale``).
-    ``quantized=False``: a plain-float checkpoint (the fp8/fp4 matrices stored bf16, no scales).
-    Skipped parts (see `skip_reason`) are not listed.
+    ``quantized=False``: a plain-float checkpoint (the fp8/fp4 matrices stored bf16, no scales; engram tables
+    stay fp8 rows). Skipped parts (see `skip_reason`) are not listed.
     """
     out: dict[str, TensorSpec] = {}
-    for spec in release_tensors(cfg, vision=vision):
-        kind = spec.stored if quantized or spec.stored in PLAIN_KINDS else "bf16"
+    for spec in release_tensors(cfg, vision=vision, engram=engram):
+        kind = spec.stored if quantized or spec.stored in (*PLAIN_KINDS, TABLE_KIND) else "bf16"
         out.update(stored_form(spec.name, spec.shape, kind))
     return out
 
@@ -233,16 +258,19 @@ def packed_expert_shapes(stacked: tuple[int, ...]) -> dict[str, tuple[int, ...]]
 
 
 def model_tensors(cfg: ModelConfig, expert_format: str = "dequantized", *,
-                  vision: bool = False) -> dict[str, tuple[int, ...]]:
+                  vision: bool = False, engram: bool = True) -> dict[str, tuple[int, ...]]:
     """Model name → shape; routed experts stacked (w1, w3 ``[E, F, D]``, w2 ``[E, D, F]``), dequantised or,
-    with ``expert_format="fp4"``, as packed ``.codes`` / ``.scales`` (see the module docstring).
-    ``vision=True`` appends the image path (`vision_tensors`)."""
+    with ``expert_format="fp4"``, as packed ``.codes`` / ``.scales`` (see the module docstring); engram tables
+    as their codes and ``.scale`` bytes (``engram=False``: no engram tensors). ``vision=True`` appends the image
+    path (`vision_tensors`)."""
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert format {expert_format!r} must be one of {EXPERT_FORMATS}")
     out: dict[str, tuple[int, ...]] = {}
-    for spec in release_tensors(cfg, vision=vision):
+    for spec in release_tensors(cfg, vision=vision, engram=engram):
         hit = expert_name(spec.name)
-        if hit is None:
+        if spec.stored == TABLE_KIND:
+            out.update({n: t.shape for n, t in stored_form(spec.name, spec.shape, TABLE_KIND).items()})
+        elif hit is None:
             out[spec.name] = spec.shape
         elif hit[1] == 0 and expert_format == "fp4":
             for part, shape in packed_expert_shapes((cfg.n_routed_experts, *spec.shape)).items():
@@ -256,14 +284,14 @@ def model_tensors(cfg: ModelConfig, expert_format: str = "dequantized", *,
 
 def model_dtype_kind(name: str) -> str:
     """"f32" for the parameters the model keeps in float32 (§B.1), else "model" (the model's dtype)."""
-    f32_markers = (".hc_", ".attn_sink", ".gate.bias", ".compressor.")
+    f32_markers = (".hc_", ".attn_sink", ".gate.bias", ".compressor.", ".engram.q_weight", ".engram.k_weight")
     return "f32" if any(m in name for m in f32_markers) else "model"
 
 
 # ------------------------------------------------------------------------------------------------ skipped parts
 _SKIPPED = (
     (re.compile(r"mtp\."), "DSpark draft stages (mtp.*)"),
-    (re.compile(r"(.*\.)?engram\."), "engram"),
+    (re.compile(r"(.*\.)?engram\."), "engram (--skip-engram)"),
     (re.compile(r"(vision\.|aligner\.|image_)"), "vision tower"),
     (re.compile(r".*\.gate\.bias_vl$"), "image routing bias (gate.bias_vl)"),
 )

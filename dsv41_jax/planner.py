@@ -233,6 +233,7 @@ class PlanOptions:
     kv: str = "fp8"  # compressed rows: fp8 (584 B full model) | bf16
     index_keys: str = "fp8"  # fp8 (132 B) | fp4 (68 B)
     padded: bool = True  # size expert/vocab shards at the padded (widest) width, as JAX allocates them
+    engram_tables: str = "host"  # engram tables: "host" (memory-mapped, §F: the default) | "device"
 
 
 @dataclass(frozen=True)
@@ -862,7 +863,7 @@ def param_bytes_per_rank(cfg: ModelConfig, world: int, rank: int, *, experts: st
 def _model_tensors(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     from dsv41_jax.param_specs import model_tensors  # stdlib-only module; imported late to keep this one light
 
-    return tuple(model_tensors(cfg).items())
+    return tuple(model_tensors(cfg, engram=False).items())  # engram: `engram_bytes_per_rank`
 
 
 @functools.lru_cache(maxsize=256)
@@ -877,6 +878,31 @@ def _param_bytes(cfg: ModelConfig, world: int, rank: int, experts: str, dense: s
         count = math.prod(tensor_rank_shape(name, shape, adm, rank, padded))
         total += count * tensor_bytes_per_param(name, experts, dense)
     return int(round(total))
+
+
+def engram_bytes_per_rank(cfg: ModelConfig, world: int, *, tables: str = "host", dense: str = "bf16") -> dict:
+    """Engram bytes a rank holds (MODEL.md §B.12, §E.2): ``tables`` — the hash tables as stored (e4m3 rows +
+    a ue8m0 byte per 32 dims, ~98 GB a release layer) on the device when ``tables="device"`` (replicated on
+    every rank today, sharding/rules.py), 0 when ``"host"`` (memory-mapped host pages: ``host_tables``);
+    ``projection`` — ``wkv`` in ``dense`` (fp8 or the 16-bit model dtype; f32: 4 bytes) plus the f32
+    ``q_weight`` / ``k_weight``, replicated. ``world`` is kept for the planned split by hash column (24/W a rank)."""
+    from dsv41_jax.param_specs import STORED_BYTES, engram_tensors, fp4_scale_shape
+
+    if tables not in ("host", "device"):
+        raise PlanRefused("admission", f"engram tables {tables!r}: use host or device.")
+    table = projection = 0
+    for layer in cfg.engram_layer_ids:
+        for spec in engram_tensors(cfg, layer):
+            n = math.prod(spec.shape)
+            if spec.name.endswith(".embed.weight"):
+                table += n + math.prod(fp4_scale_shape(spec.shape))  # codes + scale bytes
+            elif spec.stored == "f32":
+                projection += 4 * n
+            else:
+                projection += n * (_DTYPE_BYTES[dense] if dense in _DTYPE_BYTES else STORED_BYTES["bf16"])
+    del world
+    return {"tables": table if tables == "device" else 0, "host_tables": table if tables == "host" else 0,
+            "projection": int(projection)}
 
 
 def _weight_bytes(cfg: ModelConfig, world: int, rank: int, options: PlanOptions) -> int:
@@ -954,13 +980,20 @@ def _memory_terms(cfg: ModelConfig, adm: Admission, rank: int, options: PlanOpti
                                       padded=options.padded, block=options.block, uneven=options.uneven,
                                       split="dense"),
         "workspace": buffer_plan(cfg, adm.world, rank, options).total,
+        "engram": _engram_device_bytes(cfg, adm.world, options),
         "kv": cache_pool_bytes(cfg, adm.world, options, budget),
         "reserve": budget.reserve_bytes,
     }
 
 
+def _engram_device_bytes(cfg: ModelConfig, world: int, options: PlanOptions) -> int:
+    need = engram_bytes_per_rank(cfg, world, tables=options.engram_tables, dense=options.dense)
+    return need["tables"] + need["projection"]
+
+
 def memory_need(cfg: ModelConfig, world: int, rank: int, options: PlanOptions, budget: MemoryBudget) -> dict:
-    """R10's terms on ``rank`` (bytes): experts, dense, workspace (resident buffer plan), kv, reserve."""
+    """R10's terms on ``rank`` (bytes): experts, dense, workspace (resident buffer plan), engram (projection,
+    and the tables when ``options.engram_tables == "device"``), kv, reserve."""
     adm = admit(cfg, world, block=options.block, uneven=options.uneven)
     return _memory_terms(cfg, adm, rank, options, budget)
 
@@ -984,8 +1017,9 @@ def check_memory(cfg: ModelConfig, world: int, options: PlanOptions, budget: Mem
     tokens = budget.kv_tokens if budget.kv_tokens is not None else options.slots * context_limit(cfg, options)
     raise PlanRefused("R10", f"world {world} refused on rank {rank}: {options.experts} experts need "
                       f"{g(terms['experts'])} ({width:,} of {cfg.moe_intermediate_size:,} columns) + "
-                      f"{g(terms['dense'])} dense + {g(terms['workspace'] + terms['reserve'])} workspace and "
-                      f"reserve + {g(terms['kv'])} KV ({tokens:,} tokens) = {g(total)}, over the "
+                      f"{g(terms['dense'])} dense + {g(terms['engram'])} engram ({options.engram_tables} tables) + "
+                      f"{g(terms['workspace'] + terms['reserve'])} workspace and reserve + {g(terms['kv'])} KV "
+                      f"({tokens:,} tokens) = {g(total)}, over the "
                       f"{g(budget.usable_bytes)} usable. {_memory_way_out(cfg, world, options, budget)}")
 
 

@@ -94,6 +94,10 @@ PARAM_RULES: tuple[Rule, ...] = (
          "images itself, so the span embeddings need no collective"),
     Rule(r"image_(?:start|newline|end)", (None,),
          "image span delimiters [D]: replaced into the replicated input embeddings on every rank"),
+    Rule(r"layers\.\d+\.engram\.(?:embed\.weight|embed\.scale|wkv\.weight|q_weight|k_weight)", (None, None),
+         "engram (§B.12): table rows, wkv and the gate computed redundantly on every rank, no collective "
+         "(MODEL.md §F.1); splitting the tables by hash column (24/W a rank, rows all-gathered) is the planned "
+         "memory saving for the release's 98 GB tables"),
 )
 # Axes lists are per dim; a 1-D replicated tensor simply uses the first entry (see ``param_logical_axes``).
 

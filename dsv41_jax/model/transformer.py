@@ -14,6 +14,7 @@ from flax import nnx
 from ..config import ModelConfig
 from .attention import Attention, Segment
 from .cache import Cache
+from .engram import Engram, EngramInput
 from .hc import collapse, expand, hc_mix
 from .moe import MoE
 from .norms import HIGHEST, RMSNorm, random_normal
@@ -27,7 +28,8 @@ _EXPERT_FORMATS = ("dequantized", "fp4")
 class ModelOptions:
     """dtype of activations and non-f32 parameters; the §C.2 rounding points; kernel choices; how routed experts
     are held: "dequantized" (stacked floats in ``dtype``) or "fp4" (packed codes + ue8m0 scales as stored,
-    MODEL.md §E.1; decoded inside the kernel, or on the fly per layer on the reference path).
+    MODEL.md §E.1; decoded inside the kernel, or on the fly per layer on the reference path); ``engram``: run
+    the config's engram layers (§B.12; their rows are a call input), or leave them and their tensors out.
 
     ``moe_impl="pallas"`` computes the routed experts in bfloat16 whatever ``dtype`` is (the kernel casts its
     activations to bf16, f32 accumulation): a float32 model then has float32 everything except the expert
@@ -40,6 +42,7 @@ class ModelOptions:
     indexer_impl: str = "reference"  # "pallas": the fused scores + top-k kernel (pallas_kernels/indexer)
     expert_format: str = "dequantized"
     vision: bool = False  # build the image path (VISION.md): tower, aligner, span delimiters, gate.bias_vl
+    engram: bool = True  # run the config's engram layers (False = --skip-engram: no engram parameters either)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -109,14 +112,20 @@ class Block(nnx.Module):
                               impl=options.attention_impl, rngs=rngs, indexer_impl=options.indexer_impl)
         self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format,
                        image_bias=options.vision)
+        if options.engram and layer in cfg.engram_layer_ids:
+            self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs)
 
     def _mix(self, sub: str, streams):
         p = [getattr(self, f"hc_{sub}_{k}")[...] for k in ("fn", "base", "scale")]
         return hc_mix(streams, *p, **self.hc_kwargs)
 
-    def __call__(self, streams, pre_prev, seg: Segment, cache, shared, is_image=None):
+    def __call__(self, streams, pre_prev, seg: Segment, cache, shared, is_image=None,
+                 engram: EngramInput | None = None):
         """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4), is_image bool [B,T] or
-        None (all text) -> (streams, pre of the FFN mix, new LayerCache)."""
+        None (all text), engram rows (engram layers) -> (streams, pre of the FFN mix, new LayerCache)."""
+        if hasattr(self, "engram"):
+            with jax.named_scope("engram"):  # §B.4: before the attention HC mix
+                streams = self.engram(streams, engram)
         with jax.named_scope("attn"):
             pre_a, post_a, comb_a = self._mix("attn", streams)
             y, cache = self.attn(self.attn_norm(collapse(streams, pre_prev)), seg, cache, shared)
@@ -171,15 +180,27 @@ class Transformer(nnx.Module):
             e = jnp.where(roles == role, vec[...].astype(e.dtype), e)
         return e
 
-    def __call__(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None):
-        logits, cache, _ = self.forward(ids, cache, lengths, images)
+    @property
+    def engram_layers(self) -> tuple[int, ...]:
+        """The engram layers this model runs (they need ``engram=`` rows in every call)."""
+        return tuple(self.cfg.engram_layer_ids) if self.options.engram else ()
+
+    def __call__(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None,
+                 engram: EngramInput | None = None):
+        logits, cache, _ = self.forward(ids, cache, lengths, images, engram)
         return logits, cache
 
-    def forward(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None):
+    def forward(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None,
+                engram: EngramInput | None = None):
         """``__call__`` plus the per-call selections (for tests and diagnostics): returns
         (logits [B,T,V] f32, new Cache, {index-source layer: top-k [B,T,K] int32, −1 = none}).
 
-        ``images``: the segment's image rows and roles (None: text only; needs ``ModelOptions.vision``)."""
+        ``images``: the segment's image rows and roles (None: text only; needs ``ModelOptions.vision``).
+        ``engram``: the host-hashed rows of this call (`dsv41_jax.engram.Hasher`), required when the model runs
+        engram layers."""
+        if self.engram_layers and engram is None:
+            raise ValueError(f"this model runs engram layers {list(self.engram_layers)}: pass their rows "
+                             f"(engram=EngramInput), or build it with ModelOptions(engram=False)")
         b, t = ids.shape
         s = self.cfg.hc_mult
         lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
@@ -197,7 +218,7 @@ class Transformer(nnx.Module):
         new_layers = []
         for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
             with jax.named_scope(f"layer_{i}"):  # per-layer op names for traces (profiling/trace.py)
-                streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared, is_image)
+                streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared, is_image, engram)
             new_layers.append(layer_cache)
         logits = self.head(self.norm(collapse(streams, pre)))
         selections = {key[1]: v for key, v in shared.items() if isinstance(key, tuple) and key[0] == "topk"}
