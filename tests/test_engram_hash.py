@@ -123,4 +123,4 @@ def test_refusals(tiny_e, flash, tmp_path):
     with pytest.raises(EngramError, match="not the sums"):
         engram.layout(tiny_e.replace(engram_num_embeddings=(6000,)))
     with pytest.raises(EngramError, match="no engram token map"):
-        engram.token_map(flash.replace(vocab_size=1000))
+        engram.token_map(flash.replace(vocab_size=1000, vision=None))

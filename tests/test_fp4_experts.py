@@ -179,6 +179,9 @@ def test_generate_expert_format_fp4(fp4_checkpoint, tmp_path, capsys):
         assert rc == 0, captured.err
         runs[fmt] = json.loads(captured.out)["results"][0]["generated_ids"], np.load(npz)
     assert runs["fp4"][0] == runs["dequantized"][0]
-    np.testing.assert_array_equal(runs["fp4"][1]["prefill"], runs["dequantized"][1]["prefill"])
+    # Same weights, same f32 arithmetic: bitwise equal on CPU. On a GPU the two programs fuse the (identical)
+    # decoded weights differently, so the sums may reassociate: measured 2.4e-7 on an H200; bound 1e-5.
+    np.testing.assert_allclose(runs["fp4"][1]["prefill"], runs["dequantized"][1]["prefill"],
+                               rtol=0, atol=0 if jax.default_backend() == "cpu" else 1e-5)
     assert generate(["--expert-format", "fp4", "--prompt", "x"]) == 2
     assert "needs --checkpoint" in capsys.readouterr().err.strip().splitlines()[-1]

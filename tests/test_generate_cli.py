@@ -191,6 +191,7 @@ def test_checkpoint_run_equals_embedded_weights(mini_config_file, checkpoints, t
     assert most_held[0] == 1 and not held
 
 
+@pytest.mark.devices(2)
 def test_world_2_matches_world_1(mini_config_file, tmp_path, capsys):
     """Sharded over 2 of the 8 simulated devices: the same greedy ids, and logits within 2e-4 (float32; the
     tensor-parallel partial sums only change summation order)."""

@@ -6,11 +6,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from sharding.kernels import index_topk
 from sharding.mesh import make_mesh, replicated
 
 
+@pytest.mark.devices(2)
 def test_replicated_indexer_kernel_under_a_mesh():
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.integers(-2, 3, (1, 6, 4, 32)), jnp.float32)
