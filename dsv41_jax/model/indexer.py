@@ -46,7 +46,8 @@ class Indexer(nnx.Module):
 
         u [B,T,D]; q_res [B,T,R_q]; positions [B,T]; keys [B,N,d_I]; kept_blocks bool [B,T,⌈N/B_c⌉] (the
         candidate source's, for a candidate-masked layer). Returns (int32 [B,T,K], kept_blocks | None).
-        Scores and selection: ``pallas_kernels.indexer`` (``impl``), over blocks of query rows: the XLA path's
+        Scores and selection: ``pallas_kernels.indexer`` (``impl``; one-row decode calls on the XLA path, see
+        ``XLA_DECODE_ROWS``), over blocks of query rows: the XLA path's
         [rows, H_I, N] scores, the kernel's workspace (``tiling.launch_rows``) within SCORE_BUDGET_BYTES.
         """
         b, t = u.shape[:2]
@@ -56,7 +57,7 @@ class Indexer(nnx.Module):
         kw = dict(ratio=self.ratio, k=self.index_topk, block_size=self.block,
                   keep_blocks=self.keep_blocks if self.is_candidate_source else 0)
         kept_blocks = kept_blocks if self.uses_candidates else None
-        if self.impl == "pallas":
+        if self.impl == "pallas" and t > XLA_DECODE_ROWS:
             try:
                 import pallas_kernels.indexer.ops  # noqa: F401  (the wrapper's op)
                 from sharding.kernels import index_topk as kernel  # replicated shard_map when sharded
@@ -71,6 +72,10 @@ class Indexer(nnx.Module):
         return index_topk(q, w, keys, positions, kept_blocks, **kw, impl="reference", rows_per_block=block)
 
 
+# A decode step (one row a sequence) selects on the XLA path even with indexer_impl="pallas": measured on the
+# H200 (docs/BENCHMARKS.md, issue 15) one row took 0.62 ms on the XLA path vs 0.87 ms in the kernel at 300 K keys
+# (0.18 vs 0.20 ms at 0); both select the same entries (one tie rule), so the choice is speed only.
+XLA_DECODE_ROWS = 1
 SCORE_BUDGET_BYTES = 256 << 20  # scratch for one block of query rows (score matrices, gathered keys)
 
 
