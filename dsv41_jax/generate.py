@@ -303,7 +303,7 @@ IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the V4 chat encoder's text for a
 def _image_ids(spec: PromptSpec, tokenizer, args, model_vocab: int, image_id: int) -> tuple[tuple[int, ...], bool]:
     """Ids of a prompt with images: one ``image_id`` where each image goes (see the --help epilog); text ids
     folded into a smaller model vocabulary never land on ``image_id`` (they step one below)."""
-    from .chat import ChatFormatError, Message, encode_messages  # noqa: PLC0415
+    from .chat import ChatFormatError, encode_messages  # noqa: PLC0415
 
     n = len(spec.images)
     if spec.ids is not None:
@@ -435,8 +435,6 @@ def _wants_images(args) -> bool:
 def open_checkpoint_inputs(args) -> ModelInputs:
     """--checkpoint: headers validated now, tensors read one at a time while the model is built (no host copy
     of the whole model); routed experts fp4 when stored so (``--expert-format auto``)."""
-    import dataclasses  # noqa: PLC0415
-
     from sharding.load import checkpoint_source  # noqa: PLC0415
 
     from .checkpoint import open_checkpoint  # noqa: PLC0415

@@ -19,9 +19,8 @@ Import from a test with::
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,6 @@ try:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_vlm.models.deepseek_v41 import language as vlm_language
     from mlx_vlm.models.deepseek_v41.config import ModelConfig as VlmConfig
     from mlx_vlm.models.deepseek_v41.deepseek_v41 import Model as VlmModel
     from mlx_vlm.models.deepseek_v41.processing_deepseek_v41 import ImageInput
@@ -39,20 +37,8 @@ try:
 except ImportError:  # the test extra is not installed
     HAVE_MLX_VLM = False
 
-_FAKE_QUANT = ("fake_quant_fp8_ue8m0", "fake_quant_fp4_ue8m0", "fake_quant_fp4_e4m3")
-
-
-@contextlib.contextmanager
-def fake_quant_off() -> Iterator[None]:
-    """Within the block, mlx-vlm's language model applies none of its fake-quant roundings (module globals)."""
-    saved = {name: getattr(vlm_language, name) for name in _FAKE_QUANT}
-    for name in _FAKE_QUANT:
-        setattr(vlm_language, name, lambda x, *a, **k: x)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(vlm_language, name, fn)
+# The same switch the engram oracle uses (it also covers engram's rounding); one definition.
+from mlx_vlm_oracle import rounding_off as fake_quant_off  # noqa: E402,F401  (test_vision_model's)
 
 
 def load_vlm(ckpt_dir: str | Path, exact_gelu: bool = True):

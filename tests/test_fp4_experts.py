@@ -13,7 +13,6 @@ import json
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import sharding
 from dsv41_jax import formats, param_specs, planner

@@ -4,7 +4,6 @@ switch ("pallas" | "reference" = the XLA implementation); contract in docs/DESIG
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.indexer.kernel import fp8_exact, index_topk_pallas
