@@ -97,10 +97,7 @@ def mlx_reference(ckpt_dir: str | Path, prompt_ids: Sequence[int], decode_steps:
     """
     if not HAVE_MLX:
         raise RuntimeError("mlx-lm is not installed (pip install -e '.[test]')")
-    ids = [int(t) for t in prompt_ids]
-    chunks = list(chunks) if chunks is not None else [len(ids)]
-    if sum(chunks) != len(ids) or min(chunks) < 1:
-        raise ValueError(f"chunks {chunks} do not split {len(ids)} prompt tokens")
+    ids, chunks = prompt_chunks(prompt_ids, chunks)
     with contextlib.ExitStack() as stack:
         if not quant_rounding:
             stack.enter_context(fake_quant_off())
@@ -108,26 +105,42 @@ def mlx_reference(ckpt_dir: str | Path, prompt_ids: Sequence[int], decode_steps:
             stack.enter_context(_gather_mm_via_f32())
         model = load_mlx_model(ckpt_dir, dtype)
         cache = model.make_cache()
-        parts, start = [], 0
-        for n in chunks:
-            logits = model(mx.array([ids[start:start + n]], dtype=mx.int32), cache)
-            parts.append(_to_numpy(logits[0]))
-            start += n
-        prefill = np.concatenate(parts, axis=0)
-        token = int(np.argmax(prefill[-1]))
-        decode, tokens = [], []
-        for _ in range(decode_steps):
-            tokens.append(token)
-            row = _to_numpy(model(mx.array([[token]], dtype=mx.int32), cache)[0])[-1]
-            decode.append(row)
-            token = int(np.argmax(row))
+        return greedy_trace(lambda step_ids: to_numpy(model(mx.array([step_ids], dtype=mx.int32), cache)[0]),
+                            ids, chunks, decode_steps)
+
+
+def prompt_chunks(prompt_ids: Sequence[int], chunks: Sequence[int] | None) -> tuple[list[int], list[int]]:
+    """(ids as ints, prefill segment sizes: ``chunks`` or one pass), refusing sizes that do not split the prompt."""
+    ids = [int(t) for t in prompt_ids]
+    chunks = list(chunks) if chunks is not None else [len(ids)]
+    if sum(chunks) != len(ids) or min(chunks) < 1:
+        raise ValueError(f"chunks {chunks} do not split {len(ids)} prompt tokens")
+    return ids, chunks
+
+
+def greedy_trace(step, ids: list[int], chunks: list[int], decode_steps: int) -> dict[str, np.ndarray]:
+    """Prefill ``ids`` in ``chunks`` then greedy-decode with ``step(ids) -> logits f32 [len(ids), V]`` (an oracle
+    model bound to its own cache); returns ``prefill`` / ``decode`` / ``tokens`` as `mlx_reference` documents."""
+    parts, start = [], 0
+    for n in chunks:
+        parts.append(step(ids[start:start + n]))
+        start += n
+    prefill = np.concatenate(parts, axis=0)
+    token = int(np.argmax(prefill[-1]))
+    decode, tokens = [], []
+    for _ in range(decode_steps):
+        tokens.append(token)
+        row = step([token])[-1]
+        decode.append(row)
+        token = int(np.argmax(row))
     vocab = prefill.shape[-1]
     return {"prefill": prefill,
             "decode": np.stack(decode) if decode else np.zeros((0, vocab), np.float32),
             "tokens": np.array(tokens, dtype=np.int64)}
 
 
-def _to_numpy(x) -> np.ndarray:
+def to_numpy(x) -> np.ndarray:
+    """An mlx array as a float32 numpy copy (evaluated)."""
     x = x.astype(mx.float32)
     mx.eval(x)
     return np.array(x, copy=True)

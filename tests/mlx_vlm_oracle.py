@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from mlx_oracle import to_numpy, greedy_trace, prompt_chunks  # tests/ is on sys.path (conftest)
 
 try:
     import mlx.core as mx
@@ -85,34 +86,11 @@ def vlm_reference(ckpt_dir: str | Path, prompt_ids: Sequence[int], decode_steps:
     """
     if not HAVE_MLX_VLM:
         raise RuntimeError("mlx-vlm is not installed (pip install -e '.[test]')")
-    ids = [int(t) for t in prompt_ids]
-    chunks = list(chunks) if chunks is not None else [len(ids)]
-    if sum(chunks) != len(ids) or min(chunks) < 1:
-        raise ValueError(f"chunks {chunks} do not split {len(ids)} prompt tokens")
+    ids, chunks = prompt_chunks(prompt_ids, chunks)
     with contextlib.ExitStack() as stack:
         if not quant_rounding:
             stack.enter_context(rounding_off())
         lm = load_vlm_model(ckpt_dir, dtype).language_model
         cache = lm.make_cache()
-        parts, start = [], 0
-        for n in chunks:
-            parts.append(_to_numpy(lm(input_ids=mx.array([ids[start:start + n]]), cache=cache).logits[0]))
-            start += n
-        prefill = np.concatenate(parts, axis=0)
-        token = int(np.argmax(prefill[-1]))
-        decode, tokens = [], []
-        for _ in range(decode_steps):
-            tokens.append(token)
-            row = _to_numpy(lm(input_ids=mx.array([[token]]), cache=cache).logits[0])[-1]
-            decode.append(row)
-            token = int(np.argmax(row))
-    vocab = prefill.shape[-1]
-    return {"prefill": prefill,
-            "decode": np.stack(decode) if decode else np.zeros((0, vocab), np.float32),
-            "tokens": np.array(tokens, dtype=np.int64)}
-
-
-def _to_numpy(x) -> np.ndarray:
-    x = x.astype(mx.float32)
-    mx.eval(x)
-    return np.array(x, copy=True)
+        return greedy_trace(lambda step_ids: to_numpy(lm(input_ids=mx.array([step_ids]), cache=cache).logits[0]),
+                            ids, chunks, decode_steps)

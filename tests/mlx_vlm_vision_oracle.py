@@ -38,6 +38,7 @@ except ImportError:  # the test extra is not installed
     HAVE_MLX_VLM = False
 
 # The same switch the engram oracle uses (it also covers engram's rounding); one definition.
+from mlx_oracle import to_numpy  # noqa: E402
 from mlx_vlm_oracle import rounding_off as fake_quant_off  # noqa: E402,F401  (test_vision_model's)
 
 
@@ -66,7 +67,7 @@ def load_vlm(ckpt_dir: str | Path, exact_gelu: bool = True):
 def vlm_encode(model, patches: np.ndarray, n_vit_h: int, n_vit_w: int) -> np.ndarray:
     """Tower + aligner of one image: patches [n, 3·ps²] → E [m, D] float32."""
     out = model.encode_image(mx.array(np.asarray(patches, np.float32)), n_vit_h, n_vit_w)
-    return _to_numpy(out)
+    return to_numpy(out)
 
 
 def vlm_prefill(model, ids: Sequence[int], images: Sequence[tuple[int, np.ndarray, int, int, Sequence[int]]],
@@ -87,12 +88,6 @@ def vlm_prefill(model, ids: Sequence[int], images: Sequence[tuple[int, np.ndarra
         mask = None if image_mask else mx.zeros((1, n), dtype=mx.bool_)
         out = model.language_model(inputs=ids_arr[:, start:start + n], inputs_embeds=embeds[:, start:start + n],
                                    cache=cache, image_mask=mask)
-        parts.append(_to_numpy(out.logits[0]))
+        parts.append(to_numpy(out.logits[0]))
         start += n
     return np.concatenate(parts, axis=0)
-
-
-def _to_numpy(x) -> np.ndarray:
-    x = x.astype(mx.float32)
-    mx.eval(x)
-    return np.array(x, copy=True)
