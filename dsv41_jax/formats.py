@@ -89,16 +89,28 @@ def fp8_dequantize(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np
     return (codes.astype(np.float64) * step).astype(dtype)
 
 
+# -------------------------------------------------------------- one ue8m0 scale per 32 values of the last axis
+def _scaled_per_32(w: np.ndarray, qmax: float, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """w [.., n] (n a multiple of 32; else ValueError starting with ``what``) → (w / its group's scale, clipped
+    to ±qmax, f32 [.., n]; the ue8m0 exponents [.., n/32]) — the fp4 weights and the fp8 engram rows (§E.1)."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"{what} to be a multiple of {BLOCK}, got shape {w.shape}")
+    groups = w.reshape(*w.shape[:-1], -1, BLOCK)
+    e = ue8m0_from_amax(np.abs(groups).max(axis=-1), qmax)
+    return np.clip(groups / scale_values(e)[..., None], -qmax, qmax).reshape(w.shape), e
+
+
+def _steps_per_32(scale: np.ndarray, n: int) -> np.ndarray:
+    """ue8m0 scales [.., ⌈n/32⌉] → float64 multipliers [.., n] (each repeated over its 32 values)."""
+    return np.repeat(scale_values(scale), BLOCK, axis=-1)[..., :n]
+
+
 # ------------------------------------------------------------------------------------ fp8 rows (engram tables)
 def fp8_rows_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w [.., R, d] (d a multiple of 32) → (codes e4m3 [.., R, d], scale ue8m0 [.., R, d/32]): one scale per
     row and 32 dims, ``⌈log2(amax/448)⌉ + 127`` as for the fp8 blocks."""
-    w = np.asarray(w, dtype=np.float32)
-    if w.shape[-1] % BLOCK:
-        raise ValueError(f"fp8 rows need the last dim to be a multiple of {BLOCK}, got shape {w.shape}")
-    groups = w.reshape(*w.shape[:-1], -1, BLOCK)
-    e = ue8m0_from_amax(np.abs(groups).max(axis=-1), FP8_MAX)
-    y = np.clip(groups / scale_values(e)[..., None], -FP8_MAX, FP8_MAX).reshape(w.shape)
+    y, e = _scaled_per_32(w, FP8_MAX, "fp8 rows need the last dim")
     return y.astype(ml_dtypes.float8_e4m3fn), as_ue8m0(e)
 
 
@@ -107,7 +119,7 @@ def fp8_rows_dequantize(codes: np.ndarray, scale: np.ndarray, dtype=np.float32) 
     codes = np.asarray(codes)
     if codes.dtype in (np.uint8, np.int8):
         codes = codes.view(ml_dtypes.float8_e4m3fn)
-    step = np.repeat(scale_values(scale), BLOCK, axis=-1)[..., : codes.shape[-1]]
+    step = _steps_per_32(scale, codes.shape[-1])
     return (codes.astype(np.float64) * step).astype(dtype)
 
 
@@ -149,19 +161,14 @@ def fp4_unpack(packed: np.ndarray) -> np.ndarray:
 
 def fp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w [.., O, I] (I a multiple of 32) → (packed int8 [.., O, I/2], scale ue8m0 [.., O, I/32]) per §E.1."""
-    w = np.asarray(w, dtype=np.float32)
-    if w.shape[-1] % BLOCK:
-        raise ValueError(f"fp4 needs the input dim to be a multiple of {BLOCK}, got shape {w.shape}")
-    groups = w.reshape(*w.shape[:-1], -1, BLOCK)
-    e = ue8m0_from_amax(np.abs(groups).max(axis=-1), FP4_MAX)
-    y = np.clip(groups / scale_values(e)[..., None], -FP4_MAX, FP4_MAX).reshape(w.shape)
+    y, e = _scaled_per_32(w, FP4_MAX, "fp4 needs the input dim")
     return fp4_pack(fp4_codes(y)), as_ue8m0(e)
 
 
 def fp4_dequantize(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
     """packed [.., O, I/2], scale [.., O, I/32] → W [.., O, I]."""
     values = fp4_values(fp4_unpack(packed))
-    step = np.repeat(scale_values(scale), BLOCK, axis=-1)[..., : values.shape[-1]]
+    step = _steps_per_32(scale, values.shape[-1])
     return (values.astype(np.float64) * step).astype(dtype)
 
 
