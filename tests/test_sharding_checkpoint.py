@@ -36,20 +36,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import sharding
 from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import build_model
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
-from dsv41_jax.model.cache import init_cache
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.profiling.cut import cut_layers
 from sharding.load import checkpoint_source
+from test_sharding_model import greedy as greedy_run  # tests/ is on sys.path (conftest)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT, NEW = 12, 3
@@ -83,29 +81,8 @@ def read_as_generate_does(path: Path, dtype: str = "float32"):
 
 
 def greedy(model, cfg, prompt: np.ndarray, mesh) -> tuple[np.ndarray, np.ndarray]:
-    """Prefill logits [1, PROMPT, V] and NEW greedy tokens [1, NEW] (recomputed over a fixed buffer)."""
-    graphdef, state = nnx.split(model)
-    cache = init_cache(cfg, batch=1, max_context=32, dtype="float32")
-
-    def run(state, ids, lengths, cache):
-        return nnx.merge(graphdef, state)(ids, cache, lengths)[0]
-
-    if mesh is None:
-        program = jax.jit(run)
-    else:
-        rep = sharding.replicated(mesh)
-        program = jax.jit(run, in_shardings=(sharding.state_sharding(model), rep, rep,
-                                             sharding.cache_sharding(mesh, cache)),
-                          out_shardings=sharding.logits_sharding(mesh))
-    ids = np.zeros((1, PROMPT + NEW), np.int32)
-    ids[:, :PROMPT] = prompt
-    first = None
-    for step in range(NEW):
-        length = PROMPT + step
-        logits = np.asarray(program(state, ids, np.full(1, length, np.int32), cache))
-        first = logits[:, :PROMPT] if first is None else first
-        ids[:, length] = logits[:, length - 1].argmax(-1)
-    return first, ids[:, PROMPT:]
+    """Prefill logits [1, PROMPT, V] and NEW greedy tokens [1, NEW] (`test_sharding_model.greedy`)."""
+    return greedy_run(model, cfg, prompt, mesh, new=NEW, max_context=32)[:2]
 
 
 @pytest.fixture(scope="module")

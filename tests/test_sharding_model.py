@@ -65,10 +65,12 @@ def setup(name: str):
     return _cache[name]
 
 
-def greedy(model, cfg, prompt, mesh):
-    """Prefill logits [B, PROMPT, V] and NEW greedy tokens [B, NEW], plus the compiled program's HLO text."""
+def greedy(model, cfg, prompt, mesh, new: int = NEW, max_context: int = 64):
+    """Prefill logits [B, P, V] of ``prompt`` [B, P] and ``new`` greedy tokens [B, new] (recomputed over a fixed
+    buffer, one compiled program), plus that program's HLO text. ``mesh``: shardings of a sharded model."""
+    batch, length0 = prompt.shape
     graphdef, state = nnx.split(model)
-    cache = init_cache(cfg, batch=BATCH, max_context=64, dtype="float32")
+    cache = init_cache(cfg, batch=batch, max_context=max_context, dtype="float32")
 
     def run(state, ids, lengths, cache):
         return nnx.merge(graphdef, state)(ids, cache, lengths)[0]
@@ -80,17 +82,16 @@ def greedy(model, cfg, prompt, mesh):
         program = jax.jit(run, in_shardings=(sharding.state_sharding(model), rep, rep,
                                              sharding.cache_sharding(mesh, cache)),
                           out_shardings=sharding.logits_sharding(mesh))
-    ids = np.zeros((BATCH, PROMPT + NEW), np.int32)
-    ids[:, :PROMPT] = prompt
-    compiled = program.lower(state, ids, np.full(BATCH, PROMPT, np.int32), cache).compile()
+    ids = np.zeros((batch, length0 + new), np.int32)
+    ids[:, :length0] = prompt
+    compiled = program.lower(state, ids, np.full(batch, length0, np.int32), cache).compile()
     first = None
-    for step in range(NEW):
-        length = PROMPT + step
-        logits = np.asarray(compiled(state, ids, np.full(BATCH, length, np.int32), cache))
-        first = logits[:, :PROMPT] if first is None else first
-        if length < PROMPT + NEW:
-            ids[:, length] = logits[:, length - 1].argmax(-1)
-    return first, ids[:, PROMPT:], compiled.as_text()
+    for step in range(new):
+        length = length0 + step
+        logits = np.asarray(compiled(state, ids, np.full(batch, length, np.int32), cache))
+        first = logits[:, :length0] if first is None else first
+        ids[:, length] = logits[:, length - 1].argmax(-1)
+    return first, ids[:, length0:], compiled.as_text()
 
 
 def collectives(hlo: str) -> list[tuple[str, str]]:
