@@ -2,8 +2,9 @@
 talked to by the official `openai` client (a client no one here wrote) and by plain HTTP (httpx).
 
 The server runs float32 with the rounding points off (as tests/test_engine.py: then batching changes at most
-GEMM summation order), 4 slots, a 12-request queue, a 96-token context and 16-row prefill segments, so the
-programs it compiles at start-up are few (one prefill bucket) and every request shape reuses them.
+GEMM summation order), 4 slots, a 12-request queue, a 512-token context and 16-row segments, so every prompt is
+short and prefills row by row inside the decode steps: the one model program compiled at start-up is the decode
+step's (the one-row prefill of long prompts is tested in-process, tests/test_serve_slots.py).
 """
 
 from __future__ import annotations
@@ -131,6 +132,17 @@ def test_models_health_and_tools(server, client):
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 100  # the schemas are in the prompt
 
 
+def test_stop_strings_cut_the_text(client):
+    ask = dict(model="m", prompt=[7, 8, 9, 10], max_tokens=16, temperature=0)
+    free = client.completions.create(**ask).choices[0].text
+    stop = free[4:6]
+    assert len(stop) == 2
+    cut = client.completions.create(**ask, stop=[stop, "never-there"]).choices[0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stop=stop, stream=True)
+                       if c.choices)
+    assert cut.text == free[:free.index(stop)] == streamed and cut.finish_reason == "stop"
+
+
 # ------------------------------------------------------------------------------------------ continuous batching
 def _complete(http: httpx.Client, ids, max_tokens):
     r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0,
@@ -226,7 +238,6 @@ def test_bad_requests_get_400_and_the_server_lives(server):
     assert re.search(r'dsv41_requests_total\{endpoint="chat",status="400"\} (\d+)', text)
 
 
-@pytest.mark.slow
 def test_load_queue_bound_and_metrics(server):
     """200 requests from 32 concurrent clients (streaming and not): each is answered 200 with exactly the
     tokens the prompt gets alone (none lost or repeated) or a clean 503 (queue full); the server is healthy
@@ -283,6 +294,7 @@ def test_load_queue_bound_and_metrics(server):
         else:
             assert payload["choices"][0]["token_ids"] == want[i % 4]
     assert ok >= SLOTS + QUEUE  # at least the first wave is served
+    assert ok < 200  # 32 clients at once against 4 slots + 12 queued: some were refused at once
     assert httpx.get(server + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
     assert _metric(server, "dsv41_requests_total") - start_requests == 200 + len(prompts)
     assert _metric(server, "dsv41_time_to_first_token_seconds_count") >= ok
