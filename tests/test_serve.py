@@ -307,3 +307,42 @@ def test_bad_flags_exit_2_with_one_line():
         r = subprocess.run([sys.executable, "-m", "dsv41_jax.serve", *flags], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, r.stderr
+
+
+def test_tool_calls_stream_as_openai_chunks():
+    """A reply with a DSML tool call (the V4.1 format, rendered by chat.render_reply and tokenized by the real
+    tokenizer) goes through the server's pipeline and SSE writer; the official client's chunk type reads a
+    tool_calls delta with the call, and finish_reason tool_calls."""
+    from openai.types.chat import ChatCompletionChunk
+
+    from dsv41_jax.chat import Message, ToolCall, render_reply
+    from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    tokenizer, _ = load_tokenizer()
+    reply = Message("assistant", "Let me look.", reasoning_content="Weather needs a tool.",
+                    tool_calls=(ToolCall("get_weather", '{"city": "Paris", "days": 3}'),))
+    ids = tokenizer.encode(render_reply(reply, thinking=True))
+    pipeline = TextPipeline(tokenizer, (), chat=True, thinking=True)
+
+    async def events():
+        for i in ids[:-1]:  # the end id is not reported by the engine
+            for e in pipeline.push(i):
+                yield e
+        for e in pipeline.finish():
+            yield e
+        yield Finish("stop", tuple(ids[:-1]))
+
+    async def collect():
+        return [line async for line in _chat_stream({"id": "x", "created": 0, "model": "m"}, events(), 10)]
+
+    lines = asyncio.run(collect())
+    assert lines[-1] == "data: [DONE]\n\n"
+    chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in lines[:-1]]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [call for d in deltas for call in (d.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 3}
+    assert "".join(d.content or "" for d in deltas) == "Let me look."
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Weather needs a tool."
+    assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens == len(ids) - 1

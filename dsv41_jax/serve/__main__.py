@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_argument_group("model (as python -m dsv41_jax.generate)")
     model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
     model.add_argument("--config", metavar="FILE", help="config.json for the random-weight model (default: tiny)")
+    model.add_argument("--layers", type=_positive_int, metavar="K",
+                       help="a K-layer cut of --config (default the released dsv41_flash) keeping its layer roles, "
+                            "random weights drawn on the devices, sharded (as python -m dsv41_jax.profile): e.g. "
+                            "the 2-layer full-width model for serving benchmarks")
     model.add_argument("--world", type=_positive_int, default=1, metavar="N",
                        help="devices to shard over (default 1: unsharded)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
@@ -88,6 +92,22 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def random_cut(args):
+    """(ModelInputs, model, mesh) for --layers K: ``profiling.cut`` of the config, weights drawn on the devices."""
+    from .. import generate  # noqa: PLC0415
+    from ..config import load_named  # noqa: PLC0415
+    from ..profiling.build import build_model  # noqa: PLC0415
+    from ..profiling.cut import cut_layers  # noqa: PLC0415
+
+    if args.checkpoint:
+        raise generate.UsageError("--layers makes a random-weight model: it does not go with --checkpoint")
+    cfg = load_named(args.config or "dsv41_flash")
+    cfg = cut_layers(cfg, args.layers)
+    model, mesh = build_model(cfg, args.world, generate.model_options(args, "dequantized"))
+    name = f"{args.config or 'dsv41_flash'} cut to {args.layers} layers, RANDOM weights drawn on the devices"
+    return generate.ModelInputs(cfg, None, name), model, mesh
+
+
 def build_server(args):
     """(app, state): the model, its engine and slots compiled, the HTTP app over them."""
     import jax  # noqa: PLC0415
@@ -105,7 +125,10 @@ def build_server(args):
     generate.check_world(args.world)
     cache_dir = enable_compile_cache(args.compile_cache)
     _say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
-    inputs = generate.load_model_inputs(args)
+    if args.layers:
+        inputs, model, mesh = random_cut(args)
+    else:
+        inputs = generate.load_model_inputs(args)
     cfg = inputs.cfg
     if args.max_context > cfg.max_position_embeddings:
         raise generate.UsageError(f"--max-context {args.max_context:,} is above the model's "
@@ -115,7 +138,8 @@ def build_server(args):
     _say(f"tokenizer: {tokenizer_description}")
     plan = ((lambda n: fixed_segments(n, args.segment_rows)) if args.segment_rows
             else generate.segment_plan(cfg, args.world))
-    model, mesh = generate.build(inputs, args)
+    if not args.layers:
+        model, mesh = generate.build(inputs, args)
     engine = Engine(model, cfg, max_context=args.max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
                     hasher=inputs.hasher)
     slots = SlotEngine(engine, args.max_batch)
@@ -140,7 +164,8 @@ def build_server(args):
                                  lambda: compile_events[0]),
         "dsv41_decode_steps": ("Decode steps run.", lambda: worker.slots.decode_steps),
     })
-    name = args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else "dsv41-tiny-random"
+    name = (args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else
+            f"dsv41-{args.layers}-layer-random" if args.layers else "dsv41-tiny-random")
     state = ServerState(worker, tokenizer, metrics, name, engine.vocab_size, args.max_context)
     return create_app(state), state
 
