@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -108,6 +109,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still stops the spawned server (finally)
     proc = None
     url = a.url
     if a.spawn:
