@@ -263,6 +263,13 @@ class TextPipeline:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """The engine failed on the request (its step raised): a 500, or an error event mid-stream."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class Finish:
     reason: str  # stop | length
     token_ids: tuple[int, ...]  # the generated ids (an end id not included)
@@ -274,8 +281,9 @@ class Finish:
 
 async def generation_events(state: ServerState, request: Request, pipeline: TextPipeline,
                             http: HttpRequest | None, arrived: float) -> AsyncIterator:
-    """Submit ``request`` (QueueFull raised at once) and yield its reply events, then one `Finish`. The slot is
-    freed when the generator is closed early (client gone). ``http``: polled for a disconnect (non-streaming)."""
+    """Submit ``request`` (QueueFull raised at once) and yield its reply events, then one `Finish` (or `Failed`).
+    The slot is freed when the generator is closed early (client gone). ``http``: polled for a disconnect
+    (non-streaming)."""
     worker, metrics = state.worker, state.metrics
     job_id, events = worker.submit(request, asyncio.get_running_loop())
     metrics.add_prompt_tokens(len(request.prompt_ids))
@@ -293,7 +301,9 @@ async def _events(worker, metrics, job_id, events, pipeline, http, arrived):
                     return
                 continue
             if kind == "error":
-                raise RuntimeError(value)
+                done = True
+                yield Failed(str(value))
+                return
             if kind == "done":
                 done = True
                 reason = "length" if value == "length" else "stop"
@@ -344,6 +354,8 @@ async def chat_completion(state: ServerState, http: HttpRequest):
     events = await generation_events(state, request, pipeline, http, arrived)
     reasoning, content, calls, unparsed, finish = [], [], [], [], None
     async for e in events:
+        if isinstance(e, Failed):
+            return error_response(500, e.message, "server_error")
         if isinstance(e, ReasoningDelta):
             reasoning.append(e.text)
         elif isinstance(e, ContentDelta):
@@ -381,6 +393,8 @@ async def _chat_stream(head: dict, events, prompt_tokens: int):
         elif isinstance(e, ToolCallEvent):
             saw_calls = True
             yield chunk({"tool_calls": [_tool_call_delta(e)]})
+        elif isinstance(e, Failed):
+            yield _sse({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
         else:
             yield chunk({}, "tool_calls" if saw_calls and e.reason == "stop" else e.reason)
             yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
@@ -402,6 +416,8 @@ async def completion(state: ServerState, http: HttpRequest):
     events = await generation_events(state, request, pipeline, http, arrived)
     text, finish = [], None
     async for e in events:
+        if isinstance(e, Failed):
+            return error_response(500, e.message, "server_error")
         if isinstance(e, Finish):
             finish = e
         else:
@@ -421,7 +437,9 @@ async def _completion_stream(head: dict, events, prompt_tokens: int):
                      "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
 
     async for e in events:
-        if isinstance(e, Finish):
+        if isinstance(e, Failed):
+            yield _sse({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
+        elif isinstance(e, Finish):
             yield chunk("", e.reason)
             yield _sse({**head, "object": "text_completion", "choices": [],
                         "usage": _usage(prompt_tokens, e.completion_tokens)})
