@@ -10,6 +10,8 @@ key with its own step count.
 
 from __future__ import annotations
 
+import asyncio
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,38 @@ def test_cancel_frees_the_slot_at_once(engine):
         slots.step()
     assert [e for e in events if e[0] == 2][-1] == (2, "done", "length")
     assert sum(1 for e in events if e[:2] == (1, "token")) == 6 - 3  # 3 steps feed the prompt rows, 3 sample
+
+
+def test_a_failing_step_fails_its_request_and_the_engine_thread_goes_on(engine, monkeypatch):
+    """The engine thread (serve.worker): a step that raises fails the requests it held (the server's 500) and
+    the next request runs; one slot and no queue: a second request in flight is refused at once (the 503)."""
+    from dsv41_jax.serve.worker import QueueFull, Worker
+
+    real, failures = SlotEngine._decode_step, []
+
+    def flaky(self):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected")
+        return real(self)
+
+    monkeypatch.setattr(SlotEngine, "_decode_step", flaky)
+    worker = Worker(SlotEngine(engine, 1), max_queue=0)
+    worker.start()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        _, first = worker.submit(Request((5, 6), 3), loop)
+        with pytest.raises(QueueFull):
+            worker.submit(Request((5,), 2), loop)
+        failed = await asyncio.wait_for(first.get(), 120)
+        _, second = worker.submit(Request((5, 6), 3), loop)
+        return failed, [await asyncio.wait_for(second.get(), 120) for _ in range(4)]
+
+    try:
+        failed, events = asyncio.run(run())
+    finally:
+        worker.stop()
+    assert failed[0] == "error"
+    assert [kind for kind, _ in events] == ["token", "token", "token", "done"] and events[-1] == ("done", "length")
+    assert [v for _, v in events[:3]] == list(engine.generate([Request((5, 6), 3)]).generations[0].token_ids)

@@ -32,10 +32,19 @@ class Worker:
         self._in_flight = 0
         self._on_token = on_token  # metrics hook, called on this thread
         self._thread = threading.Thread(target=self._loop, name="dsv41-engine", daemon=True)
-        self.alive = True
+        self._stop = threading.Event()
 
     def start(self) -> None:
         self._thread.start()
+
+    def stop(self) -> None:
+        """End the engine thread after its current step (requests still held get no more events)."""
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     @property
     def in_flight(self) -> int:
@@ -90,7 +99,7 @@ class Worker:
                 return
 
     def _loop(self) -> None:
-        while True:
+        while not self._stop.is_set():
             self._drain(block=not self.slots.busy)
             try:
                 self.slots.step()
