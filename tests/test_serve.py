@@ -232,6 +232,8 @@ def test_bad_requests_get_400_and_the_server_lives(server):
             assert r.status_code == 400, (body, r.status_code, r.text)
             error = r.json()["error"]
             assert error["type"] == "invalid_request_error" and error["message"], (body, error)
+            if isinstance(body, dict) and path.endswith("chat/completions") and len(body) == 2:
+                assert error["param"] == [k for k in body if k != "messages"][0], (body, error)  # the bad one
             assert "Traceback" not in r.text
         assert http.get("/health").json()["status"] == "ok"
         assert http.get("/v1/nowhere").json()["error"]["type"] == "not_found_error"

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import ChatFormatError, ContentDelta, ReasoningDelta, ReplyStream, ToolCallEvent, UnparsedDelta, \
-    message_from_openai, tool_function
+    effort_budget, message_from_openai, tool_function
 from ..engine import EngineInputError, Request
 from ..sampling import SamplingError, SamplingParams
 from .metrics import Metrics
@@ -93,10 +93,10 @@ async def parse_body(http: HttpRequest, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or p not in ("str", "list[str]",
-                                                                                          "bool", "dict", "int"))
-        raise BadRequest(f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
+        err = e.errors()[0]  # its loc: the field, then (for a union) the member type tried
+        field = str(err["loc"][0]) if err["loc"] else None
+        given = f" (got {json.dumps(err['input'])[:40]})" if err["type"] != "missing" else ""
+        raise BadRequest(f"{field}: {err['msg']}{given}" if field else err["msg"], param=field) from None
 
 
 # ------------------------------------------------------------------------------------------------- settings
@@ -180,13 +180,20 @@ def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int
         raise BadRequest("messages must not be empty", "messages")
     try:
         messages = tuple(message_from_openai(m, f"messages[{i}]") for i, m in enumerate(body.messages))
-        tools = tuple(body.tools or ())
+    except ChatFormatError as e:
+        raise BadRequest(str(e), "messages") from None
+    tools = tuple(body.tools or ())
+    try:
         for i, t in enumerate(tools):
             tool_function(t, f"tools[{i}]")
     except ChatFormatError as e:
-        raise BadRequest(str(e), "messages") from None
+        raise BadRequest(str(e), "tools") from None
     if body.tool_choice not in (None, "auto", "none", "required") and not isinstance(body.tool_choice, dict):
         raise BadRequest('tool_choice must be "auto", "none", "required" or a function', "tool_choice")
+    try:
+        effort_budget(body.reasoning_effort)
+    except ChatFormatError as e:
+        raise BadRequest(str(e), "reasoning_effort") from None
     if body.tool_choice == "none":
         tools = ()
     options = types.SimpleNamespace(thinking=thinking, reasoning_effort=body.reasoning_effort, chat=True,

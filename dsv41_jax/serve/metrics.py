@@ -39,7 +39,8 @@ class Metrics:
         self.requests: dict[tuple[str, int], int] = {}
         self.prompt_tokens = 0
         self.generated_tokens = 0
-        self.ttft = Histogram("dsv41_time_to_first_token_seconds", "Seconds from a request's arrival to its first token.")
+        self.ttft = Histogram("dsv41_time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first token.")
         self.itl = Histogram("dsv41_inter_token_latency_seconds", "Seconds between consecutive tokens of a stream.")
         self.gauges = gauges  # name -> (help, callable)
 

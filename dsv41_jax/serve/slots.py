@@ -37,7 +37,6 @@ without compiling anything (tests/test_serve.py counts JAX's compile events in t
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -74,9 +73,7 @@ class Job:
     prompt_done: int = 0
     segments: list = field(default_factory=list)  # remaining prefill segment sizes
     slot: int = -1
-    produced: int = 0
     cancelled: bool = False
-    arrived_s: float = field(default_factory=time.perf_counter)
 
 
 class SlotEngine:
@@ -244,7 +241,6 @@ class SlotEngine:
             self.decode_steps += 1
             for b in np.flatnonzero(decoding):
                 job, token = self.running[b], int(tokens[b])
-                job.produced += 1
                 self._steps[b] += 1
                 if token in self.engine.eos_ids:
                     self._free(b, "stop")
