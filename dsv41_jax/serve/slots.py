@@ -123,6 +123,7 @@ class SlotEngine:
         e._programs.ensure(specs)
         self._run_sample(np.zeros(self.slots, bool))  # sample[S] with per-slot steps and insert: on a dry run
         self._run_insert(self._run_init(1), jnp.zeros((1, e.vocab_size), jnp.float32), 0)
+        sampling_arrays([Request(()).sampling])  # its one-request key op, so the first request compiles nothing
         return e._programs.compile_s - before
 
     def _run_init(self, batch: int):
