@@ -138,17 +138,19 @@ def stops_of(body: _Body) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def engine_request(state: ServerState, ids: tuple[int, ...], max_tokens: int | None, sampling) -> Request:
-    """The engine request; 400 for a prompt or max_tokens that does not fit (default max_tokens: the rest of
-    the context)."""
+def engine_request(state: ServerState, ids: tuple[int, ...], max_tokens: int | None, sampling,
+                   prompt_field: str, default_max: int | None = None) -> Request:
+    """The engine request; 400 for a prompt or max_tokens that does not fit. Without max_tokens:
+    ``default_max`` (None: the rest of the context), cut to what fits. ``prompt_field``: the body field the
+    prompt came from (the error's param)."""
     if not ids:
-        raise BadRequest("the prompt is empty", "prompt")
+        raise BadRequest("the prompt is empty", prompt_field)
     room = state.max_context - len(ids) + 1
     if len(ids) > state.max_context:
         raise BadRequest(f"the prompt has {len(ids)} tokens, longer than the context of {state.max_context} "
-                         f"tokens", "messages")
+                         f"tokens", prompt_field)
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room if default_max is None else min(default_max, room)
     if not 1 <= max_tokens <= room:
         raise BadRequest(f"max_tokens must be in 1 .. {room} (the context of {state.max_context} tokens minus the "
                          f"{len(ids)}-token prompt, plus one), got {max_tokens}", "max_tokens")
@@ -156,7 +158,7 @@ def engine_request(state: ServerState, ids: tuple[int, ...], max_tokens: int | N
     try:
         state.worker.slots.engine.check([request])
     except EngineInputError as e:
-        raise BadRequest(str(e), "prompt") from None
+        raise BadRequest(str(e), prompt_field) from None
     return request
 
 
@@ -351,7 +353,7 @@ async def chat_completion(state: ServerState, http: HttpRequest):
     body = await parse_body(http, ChatBody)
     thinking = thinking_of(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    request = engine_request(state, chat_prompt(state, body, thinking), max_tokens, sampling_of(body))
+    request = engine_request(state, chat_prompt(state, body, thinking), max_tokens, sampling_of(body), "messages")
     pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=True, thinking=thinking)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     prompt_tokens = len(request.prompt_ids)
@@ -412,8 +414,8 @@ async def _chat_stream(head: dict, events, prompt_tokens: int):
 async def completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, CompletionBody)
-    request = engine_request(state, completion_prompt(state, body), 16 if body.max_tokens is None else
-                             body.max_tokens, sampling_of(body))
+    request = engine_request(state, completion_prompt(state, body), body.max_tokens, sampling_of(body), "prompt",
+                             default_max=16)  # OpenAI's default for completions
     pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=False)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     prompt_tokens = len(request.prompt_ids)
