@@ -1,0 +1,89 @@
+"""Image prompts on a sharded model: worlds 2 and 4 against one device (simulated CPU devices, tests/conftest.py).
+
+Reference: the plain one-device ``Transformer`` (``build_model``) through the same ``Engine``; its image path is
+checked against mlx-vlm in ``test_vision_model.py``. Both run f32 with the rounding points off (MODEL.md §C.4).
+
+TINY-V's tower has 2 heads and MLP width 96, so world 2 splits heads and MLP columns evenly and world 4 pads
+the heads (2 real heads over 4 ranks: two ranks hold one zero head each, VISION.md §V.G) while its MLP splits
+evenly (24 columns a rank).
+
+Tolerances: aligner rows 1e-5 absolute on values of size ~2 (the only difference is the order of f32 sums:
+per-rank partial sums of ``attn.wo``, ``mlp.w2`` and ``aligner.w2`` all-reduced; observed ≤ 1e-6). Prefill and
+decode logits 1e-4 absolute on logits of size ~4, as ``test_sharding_model.py`` (the layers amplify last-bit
+differences to a few 1e-6). Greedy tokens identical.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import sharding
+from dsv41_jax.config import load_named
+from dsv41_jax.engine import Engine, Request, build_model
+from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.model.transformer import ModelOptions
+from dsv41_jax.vision.preprocess import expand_prompt, load_image, prepare_image
+
+FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
+# TINY-V cut to 4 text layers (a window layer, two compressed layers, the indexer): a third of the compile time.
+CFG = load_named("tiny_vision").replace(
+    num_hidden_layers=4, compress_ratios=(0, 0, 2, 2), kv_source_layer_ids=(2,), index_source_layer_ids=(2,),
+    candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=())
+F32 = ModelOptions(dtype="float32", quant_rounding=False, vision=True)
+CHUNKS = [43]  # one segment (spans crossing segments: test_vision_model.py at world 1)
+NEW = 2
+_cache: dict = {}
+
+
+def _prompt():
+    """Text, image (fixture, span 10), text, image (30×300, span 18), text: 43 positions."""
+    rng = np.random.default_rng(9)
+    tall = Image.fromarray(rng.integers(0, 256, (300, 30, 3), dtype=np.uint8))
+    images = [load_image(FIXTURE, CFG.vision), prepare_image(tall, CFG.vision)]
+    ids = (0, 17, 42, 99, 7, CFG.image_token_id, 5, 6, 300, 11, CFG.image_token_id, 12, 13, 14, 15, 16, 200)
+    return expand_prompt(ids, images, CFG.image_token_id)
+
+
+def _weights():
+    if "flat" not in _cache:
+        flat = random_weights(CFG, seed=3)
+        for layer in range(CFG.num_hidden_layers):  # image rows route to experts 0 and 1 (bias_vl visible)
+            flat[f"layers.{layer}.ffn.gate.bias_vl"][:2] += 10.0
+        _cache["flat"] = flat
+    return _cache["flat"]
+
+
+def _run(model, mesh):
+    """(aligner rows of the prompt's images [2, M, D], prefill logits [43, V], greedy tokens, decode logits)."""
+    prompt = _prompt()
+    engine = Engine(model, CFG, max_context=64, cache_dtype="float32", short_rows=0, mesh=mesh,
+                    segment_plan=lambda n: CHUNKS)
+    request = Request(prompt.ids, max_new_tokens=NEW, images=prompt)
+    table = np.asarray(engine._encode([request])[0])  # the engine's one tower call: [2·M, D]
+    result = engine.generate([request], record_logits=True)
+    return (table.reshape(len(prompt.images), -1, table.shape[-1]), result.prefill_logits,
+            result.generations[0].token_ids, result.decode_logits)
+
+
+def _reference():
+    if "ref" not in _cache:
+        _cache["ref"] = _run(build_model(CFG, F32, _weights()), None)
+    return _cache["ref"]
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize("world", [2, 4])
+def test_image_prompt_at_world_matches_one_device(world):
+    ref_rows, ref_logits, ref_tokens, ref_decode = _reference()
+    model, mesh = sharding.prepare(CFG, _weights(), world, F32)
+    rows, logits, tokens, decode = _run(model, mesh)
+    prompt = _prompt()
+    for k, im in enumerate(prompt.images):
+        np.testing.assert_allclose(rows[k, : im.plan.n_tokens], ref_rows[k, : im.plan.n_tokens], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(decode, ref_decode, atol=1e-4, rtol=0)
+    assert tokens == ref_tokens
