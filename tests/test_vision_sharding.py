@@ -19,14 +19,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 from PIL import Image
 
 import sharding
+from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, Request, build_model
-from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.vision.preprocess import expand_prompt, load_image, prepare_image
+from sharding.load import checkpoint_source
 
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
 # TINY-V cut to 4 text layers (a window layer, two compressed layers, the indexer): a third of the compile time.
@@ -87,3 +90,29 @@ def test_image_prompt_at_world_matches_one_device(world):
     np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=0)
     np.testing.assert_allclose(decode, ref_decode, atol=1e-4, rtol=0)
     assert tokens == ref_tokens
+
+
+@pytest.mark.devices(4)
+def test_tower_weights_are_split_and_padded_at_world_4(tmp_path):
+    """World 4 of TINY-V (2 heads of 32, MLP 96, D 64): each rank holds one head's q, k, v rows (ranks 2 and 3 a
+    zero head), 24 MLP columns' gate and up rows, 16 aligner columns; the real entries are the checkpoint's,
+    read lazily (each rank's rows of each fused part) from a written checkpoint."""
+    flat = _weights()
+    write_checkpoint(tmp_path, CFG, flat, "none")
+    model, mesh = sharding.prepare(CFG, checkpoint_source(open_checkpoint(tmp_path, vision=True)), 4, F32)
+    shapes = {"vision.blocks.0.attn.wqkv.weight": (3 * 32, 64), "vision.blocks.0.attn.wo.weight": (64, 32),
+              "vision.blocks.1.mlp.w1.weight": (2 * 24, 64), "vision.blocks.1.mlp.w2.weight": (64, 24),
+              "aligner.w1.weight": (16, 9 * 64), "aligner.w2.weight": (64, 16), "vision.norm.weight": (64,)}
+    state = dict((".".join(map(str, p)), v[...]) for p, v in nnx.to_flat_state(nnx.state(model.inner, nnx.Param)))
+    for name, shard_shape in shapes.items():
+        assert {s.data.shape for s in state[name].addressable_shards} == {shard_shape}, name
+    wqkv = state["vision.blocks.0.attn.wqkv.weight"]
+    for device in mesh.devices.flat[2:]:
+        assert not np.asarray(next(s.data for s in wqkv.addressable_shards if s.device == device)).any()
+    for name, value in state.items():
+        if name.startswith(("vision.", "aligner.")):
+            hit = sharding.rules.split_axis(name, value.ndim, "tp")
+            value = np.asarray(value)
+            if hit is not None:
+                value = np.take(value, model.plan.split(hit[1], value.shape[hit[0]]).real_index(), axis=hit[0])
+            np.testing.assert_array_equal(value, flat[name], err_msg=name)
