@@ -26,9 +26,8 @@ from flax import nnx
 
 from ..config import ModelConfig, VisionConfig
 from ..model.norms import HIGHEST, RMSNorm, random_normal
+from ..planner import VISION_QUERY_CHUNK as QUERY_CHUNK  # XLA attention's query chunk (sized by the planner)
 from .batch import ImageBatch
-
-QUERY_CHUNK = 1024  # XLA attention over at most this many queries at once: [B, H, 1024, N] f32 scores (§V.G)
 
 
 def _precision(dtype):
