@@ -1,4 +1,4 @@
-"""Vision tower + aligner timing on one GPU (VISION.md §V.C–§V.D, §V.G): one image of the largest span, and a batch.
+"""Vision tower + aligner timing on one GPU (VISION.md §V.C–§V.D, §V.G): the largest images, alone and batched.
 
 PYTHONPATH=. python benchmarks/bench_vision.py [--config dsv41_flash] [--dtype bfloat16] [--reps 10] [--batch 4]
     [--attention auto|xla|cudnn] [--json PATH]
@@ -6,11 +6,12 @@ PYTHONPATH=. python benchmarks/bench_vision.py [--config dsv41_flash] [--dtype b
 Random device-side weights at full width (ViT 32 × 1024, aligner 9216 → 5120 → 5120, bf16). Two images, each
 padded to its bucket (`vision.batch`): a 1302×1302 square (93×93 = 8,649 patches, 961 tokens, span 994: the
 largest square) and a 14,000×1 strip (its plan: 3 × 3,063 = 9,189 patches, 1,021 tokens, span 1,024: the largest
-n of any image, §V.B.7); both run at the top bucket of 9,216 patches and 1,024 rows; then ``--batch`` squares in one tower call. Prints,
-per case, the median time, measured / floor and their ratio, the FLOPs of the real image and of the padded bucket (linear layers 2·n·(588·C + N_v·C·(4C + 3I)) +
-attention N_v·4·n²·C + aligner 2·m·(9C·D + D²)), and the floor = padded FLOPs / the bf16 dense peak (989 TFLOP/s
-for an H200 SXM). ``--attention``: the tower's attention (auto: cuDNN's fused kernel for bf16 on a GPU, else
-XLA's chunked one; `vision.tower.masked_attention`); a case whose cuDNN call fails is retried with XLA and says so.
+n of any image, §V.B.7); both run at the top bucket of 9,216 patches and 1,024 rows; then ``--batch`` squares
+in one tower call. Prints, per case, measured / floor and their ratio, the FLOPs of the real images and of the
+padded buckets (linear layers 2·n·(588·C + N_v·C·(4C + 3I)) + attention N_v·4·n²·C + aligner 2·m·(9C·D + D²)
+an image), the floor = padded FLOPs / the bf16 dense peak (989 TFLOP/s for an H200 SXM). ``--attention``: the
+tower's attention (auto: cuDNN's fused kernel for bf16 on a GPU, else XLA's chunked one;
+`vision.tower.masked_attention`); a case whose cuDNN call fails is retried with XLA and says so.
 ``--config tiny_vision`` is a CPU dry run of the script.
 """
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sharding.mesh import ShardingError
-from sharding.rules import (ALIGNER_HIDDEN, EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP, VISION_GATE_UP,
-                            VISION_HEADS, VISION_MLP, VISION_QKV, VOCAB, check_layout)
+from sharding.rules import (ALIGNER_HIDDEN, EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP,
+                            VISION_GATE_UP, VISION_HEADS, VISION_MLP, VISION_QKV, VOCAB, check_layout)
 
 
 @dataclass(frozen=True)
@@ -163,21 +163,15 @@ class _Window:
         return self.array[tuple(combined)]
 
 
-def _aligner_split(width: int, world: int) -> Split:
-    """The aligner's D columns split evenly (D is the text model's hidden size; a world that does not divide it
-    cannot split the text model's head slices either)."""
-    if width % world:
-        raise ShardingError(f"world {world} does not divide the aligner width {width}")
-    return Split.even(width, world)
-
-
 @dataclass(frozen=True)
 class ShardPlan:
     """How one world cuts the model: the layout and the two uneven (padded) splits.
 
     ``layout`` "tp": routed and shared experts split on F by ``expert_width``; "ep": whole routed experts a
     rank (E / world each), F unsplit, shared expert replicated (``rules.LOGICAL_TO_MESH``).
-    Heads, groups and experts split evenly (the planner refuses worlds where they do not).
+    Heads, groups and experts split evenly (the planner refuses worlds where they do not). With a vision tower:
+    its heads and MLP columns ⌈x / W⌉ a rank, zero-padded (``Split.padded``; the fused rows as ``BlockedSplit``),
+    and the aligner's columns evenly.
     """
 
     world: int
@@ -186,7 +180,7 @@ class ShardPlan:
     expert_width: Split
     vision_heads: Split | None = None   # ViT heads (padded when the world does not divide them)
     vision_mlp: Split | None = None     # ViT MLP columns
-    aligner_width: Split | None = None  # aligner hidden columns (D)
+    aligner_width: Split | None = None  # aligner hidden columns (D, split evenly; None: this world cannot)
 
     @staticmethod
     def from_admission(cfg, world: int, admission, layout: str = "tp") -> "ShardPlan":
@@ -204,8 +198,9 @@ class ShardPlan:
         vc = cfg.vision
         if vc is None:
             return ShardPlan(world, layout, vocab, width)
+        aligner = Split.even(cfg.hidden_size, world) if cfg.hidden_size % world == 0 else None
         return ShardPlan(world, layout, vocab, width, Split.padded(vc.num_attention_heads, world),
-                         Split.padded(vc.intermediate_size, world), _aligner_split(cfg.hidden_size, world))
+                         Split.padded(vc.intermediate_size, world), aligner)
 
     def split(self, logical: str, size: int) -> Split | BlockedSplit:
         """The per-rank split of a dimension of logical axis ``logical`` and padded size ``size``."""
@@ -215,6 +210,9 @@ class ShardPlan:
             split, blocks = vision[logical]
             return BlockedSplit(split, blocks, size // (blocks * split.padded_total))
         if logical == ALIGNER_HIDDEN:
+            if self.aligner_width is None:
+                raise ShardingError(f"world {self.world} does not split the aligner's columns evenly: image "
+                                    f"prompts need a world that divides the hidden size")
             return self.aligner_width
         if logical == VOCAB:
             return self.vocab

@@ -20,7 +20,8 @@ class ImageBatch(NamedTuple):
     patches bf16 [B, N, 3·ps²] (zero padding); rows, cols int32 [B, N] (patch row / column, the 2-D RoPE
     coordinates); valid bool [B, N] (real patches, a prefix of each row: the keys the ViT attends to); gather
     int32 [B, M, r²] (the source patch of each element of a 3×3 cell, `c·r² + 3·di + dj` order of VISION.md
-    §V.D; 0 where invalid) and gather_valid bool [B, M, r²] (False for the zero padding of partial cells and padded rows).
+    §V.D; 0 where invalid) and gather_valid bool [B, M, r²] (False for the zero padding of partial cells and
+    padded rows).
     """
 
     patches: np.ndarray
