@@ -15,7 +15,10 @@ differences to a few 1e-6). Greedy tokens identical.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import jax
 
 import numpy as np
 import pytest
@@ -28,6 +31,7 @@ from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, Request, build_model
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model.transformer import ModelOptions
+from dsv41_jax.vision.batch import build_batch
 from dsv41_jax.vision.preprocess import expand_prompt, load_image, prepare_image
 from sharding.load import checkpoint_source
 
@@ -96,7 +100,9 @@ def test_image_prompt_at_world_matches_one_device(world):
 def test_tower_weights_are_split_and_padded_at_world_4(tmp_path):
     """World 4 of TINY-V (2 heads of 32, MLP 96, D 64): each rank holds one head's q, k, v rows (ranks 2 and 3 a
     zero head), 24 MLP columns' gate and up rows, 16 aligner columns; the real entries are the checkpoint's,
-    read lazily (each rank's rows of each fused part) from a written checkpoint."""
+    read lazily (each rank's rows of each fused part) from a written checkpoint. The compiled tower moves no
+    weight: its only collectives are the all-reduces after ``wo`` and ``mlp.w2`` (once in the scan's body) and
+    after ``aligner.w2``."""
     flat = _weights()
     write_checkpoint(tmp_path, CFG, flat, "none")
     model, mesh = sharding.prepare(CFG, checkpoint_source(open_checkpoint(tmp_path, vision=True)), 4, F32)
@@ -116,3 +122,16 @@ def test_tower_weights_are_split_and_padded_at_world_4(tmp_path):
             if hit is not None:
                 value = np.take(value, model.plan.split(hit[1], value.shape[hit[0]]).real_index(), axis=hit[0])
             np.testing.assert_array_equal(value, flat[name], err_msg=name)
+    batch = build_batch(_prompt().images[:1], CFG.vision)  # 64 patches, 16 rows
+    graphdef, state = nnx.split(model)
+    rep = sharding.replicated(mesh)
+    hlo = jax.jit(lambda st, b: nnx.merge(graphdef, st).encode_images(b),
+                  in_shardings=(sharding.state_sharding(model), rep), out_shardings=rep).lower(state, batch).compile()
+    found = collectives(hlo.as_text())
+    assert found == [("all-reduce", "f32[1,64,64]")] * 2 + [("all-reduce", "f32[1,16,64]")], found
+
+
+def collectives(hlo: str) -> list[tuple[str, str]]:
+    """(op, result shape without layout) of every collective in a compiled program."""
+    pattern = r"= (\([^)]*\)|\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
+    return [(op, re.sub(r"\{.*", "", shape)) for shape, op in re.findall(pattern, hlo)]
