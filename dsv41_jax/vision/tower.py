@@ -83,7 +83,8 @@ def masked_attention(q, k, v, lengths, scale: float) -> jnp.ndarray:
     first, `batch.build_batch`). q, k, v [B, N, H, d]; lengths int32 [B] → [B, N, H, d].
 
     ``jax.nn.dot_product_attention``: cuDNN's fused kernel on a GPU in bf16 (no [N, N] scores in memory); XLA's
-    in f32 or on CPU, in chunks of ``QUERY_CHUNK`` queries (bounded scratch)."""
+    in f32 or on CPU (or where cuDNN refuses the call while tracing), in chunks of ``QUERY_CHUNK`` queries
+    (bounded scratch)."""
     impl = _attention_impl(q.dtype)
 
     def block(qc):  # [B, c, H, d] -> [B, c, H, d]
@@ -91,7 +92,12 @@ def masked_attention(q, k, v, lengths, scale: float) -> jnp.ndarray:
                                             implementation=impl)
 
     b, n, h, d = q.shape
-    if impl == "cudnn" or n <= QUERY_CHUNK or n % QUERY_CHUNK:
+    if impl == "cudnn":
+        try:
+            return block(q)
+        except (RuntimeError, ValueError, NotImplementedError):  # cuDNN refused at trace time (version, GPU)
+            impl = "xla"
+    if n <= QUERY_CHUNK or n % QUERY_CHUNK:
         return block(q)
     chunks = q.reshape(b, n // QUERY_CHUNK, QUERY_CHUNK, h, d).swapaxes(0, 1)
     return jax.lax.map(block, chunks).swapaxes(0, 1).reshape(b, n, h, d)
