@@ -32,7 +32,7 @@ from sharding.mesh import make_mesh, replicated
 class ShardedTransformer(nnx.Module):
     """A Transformer built with the padded config, its parameters sharded over ``mesh``.
 
-    Call: ``(ids [B, T] int32, cache, lengths [B] | None, images: ImageRows | None, engram: EngramInput | None)
+    Call: ``(ids [B, T] int32, cache, lengths [B] | None, engram: EngramInput | None, images: ImageRows | None)
     -> (logits [B, T, V] f32 replicated, cache)``. ``encode_images(batch)``: the tower and aligner (their weights
     split by the rule table's vision rules), aligner rows [B_img, M, D] replicated.
     """
