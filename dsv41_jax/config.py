@@ -49,6 +49,14 @@ class VisionConfig:
     min_pixels: int = 295936
     max_wh_ratio: float | None = None
     norm_eps: float = 1e-6  # not in the config: VISION.md §V.A constants
+    # The sharded model's run layout (set by `sharding.layout.ShardPlan.run_config`, never read from a file):
+    # the fused rows of ``attn.wqkv`` (q, k, v) and ``mlp.w1`` (gate, up) are grouped rank by rank, so a rank's
+    # contiguous row block holds all three (two) parts of its own heads (columns); each group holds
+    # ``group_heads`` heads / ``group_mlp`` columns, zero padding included (0: H / G and I / G, no padding).
+    shard_groups: int = 1
+    group_heads: int = 0
+    group_mlp: int = 0
+    RUN_LAYOUT = ("norm_eps", "shard_groups", "group_heads", "group_mlp")  # fields no config file holds
 
     # The reference's flat ``ModelArgs`` names (VISION.md §V.A) → the HF ``vision_config`` names.
     FLAT_NAMES = {"vision_n_layers": "num_hidden_layers", "vision_dim": "hidden_size",
@@ -60,7 +68,7 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "VisionConfig | None":
         """A nested ``vision_config`` dict → VisionConfig; None when it has no layers (vision disabled)."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - set(cls.RUN_LAYOUT)
         kwargs = {k: v for k, v in raw.items() if k in names}
         cfg = cls(**kwargs)
         if cfg.num_hidden_layers == 0:
@@ -69,7 +77,7 @@ class VisionConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "norm_eps"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.RUN_LAYOUT}
 
     def validate(self) -> None:
         _require(self.hidden_size % self.num_attention_heads == 0 and self.head_dim % 4 == 0,
@@ -83,6 +91,14 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.group_heads or self.num_attention_heads // self.shard_groups
+
+    @property
+    def mlp_per_group(self) -> int:
+        return self.group_mlp or self.intermediate_size // self.shard_groups
 
     @property
     def patch_dim(self) -> int:

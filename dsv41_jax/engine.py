@@ -304,6 +304,7 @@ class Engine:
             from .engram import Hasher  # noqa: PLC0415
 
             self.hasher = hasher or Hasher(cfg)
+        self._has_vision = hasattr(model, "vision")  # built with the image path (a sharded model's: its inner's)
         graphdef, self.state = nnx.split(model)
         self._programs = _shared_programs(graphdef, self.state)
 
@@ -424,7 +425,7 @@ class Engine:
         if all(r.images is None or not r.images.images for r in requests):
             return None
         vc = self.cfg.vision
-        if vc is None or "vision" not in self.state:
+        if vc is None or not self._has_vision:
             raise EngineInputError("this model has no vision tower: image prompts need a checkpoint with a "
                                    "vision_config, loaded with its image path")
         from .vision.batch import build_batch, image_row_index  # noqa: PLC0415

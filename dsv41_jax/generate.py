@@ -709,8 +709,6 @@ def run(args) -> int:
     cache_dir = enable_compile_cache(args.compile_cache)
     _say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
     args.wants_images = any(s.images for s in specs)
-    if args.wants_images and args.world > 1:
-        raise UsageError(f"image prompts run on one device for now: use --world 1 (not {args.world})")
     inputs = load_model_inputs(args)
     cfg, description = inputs.cfg, inputs.description
     _say(f"model: {description}")

@@ -2,11 +2,14 @@
 
     python -m dsv41_jax.plan --config dsv41_flash --world 4 --rank 2 --rows 2048 --position 300000
     python -m dsv41_jax.plan --config tiny --world 8 --rows 17 --position 0 --json
+    python -m dsv41_jax.plan --config dsv41_flash --world 4 --rows 2048 --position 0 --images --vision-images 2
 
 Weights are planned in the formats the config's ``quantization_config`` says the checkpoint stores (the
 release: fp4 routed experts, fp8 dense matrices; bf16 without one); ``--experts`` / ``--dense`` override.
 A refusal prints its rule and reason on stderr and exits 2. R10 (memory, PLANNER.md §F) is checked by default
 against the H200's 139 GiB usable a device; ``--budget-gib`` sets another budget, ``--no-memory-check`` skips it.
+With ``--images`` on a config with a vision tower, the tower's plan is shown too (patch / token buckets, its
+per-rank weights and its workspace for ``--vision-images`` images at the largest bucket) and R10 counts both.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import math
 import sys
 
 from dsv41_jax.config import ConfigError, load_named
-from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, admit, buffer_plan,
-                               plan_segment)
+from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, VisionPlan, admit,
+                               buffer_plan, plan_segment, plan_vision)
 
 EXPERT_FORMATS = ("f32", "bf16", "fp8", "fp4")
 DENSE_FORMATS = ("f32", "bf16", "fp8")
@@ -64,7 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--position", type=_at_least(0), required=True, help="position of the segment's first row")
     p.add_argument("--pf4k", action="store_true", help="4K mode (4,096-row segments; implies the acknowledgement)")
     p.add_argument("--replay", action="store_true", help="CED bounded replay (plans the encoder segment)")
-    p.add_argument("--images", action="store_true", help="plan image roles (image_rows = -1)")
+    p.add_argument("--images", action="store_true",
+                   help="plan image prompts: image roles (image_rows = -1) and, with a vision tower, its buckets, "
+                        "weights and workspace (counted by R10)")
+    p.add_argument("--vision-images", type=_at_least(1), default=1, metavar="N",
+                   help="with --images: images one tower call encodes, each planned at the largest bucket "
+                        "(default 1)")
     p.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
                    help="how routed experts are held (default: as the config's quantization_config says the "
                         "checkpoint stores them: fp4 for dsv41_flash, bf16 without a quantization_config)")
@@ -103,10 +111,11 @@ def _options(args: argparse.Namespace, cfg) -> PlanOptions:
     experts, dense = (args.experts, args.dense) if args.experts and args.dense else stored_formats(cfg)
     return PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
                        experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
-                       index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer)
+                       index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer,
+                       vision_images=args.vision_images)
 
 
-def _as_json(cfg, plan: SegmentPlan, options: PlanOptions) -> dict:
+def _as_json(cfg, plan: SegmentPlan, options: PlanOptions, vision: VisionPlan | None) -> dict:
     adm = admit(cfg, plan.world, block=options.block, uneven=options.uneven)
     out = plan.to_json()
     out["admission"] = {
@@ -117,10 +126,13 @@ def _as_json(cfg, plan: SegmentPlan, options: PlanOptions) -> dict:
     }
     out["buffer_plan_bytes"] = buffer_plan(cfg, plan.world, plan.rank, options).bytes
     out["weight_formats"] = {"experts": options.experts, "dense": options.dense}
+    if vision is not None:
+        out["vision"] = vision.to_json()
+        out["total_bytes_with_vision"] = plan.total_bytes + vision.weight_bytes + vision.workspace_total
     return out
 
 
-def _print_table(plan: SegmentPlan, cfg_name: str, options: PlanOptions) -> None:
+def _print_table(plan: SegmentPlan, cfg_name: str, options: PlanOptions, vision: VisionPlan | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -152,6 +164,15 @@ def _print_table(plan: SegmentPlan, cfg_name: str, options: PlanOptions) -> None
     rows += [(f"workspace {role}", b(n)) for role, n in plan.workspace]
     rows += [("workspace total", b(plan.workspace_total)), ("cache", b(plan.cache_bytes)),
              (f"weights ({options.experts} experts, {options.dense} dense)", b(plan.weight_bytes)), ("total", b(plan.total_bytes))]
+    if vision is not None:
+        rows += [("vision patch buckets", ", ".join(f"{n:,}" for n in vision.patch_buckets)),
+                 ("vision token buckets", ", ".join(f"{n:,}" for n in vision.token_buckets)),
+                 ("vision heads / MLP columns a rank (padded)", f"{vision.heads_per_rank} / {vision.mlp_per_rank:,}"),
+                 ("vision weights", b(vision.weight_bytes))]
+        rows += [(f"vision workspace {role}", b(n)) for role, n in vision.workspace]
+        rows += [(f"vision workspace total ({vision.images} × {vision.patch_buckets[-1]:,} patches)",
+                  b(vision.workspace_total)),
+                 ("total with the vision tower", b(plan.total_bytes + vision.weight_bytes + vision.workspace_total))]
     for item, value in rows:
         t.add_row(item, value)
     Console().print(t)
@@ -170,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         options = _options(args, cfg)
         budget = _budget(args)
         plan = plan_segment(cfg, args.world, args.rank, args.rows, args.position, options, budget)
+        vision = plan_vision(cfg, args.world, args.rank, options) if args.images and cfg.vision else None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -177,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan refused ({e.rule}): {e.message}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_as_json(cfg, plan, options), indent=2))
+        print(json.dumps(_as_json(cfg, plan, options, vision), indent=2))
     else:
-        _print_table(plan, args.config, options)
+        _print_table(plan, args.config, options, vision)
     return 0
 
 

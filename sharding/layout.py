@@ -12,12 +12,14 @@ are dropped before sampling (``real_vocab_index``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from sharding.mesh import ShardingError
-from sharding.rules import EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP, VOCAB, check_layout
+from sharding.rules import (ALIGNER_HIDDEN, EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP,
+                            VISION_GATE_UP, VISION_HEADS, VISION_MLP, VISION_QKV, VOCAB, check_layout)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,13 @@ class Split:
             raise ShardingError(f"per-rank widths {self.sizes} do not split into whole groups of {group}")
         return Split(tuple(n // group for n in self.sizes))
 
+    @staticmethod
+    def padded(total: int, world: int) -> "Split":
+        """``total`` entries over ``world`` ranks, ⌈total / world⌉ a rank in order (the last ones may hold fewer,
+        or none): zero-padded where the world does not divide ``total``."""
+        each = -(-total // world)
+        return Split(tuple(min(each, max(total - r * each, 0)) for r in range(world)))
+
     def start(self, rank: int) -> int:
         return sum(self.sizes[:rank])
 
@@ -89,18 +98,89 @@ class Split:
 
 
 @dataclass(frozen=True)
+class BlockedSplit:
+    """A fused dimension of ``blocks`` equal parts (q | k | v rows, gate | up rows), each part made of
+    ``split.total`` units of ``unit`` entries (heads of d rows, MLP columns of 1), every part split by ``split``.
+
+    Rank r's padded shard is its units of part 0, then of part 1, … (each zero-padded to ``split.shard`` units):
+    the row order of a model built with ``VisionConfig.shard_groups`` = world. Same interface as ``Split``."""
+
+    split: Split
+    blocks: int
+    unit: int
+
+    @property
+    def world(self) -> int:
+        return self.split.world
+
+    @property
+    def total(self) -> int:
+        return self.blocks * self.split.total * self.unit
+
+    @property
+    def shard(self) -> int:
+        return self.blocks * self.split.shard * self.unit
+
+    @property
+    def padded_total(self) -> int:
+        return self.shard * self.world
+
+    def shard_of(self, array, axis: int, rank: int) -> np.ndarray:
+        """Rank ``rank``'s rows of every part, each zero-padded, concatenated along ``axis`` (host)."""
+        part = self.split.total * self.unit
+        unit_split = Split(tuple(n * self.unit for n in self.split.sizes))
+        pieces = []
+        for b in range(self.blocks):
+            index = (slice(None),) * axis + (slice(b * part, (b + 1) * part),)
+            pieces.append(unit_split.shard_of(_Window(array, index), axis, rank))
+        return np.concatenate(pieces, axis=axis)
+
+    def real_index(self) -> np.ndarray:
+        """For each real entry (checkpoint order), its position in the padded dimension: int32 ``[total]``."""
+        unit_split = Split(tuple(n * self.unit for n in self.split.sizes))
+        inner = unit_split.real_index()  # position within [world × unit shard] of one part's entries
+        rank, offset = inner // unit_split.shard, inner % unit_split.shard
+        return np.concatenate([rank * self.shard + b * unit_split.shard + offset for b in range(self.blocks)]
+                              ).astype(np.int32)
+
+    def pad_full(self, array: np.ndarray, axis: int) -> np.ndarray:
+        return np.concatenate([self.shard_of(array, axis, r) for r in range(self.world)], axis=axis)
+
+
+class _Window:
+    """``array[index]`` taken lazily: slicing it slices the source once (a lazily read checkpoint tensor reads
+    only the rows asked for). ``index``: basic slices."""
+
+    def __init__(self, array, index: tuple):
+        self.array, self.index = array, index
+
+    def __getitem__(self, inner: tuple):
+        combined = list(self.index) + [slice(None)] * (len(inner) - len(self.index))
+        for axis, s in enumerate(inner):
+            if s != slice(None):
+                lo, _, _ = combined[axis].indices(10**18)
+                combined[axis] = slice(lo + (s.start or 0), lo + s.stop)
+        return self.array[tuple(combined)]
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     """How one world cuts the model: the layout and the two uneven (padded) splits.
 
     ``layout`` "tp": routed and shared experts split on F by ``expert_width``; "ep": whole routed experts a
     rank (E / world each), F unsplit, shared expert replicated (``rules.LOGICAL_TO_MESH``).
-    Heads, groups and experts split evenly (the planner refuses worlds where they do not).
+    Heads, groups and experts split evenly (the planner refuses worlds where they do not). With a vision tower:
+    its heads and MLP columns ⌈x / W⌉ a rank, zero-padded (``Split.padded``; the fused rows as ``BlockedSplit``),
+    and the aligner's columns evenly.
     """
 
     world: int
     layout: str
     vocab: Split
     expert_width: Split
+    vision_heads: Split | None = None   # ViT heads (padded when the world does not divide them)
+    vision_mlp: Split | None = None     # ViT MLP columns
+    aligner_width: Split | None = None  # aligner hidden columns (D, split evenly; None: this world cannot)
 
     @staticmethod
     def from_admission(cfg, world: int, admission, layout: str = "tp") -> "ShardPlan":
@@ -115,10 +195,25 @@ class ShardPlan:
                     f"world {world} refused for expert parallelism: {cfg.n_routed_experts} routed experts do "
                     f"not split into whole experts over {world} ranks; use layout 'tp'")
             width = Split((cfg.moe_intermediate_size,))
-        return ShardPlan(world, layout, vocab, width)
+        vc = cfg.vision
+        if vc is None:
+            return ShardPlan(world, layout, vocab, width)
+        aligner = Split.even(cfg.hidden_size, world) if cfg.hidden_size % world == 0 else None
+        return ShardPlan(world, layout, vocab, width, Split.padded(vc.num_attention_heads, world),
+                         Split.padded(vc.intermediate_size, world), aligner)
 
-    def split(self, logical: str, size: int) -> Split:
+    def split(self, logical: str, size: int) -> Split | BlockedSplit:
         """The per-rank split of a dimension of logical axis ``logical`` and padded size ``size``."""
+        vision = {VISION_QKV: (self.vision_heads, 3), VISION_HEADS: (self.vision_heads, 1),
+                  VISION_GATE_UP: (self.vision_mlp, 2), VISION_MLP: (self.vision_mlp, 1)}
+        if logical in vision:
+            split, blocks = vision[logical]
+            return BlockedSplit(split, blocks, size // (blocks * split.padded_total))
+        if logical == ALIGNER_HIDDEN:
+            if self.aligner_width is None:
+                raise ShardingError(f"world {self.world} does not split the aligner's columns evenly: image "
+                                    f"prompts need a world that divides the hidden size")
+            return self.aligner_width
         if logical == VOCAB:
             return self.vocab
         if logical in (EXPERT_MLP, SHARED_MLP):
@@ -128,9 +223,15 @@ class ShardPlan:
         return Split.even(size, self.world)
 
     def run_config(self, cfg):
-        """The config the sharded model is built with: vocabulary and expert width padded (zeros)."""
+        """The config the sharded model is built with: vocabulary and expert width padded (zeros); the vision
+        tower's fused rows grouped rank by rank with its heads and MLP columns padded (``VisionConfig``)."""
+        changes = {}
+        if cfg.vision is not None:
+            changes["vision"] = dataclasses.replace(cfg.vision, shard_groups=self.world,
+                                                    group_heads=self.vision_heads.shard,
+                                                    group_mlp=self.vision_mlp.shard)
         return cfg.replace(vocab_size=self.vocab.padded_total,
-                           moe_intermediate_size=self.expert_width.padded_total)
+                           moe_intermediate_size=self.expert_width.padded_total, **changes)
 
     def padded_token_ids(self, ids):
         """Real token ids → rows of the padded embedding (identity unless the vocab padding is interleaved)."""

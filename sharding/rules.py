@@ -43,6 +43,13 @@ SHARED_MLP = "shared_mlp"    # shared-expert intermediate width (follows the rou
 EXPERT_MLP_CODES = "expert_mlp_codes"    # fp4 w2 codes: F/2 bytes (two inputs a byte); the F split halved
 EXPERT_MLP_SCALES = "expert_mlp_scales"  # fp4 w2 scales: F/32 bytes (one per 32 inputs); the F split / 32
 
+VISION_QKV = "vision_qkv"    # attn.wqkv rows: per rank its heads' q, k and v rows (grouped, VisionConfig)
+VISION_HEADS = "vision_heads"  # ViT heads: attn.wo input columns (h·d + i), the head axis of q / k / v
+VISION_GATE_UP = "vision_gate_up"  # mlp.w1 rows: per rank its columns' gate and up rows (grouped)
+VISION_MLP = "vision_mlp"    # ViT MLP width: mlp.w2 input columns, the SiLU·up activations
+ALIGNER_HIDDEN = "aligner_hidden"  # aligner.w1 rows (+ bias) = aligner.w2 input columns, the GELU activations
+VISION_AXES = (VISION_QKV, VISION_HEADS, VISION_GATE_UP, VISION_MLP, ALIGNER_HIDDEN)  # split in both layouts
+
 _LAYER = r"(?:layers|mtp)\.\d+\."   # backbone layers; DSpark stages are split like a backbone layer (§F.1)
 
 PARAM_RULES: tuple[Rule, ...] = (
@@ -89,9 +96,32 @@ PARAM_RULES: tuple[Rule, ...] = (
          "the indexer's top-k is one selection for all heads: computed redundantly (identical on every rank)"),
     Rule(_LAYER + r"ffn\.gate\.(?:weight|bias|bias_vl)", (None, None),
          "router: every rank must pick the same experts, so it routes the same all-reduced input itself"),
-    Rule(r"(?:vision|aligner)\..+", (None, None),
-         "vision tower and aligner (VISION.md §V.G): ~0.97 GB in all, replicated; each rank encodes the request's "
-         "images itself, so the span embeddings need no collective"),
+    # ---- vision tower and aligner (VISION.md §V.G): split like the text layers. ViT heads and MLP columns a
+    # world does not divide are zero-padded per rank (sharding/layout.py, as the text model pads its expert
+    # width): a zero head's q = k = v = 0 gives o = 0 and wo's zero columns add nothing; a zero MLP column gives
+    # silu(0)·0 = 0. The aligner's D columns split evenly (D = the text hidden size). ----
+    Rule(r"vision\.blocks\.\d+\.attn\.wqkv\.weight", (VISION_QKV, None),
+         "column-parallel by heads: each rank computes q, k, v of its heads only; its rows are one contiguous "
+         "block because the model reads the fused rows grouped rank by rank (VisionConfig.shard_groups)"),
+    Rule(r"vision\.blocks\.\d+\.attn\.wqkv\.bias", (VISION_QKV,),
+         "the q, k, v bias of a rank's heads, sliced with the rows it belongs to"),
+    Rule(r"vision\.blocks\.\d+\.attn\.wo\.weight", (None, VISION_HEADS),
+         "row-parallel over the heads' outputs: partial [N, C] sums, all-reduced after wo (as the text wo_b)"),
+    Rule(r"vision\.blocks\.\d+\.mlp\.w1\.weight", (VISION_GATE_UP, None),
+         "gate and up rows of a rank's MLP columns (grouped like wqkv): SwiGLU is elementwise in the columns"),
+    Rule(r"vision\.blocks\.\d+\.mlp\.w2\.weight", (None, VISION_MLP),
+         "down-projection input columns, same split as w1: partial sums all-reduced after w2"),
+    Rule(r"aligner\.w1\.weight", (ALIGNER_HIDDEN, None),
+         "column-parallel over the aligner's D outputs (its largest matrix, 9C × D): GELU is elementwise"),
+    Rule(r"aligner\.w1\.bias", (ALIGNER_HIDDEN,), "the bias of a rank's aligner columns"),
+    Rule(r"aligner\.w2\.weight", (None, ALIGNER_HIDDEN),
+         "row-parallel: partial [M, D] sums all-reduced; the rows then merge into the replicated embeddings"),
+    Rule(r"vision\.blocks\.\d+\.attn\.wo\.bias|aligner\.w2\.bias", (None,),
+         "added once, after the all-reduce of the row-parallel product: replicated"),
+    Rule(r"vision\.(?:patch_embed\.proj\.(?:weight|bias)|norm\.weight|blocks\.\d+\.norm[12]\.weight)",
+         (None, None),
+         "patch embedding (588 × C, 0.3 % of the tower) and norms: every rank needs the whole residual stream, "
+         "which is replicated between blocks (after each all-reduce)"),
     Rule(r"image_(?:start|newline|end)", (None,),
          "image span delimiters [D]: replaced into the replicated input embeddings on every rank"),
     Rule(r"layers\.\d+\.engram\.(?:embed\.weight|embed\.scale|wkv\.weight|q_weight|k_weight)", (None, None),
@@ -103,12 +133,12 @@ PARAM_RULES: tuple[Rule, ...] = (
 
 LOGICAL_TO_MESH: dict[str, dict[str, str | None]] = {
     "tp": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: None, EXPERT_MLP: TP, SHARED_MLP: TP,
-           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP},
+           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP, **dict.fromkeys(VISION_AXES, TP)},
     # Expert parallelism: whole routed experts a rank (E/P each, no padding of F). The shared expert is then
     # replicated: splitting it on F would force F's 128-block padding onto every routed expert too, since
     # both share moe_intermediate_size; it is 1/E of the expert weights.
     "ep": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: TP, EXPERT_MLP: None, SHARED_MLP: None,
-           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None},
+           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, **dict.fromkeys(VISION_AXES, TP)},
 }
 
 # Activations: logical axes of the *trailing* dims (leading batch / token dims are never split).
@@ -122,6 +152,9 @@ ACTIVATION_RULES: dict[str, tuple[tuple[str | None, ...], str]] = {
     "embed_out": ((None,), "embedding [.., D] after the vocabulary-parallel look-up's all-reduce"),
     "logits_shards": ((VOCAB,), "head output [.., V_pad]: each rank its own vocabulary slice"),
     "logits": ((None,), "gathered logits [.., V] handed to the sampler: replicated"),
+    "vision_heads": ((VISION_HEADS, None), "ViT q, k, v, o [.., H, d]: each rank its heads; attention is per head"),
+    "vision_mlp_hidden": ((VISION_MLP,), "ViT SiLU·up [.., I]: each rank its own MLP columns"),
+    "aligner_hidden": ((ALIGNER_HIDDEN,), "aligner GELU output [.., D]: each rank its own columns"),
     "replicated": ((), "caches, tokens, streams, positions, top-k: every rank holds the same values"),
 }
 

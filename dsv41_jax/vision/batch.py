@@ -1,5 +1,6 @@
-"""Static-shape batches for the tower (VISION.md §V.G): images padded to a few patch / token buckets, with the
-RoPE coordinates, the key mask and the aligner's 3×3 gather built on the host from each image's grid."""
+"""Static-shape batches for the tower (VISION.md §V.G): images padded to the planner's patch / token buckets
+(`planner.patch_bucket`, `planner.token_bucket`), with the RoPE coordinates, the key mask and the aligner's 3×3
+gather built on the host from each image's grid."""
 
 from __future__ import annotations
 
@@ -9,19 +10,18 @@ import ml_dtypes
 import numpy as np
 
 from ..config import VisionConfig
+from ..planner import patch_bucket, token_bucket
 from .preprocess import PreparedImage
-
-MIN_PATCH_BUCKET = 64
-MIN_TOKEN_BUCKET = 16
 
 
 class ImageBatch(NamedTuple):
     """B images padded to N patches and M aligner rows.
 
     patches bf16 [B, N, 3·ps²] (zero padding); rows, cols int32 [B, N] (patch row / column, the 2-D RoPE
-    coordinates); valid bool [B, N] (real patches: the keys the ViT attends to); gather int32 [B, M, r²]
-    (the source patch of each element of a 3×3 cell, `c·r² + 3·di + dj` order of VISION.md §V.D; 0 where
-    invalid) and gather_valid bool [B, M, r²] (False for the zero padding of partial cells and padded rows).
+    coordinates); valid bool [B, N] (real patches, a prefix of each row: the keys the ViT attends to); gather
+    int32 [B, M, r²] (the source patch of each element of a 3×3 cell, `c·r² + 3·di + dj` order of VISION.md
+    §V.D; 0 where invalid) and gather_valid bool [B, M, r²] (False for the zero padding of partial cells and
+    padded rows).
     """
 
     patches: np.ndarray
@@ -32,26 +32,9 @@ class ImageBatch(NamedTuple):
     gather_valid: np.ndarray
 
 
-def max_patches(vc: VisionConfig) -> int:
-    """The largest n of any image (VISION.md §V.B.7: n ≤ r²·m ≤ r²·(T_max − 3))."""
-    return vc.downsample_ratio**2 * (vc.max_image_tokens - 3)
-
-
-def patch_bucket(n: int, vc: VisionConfig) -> int:
-    """The padded patch count serving an image of n patches: a power of two ≥ 64, or the maximum (rounded
-    up to 512) for the largest images. Release buckets: 64 … 8192, 9216."""
-    cap = -(-max_patches(vc) // 512) * 512
-    return min(cap, max(MIN_PATCH_BUCKET, 1 << max(n - 1, 1).bit_length()))
-
-
-def token_bucket(m: int, vc: VisionConfig) -> int:
-    """The padded aligner row count for m tokens: a power of two ≥ 16, at most ``max_image_tokens``."""
-    return min(vc.max_image_tokens, max(MIN_TOKEN_BUCKET, 1 << max(m - 1, 1).bit_length()))
-
-
 def build_batch(images: Sequence[PreparedImage], vc: VisionConfig, n_bucket: int | None = None,
                 m_bucket: int | None = None) -> ImageBatch:
-    """Pad ``images`` to one (N, M) bucket (default: the buckets of the largest image)."""
+    """Pad ``images`` to one (N, M) bucket (default: the planner's buckets of the largest image)."""
     n = n_bucket or patch_bucket(max(im.plan.n_patches for im in images), vc)
     m = m_bucket or token_bucket(max(im.plan.n_tokens for im in images), vc)
     r, b = vc.downsample_ratio, len(images)

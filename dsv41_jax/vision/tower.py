@@ -6,7 +6,15 @@ patches are masked out of the attention keys and never gathered by the aligner, 
 depend on its bucket or on the other images of the batch.
 
 Precision (§V.C.5): weights and activations in the model dtype; linear layers accumulate in f32 and add the
-bias before rounding; RMSNorm and RoPE in f32; attention scores, softmax and the weighted sum in f32.
+bias before rounding; RMSNorm and RoPE in f32; attention scores and softmax in f32. The weighted sum takes the
+probabilities in the model dtype (f32 accumulation), as flash attention does: exact for a float32 model.
+bf16 dots run at the default precision (bf16 inputs, f32 accumulation: the tensor cores); only a float32 model
+asks for HIGHEST (IEEE f32 on a GPU, whose default would be TF32).
+
+The 32 blocks run as one ``lax.scan`` over their weights stacked at call time (one block compiled, not 32).
+Sharded (`sharding/rules.py`), the fused ``attn.wqkv`` / ``mlp.w1`` rows are grouped rank by rank
+(``VisionConfig.shard_groups``): a group is read as ``[G, 3, heads, d]`` / ``[G, 2, columns]``, so each rank
+computes q, k, v of its own heads and gate, up of its own columns; G = 1 is the checkpoint's order.
 """
 
 from __future__ import annotations
@@ -18,9 +26,19 @@ from flax import nnx
 
 from ..config import ModelConfig, VisionConfig
 from ..model.norms import HIGHEST, RMSNorm, random_normal
+from ..planner import VISION_QUERY_CHUNK as QUERY_CHUNK  # XLA attention's query chunk (sized by the planner)
 from .batch import ImageBatch
 
-QUERY_CHUNK = 1024  # attention over at most this many queries at once: [B, H, 1024, N] f32 scores (§V.G)
+
+def _precision(dtype):
+    """HIGHEST for a float32 model (no TF32 on a GPU); the default (bf16 tensor cores) otherwise."""
+    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _constrain(x, activation: str):
+    from sharding.context import constrain  # noqa: PLC0415 - identity unless a sharded model is traced
+
+    return constrain(x, activation)
 
 
 class VisionLinear(nnx.Module):
@@ -31,40 +49,54 @@ class VisionLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), precision=HIGHEST,
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype), precision=_precision(x.dtype),
                        preferred_element_type=jnp.float32)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
 
 
-def rope_2d(u: jnp.ndarray, rows: jnp.ndarray, cols: jnp.ndarray, theta: float) -> jnp.ndarray:
-    """2-D RoPE, rotate-half pairing (§V.C.2). u [B, N, H, d]; rows, cols [B, N] int32.
+def rope_tables(rows: jnp.ndarray, cols: jnp.ndarray, d: int, theta: float) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """2-D RoPE angles (§V.C.2) as (cos, sin) f32 [B, N, 1, d/2]; rows, cols [B, N] int32.
 
-    Pair j < d/4 turns by row·f_j, pair d/4 + j by col·f_j, f_j = θ^(−j/(d/4)); pair j is (u[j], u[j + d/2]).
-    """
-    d = u.shape[-1]
+    Pair j < d/4 turns by row·f_j, pair d/4 + j by col·f_j, f_j = θ^(−j/(d/4))."""
     inv_freq = jnp.asarray(1.0 / (np.float32(theta) ** (np.arange(0, d // 2, 2, dtype=np.float32) / (d // 2))),
                            jnp.float32)
     angles = jnp.concatenate([rows[..., None].astype(jnp.float32) * inv_freq,
                               cols[..., None].astype(jnp.float32) * inv_freq], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_2d(u: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotate-half pairing: pair j is (u[j], u[j + d/2]). u [B, N, H, d]; cos, sin [B, N, 1, d/2]."""
     a, b = jnp.split(u.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(u.dtype)
 
 
-def masked_attention(q, k, v, key_valid, scale: float) -> jnp.ndarray:
-    """Full attention of every query over the valid keys of its image. q, k, v [B, N, H, d]; key_valid [B, N].
-    Scores, softmax and the weighted sum in f32; queries in chunks of ``QUERY_CHUNK`` (bounded scratch)."""
-    bias = jnp.where(key_valid, 0.0, -1e30)[:, None, None, :]  # [B, 1, 1, N]; finite: no NaN on padding
+def _attention_impl(dtype) -> str:
+    """cuDNN's fused (flash) attention for bf16 on a GPU; XLA's otherwise (f32, CPU)."""
+    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"
+
+
+def masked_attention(q, k, v, lengths, scale: float) -> jnp.ndarray:
+    """Full attention of every query over the first ``lengths[b]`` keys of its image (the real patches come
+    first, `batch.build_batch`). q, k, v [B, N, H, d]; lengths int32 [B] → [B, N, H, d].
+
+    ``jax.nn.dot_product_attention``: cuDNN's fused kernel on a GPU in bf16 (no [N, N] scores in memory); XLA's
+    in f32 or on CPU (or where cuDNN refuses the call while tracing), in chunks of ``QUERY_CHUNK`` queries
+    (bounded scratch)."""
+    impl = _attention_impl(q.dtype)
 
     def block(qc):  # [B, c, H, d] -> [B, c, H, d]
-        s = jnp.einsum("bqhd,bkhd->bhqk", qc, k, precision=HIGHEST, preferred_element_type=jnp.float32)
-        p = jax.nn.softmax(s * scale + bias, axis=-1)
-        o = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32), precision=HIGHEST)
-        return o.astype(v.dtype)
+        return jax.nn.dot_product_attention(qc, k, v, scale=scale, key_value_seq_lengths=lengths,
+                                            implementation=impl)
 
     b, n, h, d = q.shape
+    if impl == "cudnn":
+        try:
+            return block(q)
+        except (RuntimeError, ValueError, NotImplementedError):  # cuDNN refused at trace time (version, GPU)
+            impl = "xla"
     if n <= QUERY_CHUNK or n % QUERY_CHUNK:
         return block(q)
     chunks = q.reshape(b, n // QUERY_CHUNK, QUERY_CHUNK, h, d).swapaxes(0, 1)
@@ -72,32 +104,39 @@ def masked_attention(q, k, v, key_valid, scale: float) -> jnp.ndarray:
 
 
 class VisionAttention(nnx.Module):
-    """``attn.wqkv`` [3C, C] (+bias; q, k, v blocks, head-major) and ``attn.wo`` [C, C] (+bias)."""
+    """``attn.wqkv`` [3·H·d, C] (+bias; q, k, v blocks, head-major; sharded: per rank group, see the module
+    docstring) and ``attn.wo`` [C, H·d] (+bias)."""
 
     def __init__(self, vc: VisionConfig, *, dtype, rngs: nnx.Rngs):
-        self.heads, self.theta = vc.num_attention_heads, vc.rope_theta
-        self.wqkv = VisionLinear(vc.hidden_size, 3 * vc.hidden_size, bias=True, dtype=dtype, rngs=rngs)
-        self.wo = VisionLinear(vc.hidden_size, vc.hidden_size, bias=True, dtype=dtype, rngs=rngs)
+        self.groups, self.heads, self.d = vc.shard_groups, vc.heads_per_group, vc.head_dim
+        width = self.groups * self.heads * self.d
+        self.wqkv = VisionLinear(vc.hidden_size, 3 * width, bias=True, dtype=dtype, rngs=rngs)
+        self.wo = VisionLinear(width, vc.hidden_size, bias=True, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, rows, cols, valid):
+    def __call__(self, x, cos, sin, lengths):
         """x [B, N, C] -> [B, N, C]."""
-        b, n, c = x.shape
-        q, k, v = (t.reshape(b, n, self.heads, c // self.heads) for t in jnp.split(self.wqkv(x), 3, axis=-1))
-        q, k = rope_2d(q, rows, cols, self.theta), rope_2d(k, rows, cols, self.theta)
-        o = masked_attention(q, k, v, valid, (c // self.heads) ** -0.5)
-        return self.wo(o.reshape(b, n, c))
+        b, n, _ = x.shape
+        qkv = self.wqkv(x).reshape(b, n, self.groups, 3, self.heads, self.d)
+        q, k, v = (_constrain(qkv[:, :, :, i].reshape(b, n, -1, self.d), "vision_heads") for i in range(3))
+        q, k = rope_2d(q, cos, sin), rope_2d(k, cos, sin)
+        with jax.default_matmul_precision("highest" if x.dtype == jnp.float32 else "default"):
+            o = masked_attention(q, k, v, lengths, self.d**-0.5)
+        return self.wo(o.reshape(b, n, -1))
 
 
 class VisionMLP(nnx.Module):
-    """``mlp.w1`` [2I, C] (gate rows, then up rows; no bias), ``mlp.w2`` [C, I] (no bias); SiLU, no clamp."""
+    """``mlp.w1`` [2I, C] (gate rows, then up rows; sharded: per rank group), ``mlp.w2`` [C, I]; no biases;
+    SiLU, no clamp."""
 
     def __init__(self, vc: VisionConfig, *, dtype, rngs: nnx.Rngs):
-        self.w1 = VisionLinear(vc.hidden_size, 2 * vc.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
-        self.w2 = VisionLinear(vc.intermediate_size, vc.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        self.groups, self.width = vc.shard_groups, vc.mlp_per_group
+        self.w1 = VisionLinear(vc.hidden_size, 2 * self.groups * self.width, bias=False, dtype=dtype, rngs=rngs)
+        self.w2 = VisionLinear(self.groups * self.width, vc.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        gate, up = jnp.split(self.w1(x), 2, axis=-1)
-        return self.w2(jax.nn.silu(gate) * up)
+        h = self.w1(x).reshape(*x.shape[:-1], self.groups, 2, self.width)
+        hidden = (jax.nn.silu(h[..., 0, :]) * h[..., 1, :]).reshape(*x.shape[:-1], -1)
+        return self.w2(_constrain(hidden, "vision_mlp_hidden"))
 
 
 class VisionBlock(nnx.Module):
@@ -109,8 +148,8 @@ class VisionBlock(nnx.Module):
         self.norm2 = RMSNorm(vc.hidden_size, vc.norm_eps, dtype=dtype)
         self.mlp = VisionMLP(vc, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, rows, cols, valid):
-        x = x + self.attn(self.norm1(x), rows, cols, valid)
+    def __call__(self, x, cos, sin, lengths):
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
         return x + self.mlp(self.norm2(x))
 
 
@@ -129,17 +168,23 @@ class VisionTower(nnx.Module):
     don't-care)."""
 
     def __init__(self, vc: VisionConfig, *, dtype, rngs: nnx.Rngs):
-        self.dtype = dtype
+        self.dtype, self.head_dim, self.theta = dtype, vc.head_dim, vc.rope_theta
         self.patch_embed = PatchEmbed(vc, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List([VisionBlock(vc, dtype=dtype, rngs=rngs) for _ in range(vc.num_hidden_layers)])
         self.norm = RMSNorm(vc.hidden_size, vc.norm_eps, dtype=dtype)
 
     def __call__(self, batch: ImageBatch) -> jnp.ndarray:
-        rows, cols, valid = jnp.asarray(batch.rows), jnp.asarray(batch.cols), jnp.asarray(batch.valid)
+        lengths = jnp.sum(jnp.asarray(batch.valid), axis=-1, dtype=jnp.int32)
+        cos, sin = rope_tables(jnp.asarray(batch.rows), jnp.asarray(batch.cols), self.head_dim, self.theta)
         x = self.patch_embed(jnp.asarray(batch.patches).astype(self.dtype))
-        for i, block in enumerate(self.blocks):
-            with jax.named_scope(f"vision_block_{i}"):
-                x = block(x, rows, cols, valid)
+        graphdef, _ = nnx.split(self.blocks[0])
+        stacked = jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(b) for b in self.blocks))
+
+        def step(x, weights):
+            return nnx.merge(graphdef, weights)(x, cos, sin, lengths), None
+
+        with jax.named_scope("vision_blocks"):
+            x, _ = jax.lax.scan(step, x, stacked)
         return self.norm(x)
 
 
@@ -160,4 +205,4 @@ class Aligner(nnx.Module):
         cells = jnp.take_along_axis(features, gather.reshape(b, m * r2, 1), axis=1).reshape(b, m, r2, -1)
         cells = jnp.where(ok[..., None], cells, 0)  # partial cells: exact zeros (§V.D)
         z = cells.swapaxes(-1, -2).reshape(b, m, -1)  # element c·r² + 3·di + dj
-        return self.w2(jax.nn.gelu(self.w1(z), approximate=False))
+        return self.w2(_constrain(jax.nn.gelu(self.w1(z), approximate=False), "aligner_hidden"))
