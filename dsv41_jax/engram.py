@@ -240,6 +240,56 @@ def _layout(layer_ids, max_ngram, heads, vocab, compressed, num_embeddings) -> E
     return EngramLayout(tuple(layer_ids), primes, offsets, mult)
 
 
+@dataclass(frozen=True)
+class ColumnSplit:
+    """One engram layer's table split by hash column over ``len(columns)`` ranks: rank r owns ``columns[r]``
+    consecutive columns from ``col_start(r)``, i.e. the table rows ``[row_start(r), row_start(r) + rows[r])`` —
+    one contiguous range, since column c's rows start at ``offsets[c]`` (§B.12). Every rank's slab is padded to
+    the largest (``slab`` rows; the primes differ, so the slabs do by a few hundred rows)."""
+
+    columns: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.columns)
+
+    @property
+    def slab(self) -> int:
+        return max(self.rows)
+
+    @property
+    def max_columns(self) -> int:
+        return max(self.columns)
+
+    def col_start(self, rank: int) -> int:
+        return sum(self.columns[:rank])
+
+    def row_start(self, rank: int) -> int:
+        return sum(self.rows[:rank])
+
+
+def column_splits(cfg: ModelConfig, world: int) -> tuple[ColumnSplit, ...]:
+    """One `ColumnSplit` per engram layer of ``cfg`` at ``world`` ranks: ``cols // world`` columns a rank, the
+    first ``cols % world`` ranks one more (24 columns: 24/W for W ∈ {1, 2, 3, 4, 6, 8}, PLANNER.md §C)."""
+    return _column_splits(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                          cfg.engram_vocab_size, int(world))
+
+
+@functools.lru_cache(maxsize=32)
+def _column_splits(layer_ids, max_ngram, heads, vocab, world) -> tuple[ColumnSplit, ...]:
+    cfg = ModelConfig(engram_layer_ids=layer_ids, engram_max_ngram_size=max_ngram, engram_n_heads=heads,
+                      engram_vocab_size=vocab, engram_num_embeddings=(0,) * len(layer_ids))
+    out = []
+    for primes in layer_primes(cfg):
+        cols = len(primes)
+        counts = tuple(cols // world + (r < cols % world) for r in range(world))
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        rows = tuple(int(primes[starts[r]:starts[r + 1]].sum()) for r in range(world))
+        out.append(ColumnSplit(counts, rows))
+    return tuple(out)
+
+
 # ------------------------------------------------------------------------------------------------ hashing
 def empty_history(cfg: ModelConfig, batch: int | None = None) -> np.ndarray:
     """int64 [max_ngram − 1] (or [batch, max_ngram − 1]) of DEAD: the history before a sequence starts."""

@@ -7,17 +7,20 @@ the *padded* global dimension is ``world × widest`` and rank r's real entries s
 Why zero padding is exact: padded expert columns have zero w1/w3 rows and zero w2 columns, so SwiGLU gives
 silu(0)·0 = 0 there and w2 adds nothing (fp4-resident experts: zero code bytes are +0 and a zero scale byte
 keeps them 0, so their padding decodes to the same zeros); padded vocabulary rows are never looked up (ids < V) and their logits
-are dropped before sampling (``real_vocab_index``).
+are dropped before sampling (``real_vocab_index``); padded engram table rows are never looked up either (each rank
+reads only rows of its own columns, ``sharding.kernels.engram_gather``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from sharding.mesh import ShardingError
-from sharding.rules import EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP, VOCAB, check_layout
+from sharding.rules import (ENGRAM_ROWS, EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP, VOCAB,
+                            check_layout)
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class ShardPlan:
     layout: str
     vocab: Split
     expert_width: Split
+    engram: tuple[tuple[int, Split], ...] = ()  # (engram layer id, its table rows split by hash column)
 
     @staticmethod
     def from_admission(cfg, world: int, admission, layout: str = "tp") -> "ShardPlan":
@@ -115,10 +119,14 @@ class ShardPlan:
                     f"world {world} refused for expert parallelism: {cfg.n_routed_experts} routed experts do "
                     f"not split into whole experts over {world} ranks; use layout 'tp'")
             width = Split((cfg.moe_intermediate_size,))
-        return ShardPlan(world, layout, vocab, width)
+        return ShardPlan(world, layout, vocab, width, engram_splits(cfg, world))
 
-    def split(self, logical: str, size: int) -> Split:
-        """The per-rank split of a dimension of logical axis ``logical`` and padded size ``size``."""
+    def split(self, logical: str, size: int, name: str = "") -> Split:
+        """The per-rank split of a dimension of logical axis ``logical`` and padded size ``size`` (``name``: the
+        tensor, which picks the engram layer of an ``ENGRAM_ROWS`` split)."""
+        if logical == ENGRAM_ROWS:
+            layer = int(re.match(r"layers\.(\d+)\.", name).group(1))
+            return dict(self.engram)[layer]
         if logical == VOCAB:
             return self.vocab
         if logical in (EXPERT_MLP, SHARED_MLP):
@@ -129,8 +137,10 @@ class ShardPlan:
 
     def run_config(self, cfg):
         """The config the sharded model is built with: vocabulary and expert width padded (zeros)."""
-        return cfg.replace(vocab_size=self.vocab.padded_total,
-                           moe_intermediate_size=self.expert_width.padded_total)
+        out = cfg.replace(vocab_size=self.vocab.padded_total, moe_intermediate_size=self.expert_width.padded_total)
+        if self.engram:  # tables of world × the largest slab (the hash columns and primes are unchanged)
+            out = out.replace(engram_num_embeddings=tuple(split.padded_total for _, split in self.engram))
+        return out
 
     def padded_token_ids(self, ids):
         """Real token ids → rows of the padded embedding (identity unless the vocab padding is interleaved)."""
@@ -154,3 +164,14 @@ class ShardPlan:
         shard = self.vocab.shard
         parts = [logits[..., r * shard: r * shard + n] for r, n in enumerate(self.vocab.sizes)]
         return jnp.concatenate(parts, axis=-1)
+
+
+def engram_splits(cfg, world: int) -> tuple[tuple[int, Split], ...]:
+    """(layer id, table rows split) for every engram layer: the rows of each rank's hash columns
+    (`dsv41_jax.engram.column_splits`), padded to the largest slab."""
+    if not cfg.engram_layer_ids:
+        return ()
+    from dsv41_jax.engram import column_splits  # noqa: PLC0415
+
+    return tuple((layer, Split(split.rows))
+                 for layer, split in zip(cfg.engram_layer_ids, column_splits(cfg, world), strict=True))
