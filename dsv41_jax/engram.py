@@ -17,10 +17,14 @@ Pieces:
 * `History` — the last ``max_ngram − 1`` ids of a sequence, ``DEAD`` where a position is blocked (before the
   start, or inside an image span): what carries the hash across prefill segments and decode steps.
 * `Hasher` — one token map + layout; ``rows(ids, history, is_image)`` for all engram layers at once.
+* `ColumnSplit` / `column_splits` — the tables split by hash column over ranks (device placement, sharded).
+* `HostTables` — the tables left memory-mapped in the checkpoint's shards (host placement): ``gather(rows)``
+  copies one call's rows, as stored, into the buffer sent with the call (`EngramInput.gathered`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -31,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .formats import BLOCK  # one ue8m0 scale byte per 32 dims of a table row (§B.12)
 
 DEAD = -1  # a blocked history slot: before the sequence start, or an image position (VISION.md §V.E.4)
 TOKEN_MAP_FILE = "engram_token_map.json"  # a precomputed map next to a checkpoint (mlx-vlm reads it too)
@@ -377,3 +382,72 @@ def hash_rows(token_ids, layer_id: int, config: ModelConfig, *, history=None, is
     ids = np.asarray(token_ids, np.int64)[None]
     rows, _ = hasher.rows(ids, hist[None], None if is_image is None else np.asarray(is_image)[None])
     return rows[0, :, hasher.layout.index(layer_id)]
+
+
+# ------------------------------------------------------------------------------------------------ host tables
+def table_names(layer: int) -> tuple[str, str]:
+    """Model names of engram layer ``layer``'s table: (e4m3 codes [rows, d], ue8m0 scale bytes [rows, d/32])."""
+    return f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale"
+
+
+class HostTables:
+    """The engram tables on the host (``--engram-tables host``): e4m3 codes and ue8m0 scale bytes of every
+    engram layer, as stored — memory maps of the safetensors shards (`from_checkpoint`: never read whole; the
+    pages a gather touches are read on demand and stay in the page cache), or arrays (`from_weights`).
+
+    ``gather(rows)`` copies one call's rows into ``uint8 [B, T, L, C, d + d/32]`` (codes then scale bytes, the
+    model's `EngramInput.gathered`), split over a few threads (numpy's row copies release the GIL, so page
+    faults on cold rows overlap). The engine calls it right after hashing, on the host; JAX dispatches device
+    steps asynchronously, so during a prefill the gather of segment k + 1 runs while the device computes
+    segment k. A decode step's rows depend on the token the previous step sampled, so there it cannot overlap.
+    """
+
+    def __init__(self, codes, scales, *, threads: int | None = None):
+        """codes: per engram layer ``[rows, d]`` e4m3 (or uint8); scales: ``[rows, d/32]`` uint8."""
+        self.codes = [np.asarray(c).view(np.uint8) for c in codes]
+        self.scales = [np.asarray(s).view(np.uint8) for s in scales]
+        self.dim = self.codes[0].shape[1]
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="engram-gather")
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, cfg: ModelConfig) -> "HostTables":
+        """Memory maps of the tables of an opened `dsv41_jax.checkpoint.Checkpoint` (nothing is read yet)."""
+        names = [table_names(layer) for layer in cfg.engram_layer_ids]
+        return cls([ckpt.read_table(w) for w, _ in names], [ckpt.read_table(s) for _, s in names])
+
+    @classmethod
+    def from_weights(cls, flat, cfg: ModelConfig) -> "HostTables":
+        """From a flat model-name dict (e.g. ``make_tiny.random_weights``)."""
+        names = [table_names(layer) for layer in cfg.engram_layer_ids]
+        return cls([flat[w] for w, _ in names], [flat[s] for _, s in names])
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one gathered column: d code bytes + d/32 scale bytes (264 in the release)."""
+        return self.dim + self.dim // BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tables (as stored; memory-mapped, not resident)."""
+        return sum(c.nbytes + s.nbytes for c, s in zip(self.codes, self.scales))
+
+    def gather(self, rows: np.ndarray, chunk: int = 256) -> np.ndarray:
+        """rows int [B, T, L, C] (absolute, `Hasher.rows`) → uint8 [B, T, L, C, d + d/32]."""
+        rows = np.asarray(rows)
+        *lead, n_layers, cols = rows.shape
+        flat_rows = rows.reshape(-1, n_layers, cols)
+        out = np.empty((flat_rows.shape[0], n_layers, cols, self.row_bytes), np.uint8)
+
+        def fill(layer: int, lo: int, hi: int) -> None:
+            idx = flat_rows[lo:hi, layer].reshape(-1)
+            out[lo:hi, layer, :, :self.dim] = self.codes[layer][idx].reshape(hi - lo, cols, self.dim)
+            out[lo:hi, layer, :, self.dim:] = self.scales[layer][idx].reshape(hi - lo, cols, -1)
+
+        jobs = [(layer, lo, min(lo + chunk, len(flat_rows)))
+                for layer in range(n_layers) for lo in range(0, len(flat_rows), chunk)]
+        if len(jobs) == 1:
+            fill(*jobs[0])
+        else:
+            list(self._pool.map(lambda job: fill(*job), jobs))
+        return out.reshape(*lead, n_layers, cols, -1)

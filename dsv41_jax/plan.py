@@ -18,7 +18,7 @@ import sys
 
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, admit, buffer_plan,
-                               plan_segment)
+                               engram_bytes_per_rank, engram_placement, plan_segment, prefill_rows)
 
 EXPERT_FORMATS = ("f32", "bf16", "fp8", "fp4")
 DENSE_FORMATS = ("f32", "bf16", "fp8")
@@ -65,12 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pf4k", action="store_true", help="4K mode (4,096-row segments; implies the acknowledgement)")
     p.add_argument("--replay", action="store_true", help="CED bounded replay (plans the encoder segment)")
     p.add_argument("--images", action="store_true", help="plan image roles (image_rows = -1)")
-    p.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
+    p.add_argument("--experts", "--expert-format", dest="experts", choices=EXPERT_FORMATS, default=None,
                    help="how routed experts are held (default: as the config's quantization_config says the "
                         "checkpoint stores them: fp4 for dsv41_flash, bf16 without a quantization_config)")
     p.add_argument("--dense", choices=DENSE_FORMATS, default=None,
                    help="how the other matrices are held (default: from quantization_config: fp8 for "
                         "dsv41_flash, bf16 without one)")
+    p.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
+                   help="where the engram tables are planned (configs with engram layers): device (split by hash "
+                        "column, 24/W columns a rank), host (memory-mapped; only the gathered rows on the "
+                        "device), or auto (default): device when it fits the memory budget at this world")
     p.add_argument("--moe", choices=("auto", "bounded", "whole", "halving"), default="auto")
     p.add_argument("--index-budget-mib", type=_at_least(1), default=256, help="B_idx (MiB, ≥ 1)")
     p.add_argument("--indexer", choices=("pallas", "reference"), default="pallas",
@@ -98,12 +102,25 @@ def stored_formats(cfg) -> tuple[str, str]:
     return experts, dense
 
 
-def _options(args: argparse.Namespace, cfg) -> PlanOptions:
-    """The plan options; weight formats from the flags, else from the config (``stored_formats``)."""
+def _options(args: argparse.Namespace, cfg, budget: MemoryBudget | None = None) -> PlanOptions:
+    """The plan options; weight formats from the flags, else from the config (``stored_formats``); engram
+    tables from ``--engram-tables`` (auto: the planner's choice at this world and budget)."""
     experts, dense = (args.experts, args.dense) if args.experts and args.dense else stored_formats(cfg)
-    return PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
-                       experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
-                       index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer)
+    options = PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
+                          experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
+                          index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer)
+    tables = args.engram_tables
+    if tables == "auto":
+        tables = engram_placement(cfg, args.world, options, budget or MemoryBudget())
+    return PlanOptions(**{**options.__dict__, "engram_tables": tables})
+
+
+def engram_term(cfg, world: int, options: PlanOptions) -> dict:
+    """The engram bytes on a rank (planner.engram_bytes_per_rank) with the placement: what R10 counts."""
+    need = engram_bytes_per_rank(cfg, world, tables=options.engram_tables, dense=options.dense,
+                                 rows=prefill_rows(options))
+    return {"placement": options.engram_tables, **need,
+            "device_total": need["tables"] + need["gathered"] + need["projection"]}
 
 
 def _as_json(cfg, plan: SegmentPlan, options: PlanOptions) -> dict:
@@ -117,10 +134,12 @@ def _as_json(cfg, plan: SegmentPlan, options: PlanOptions) -> dict:
     }
     out["buffer_plan_bytes"] = buffer_plan(cfg, plan.world, plan.rank, options).bytes
     out["weight_formats"] = {"experts": options.experts, "dense": options.dense}
+    if cfg.engram_layer_ids:
+        out["engram"] = engram_term(cfg, plan.world, options)
     return out
 
 
-def _print_table(plan: SegmentPlan, cfg_name: str, options: PlanOptions) -> None:
+def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, engram_choice: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -152,6 +171,15 @@ def _print_table(plan: SegmentPlan, cfg_name: str, options: PlanOptions) -> None
     rows += [(f"workspace {role}", b(n)) for role, n in plan.workspace]
     rows += [("workspace total", b(plan.workspace_total)), ("cache", b(plan.cache_bytes)),
              (f"weights ({options.experts} experts, {options.dense} dense)", b(plan.weight_bytes)), ("total", b(plan.total_bytes))]
+    if cfg.engram_layer_ids:
+        e = engram_term(cfg, plan.world, options)
+        where = (f"device, split by hash column ({e['columns']} of "
+                 f"{(cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads} columns a layer on this rank)"
+                 if e["placement"] == "device" else f"host (memory-mapped, {b(e['host_tables'])})")
+        rows += [(f"engram tables ({engram_choice})", where),
+                 ("engram on this device (R10 term, not in total)",
+                  f"{b(e['device_total'])} = tables {b(e['tables'])} + gathered rows {b(e['gathered'])} + "
+                  f"projection {b(e['projection'])}")]
     for item, value in rows:
         t.add_row(item, value)
     Console().print(t)
@@ -167,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_named(args.config)
-        options = _options(args, cfg)
         budget = _budget(args)
+        options = _options(args, cfg, budget)
         plan = plan_segment(cfg, args.world, args.rank, args.rows, args.position, options, budget)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -179,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(_as_json(cfg, plan, options), indent=2))
     else:
-        _print_table(plan, args.config, options)
+        choice = "chosen by the planner" if args.engram_tables == "auto" else "--engram-tables"
+        _print_table(plan, cfg, args.config, options, choice)
     return 0
 
 

@@ -154,3 +154,86 @@ def test_column_splits_cover_the_table_in_order():
                 if name == "dsv41_flash":
                     assert split.columns == (24 // world,) * world
                     assert split.slab / min(split.rows) - 1 < 1e-4
+
+
+def host_model(path, world: int):
+    """(model built with ModelOptions(engram_tables="host") from the checkpoint minus its tables, mesh | None,
+    HostTables memory-mapped from the same files)."""
+    ckpt = open_checkpoint(path)
+    weights = {k: v for k, v in checkpoint_source(ckpt).items() if ".engram.embed." not in k}
+    options = ModelOptions(dtype="float32", quant_rounding=False, engram_tables="host")
+    tables = engram.HostTables.from_checkpoint(ckpt, ckpt.cfg)
+    if world == 1:
+        return build_model(ckpt.cfg, options, weights), None, tables
+    model, mesh = sharding.prepare(ckpt.cfg, weights, world, options)
+    return model, mesh, tables
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize("world", [1, 2])
+def test_host_tables_match_device_tables(reference, world):
+    """Host placement (rows gathered on the host from the memory-mapped shards, sent with each call) = device
+    placement: the same stored bytes reach the same decode, so world 1 is bit-identical; world 2 within the
+    sharded bound."""
+    path, cfg, ids, hasher, ref_logits, ref_tokens = reference
+    model, mesh, tables = host_model(path, world)
+    inner = model if mesh is None else model.inner
+    assert not hasattr(inner.layers[1].engram, "embed") and all(
+        not c.flags.owndata for c in tables.codes + tables.scales)  # views of the shards' memory maps
+    logits, tokens = greedy(model, cfg, ids, mesh, hasher, gathered=tables.gather)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=0 if world == 1 else LOGITS_ATOL)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+def test_host_gather_is_the_table_rows(reference):
+    """`HostTables.gather` = the table's rows (codes then scale bytes) in [B, T, L, C] order, whatever the
+    chunking over threads."""
+    path, cfg, *_ = reference
+    ckpt = open_checkpoint(path)
+    tables = engram.HostTables.from_checkpoint(ckpt, cfg)
+    rows = np.random.default_rng(0).integers(0, cfg.engram_num_embeddings[0], (2, 700, 1, 6))
+    got = tables.gather(rows, chunk=64)
+    codes = ckpt.read_table("layers.1.engram.embed.weight").view(np.uint8)
+    scale = ckpt.read_table("layers.1.engram.embed.scale")
+    np.testing.assert_array_equal(got[..., :32], codes[rows])
+    np.testing.assert_array_equal(got[..., 32:], scale[rows])
+
+
+def test_generate_host_tables_equal_device_tables(reference, tmp_path, capsys):
+    """``generate --checkpoint``: ``--engram-tables host`` (engine: hash, gather on the host, call) gives the
+    same greedy tokens and logits as ``auto`` (which picks device for tiny tables and says so), bit for bit.
+    Prompt of 12 ids: a short segment, one compiled program per run."""
+    from dsv41_jax import generate
+
+    path, cfg, ids, *_ = reference
+    runs = {}
+    for tables in ("auto", "host"):
+        out = tmp_path / f"{tables}.npz"
+        assert generate.main(["--checkpoint", str(path), "--prompt-ids", ",".join(map(str, ids[0, :12])),
+                              "--greedy", "--max-new-tokens", "3", "--dtype", "float32", "--no-quant-rounding",
+                              "--json", "--engram-tables", tables, "--logits-out", str(out)]) == 0
+        err = capsys.readouterr().err
+        runs[tables] = np.load(out)
+        want = "tables on the devices, 0.00 GiB a device (chosen by the planner)" if tables == "auto" else \
+            "tables on the host (memory-mapped"
+        assert f"engram layers [1]: {want}" in err, err
+    for key in ("tokens", "prefill", "decode"):
+        np.testing.assert_array_equal(runs["host"][key], runs["auto"][key])
+
+
+def test_engram_setup_says_where_the_tables_go(capsys):
+    """The placement line of ``generate`` (no run): the split at world 4 (TINY-E: 2 of 6 columns a layer at most)
+    and the planner's choice for the release: host at world 1 (189 GiB of tables), device at world 4."""
+    from dsv41_jax import generate
+
+    def setup(config, world, tables="auto", expert_format="dequantized"):
+        args = generate.build_parser().parse_args(["--prompt-ids", "0", "--world", str(world), "--engram-tables",
+                                                   tables])
+        cfg = load_named(config)
+        return generate.engram_setup(cfg, args, expert_format=expert_format).tables, capsys.readouterr().err
+
+    tables, err = setup("tiny_engram", 4, "device")
+    assert tables == "device" and "split by hash column (2 columns a layer each)" in err
+    assert setup("dsv41_flash", 1, expert_format="fp4")[0] == "host"
+    tables, err = setup("dsv41_flash", 4, expert_format="fp4")
+    assert tables == "device" and "(6 columns a layer each), 47.21 GiB a device (chosen by the planner)" in err
