@@ -323,8 +323,30 @@ def _hash(cids: np.ndarray, n_new: int, pad: int, primes: np.ndarray, offsets: n
     return out
 
 
+def _history_terms(history: np.ndarray, pad: int, mult: np.ndarray) -> np.ndarray:
+    """history [B, H] (compressed ids, DEAD = blocked) → int64 [B, n_layers, H]: for s = 1..H the XOR of the
+    terms ``val · m[s']`` for s' = 1..s — `_hash`'s accumulator before the current token's term, for a current
+    token that is not DEAD (the history part of a one-row step; §B.12)."""
+    b, hist = history.shape
+    acc = np.zeros((b, mult.shape[0]), np.int64)
+    blocked = np.zeros(b, bool)
+    out = np.empty((b, mult.shape[0], hist), np.int64)
+    for s in range(1, hist + 1):
+        src = history[:, hist - s]
+        blocked |= src == DEAD
+        acc ^= np.where(blocked, pad, src)[:, None] * mult[:, s]
+        out[:, :, s - 1] = acc
+    return out
+
+
 class Hasher:
-    """One token map and layout: `rows` hashes a batch of segments for every engram layer at once."""
+    """One token map and layout: `rows` hashes a batch of segments for every engram layer at once.
+
+    Decode steps (one row a sequence, text): the hash of a row is ``(tmap[token] · m[0]) XOR (terms of the 3
+    ids before it)``, and those history terms are known as soon as the previous call's ids are. So after each
+    call a worker thread computes the next call's history terms (`_history_terms`) while the engine dispatches
+    the device step and waits for its sampled token (that wait releases the GIL); the next one-row call then
+    only adds the token's term and takes the residues. Same rows as the general path (tested)."""
 
     def __init__(self, cfg: ModelConfig, tmap: np.ndarray | None = None, *, checkpoint_dir=None):
         if not cfg.engram_layer_ids:
@@ -333,6 +355,9 @@ class Hasher:
         self.layout = layout(cfg)
         self.tmap = np.asarray(tmap if tmap is not None else token_map(cfg, checkpoint_dir), np.int64)
         self.pad = int(self.tmap[cfg.engram_pad_token_id])
+        self.overlap = True  # compute the next call's history terms on a worker thread (False: inline)
+        self._ahead: tuple[np.ndarray, concurrent.futures.Future] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engram-hash")
 
     def compress(self, ids: np.ndarray, is_image: np.ndarray | None = None) -> np.ndarray:
         """ids int [..., T] → compressed ids int64, DEAD at image positions (and where ids are DEAD)."""
@@ -347,10 +372,44 @@ class Hasher:
         [B, H] after each sequence's ``lengths[b]`` real rows)."""
         ids = np.asarray(ids)
         b, t = ids.shape
-        cids = np.concatenate([np.asarray(history, np.int64), self.compress(ids, is_image)], axis=1)
-        rows = _hash(cids, t, self.pad, self.layout.primes, self.layout.offsets, self.layout.multipliers)
-        lengths = np.full(b, t) if lengths is None else np.asarray(lengths)
-        return rows, self.advance(cids, lengths)
+        history = np.asarray(history, np.int64)
+        if t == 1 and is_image is None and ids.min() >= 0:
+            rows, after = self._one_row(ids[:, 0], history, lengths)
+        else:
+            cids = np.concatenate([history, self.compress(ids, is_image)], axis=1)
+            lay = self.layout
+            rows = _hash(cids, t, self.pad, lay.primes, lay.offsets, lay.multipliers)
+            after = self.advance(cids, np.full(b, t) if lengths is None else np.asarray(lengths))
+        self._prefetch(after)
+        return rows, after
+
+    def _one_row(self, ids: np.ndarray, history: np.ndarray, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """A decode step (ids [B] text tokens): the token's term XOR the (prefetched) history terms, then the
+        residues; as `_hash` computes them, with a few numpy calls (the step's host latency)."""
+        lay = self.layout
+        new = self.tmap[np.minimum(ids, len(self.tmap) - 1)]  # [B]
+        acc = (new[:, None, None] * lay.multipliers[None, :, :1]) ^ self._terms(history)  # [B, L, H]
+        n_layers, hist = acc.shape[1:]
+        primes = lay.primes.reshape(n_layers, hist, -1)
+        rows = (acc[..., None] % primes + lay.offsets.reshape(primes.shape)).reshape(len(ids), 1, n_layers, -1)
+        shifted = np.concatenate([history[:, 1:], new[:, None]], axis=1)
+        after = shifted if lengths is None else np.where(np.asarray(lengths)[:, None] > 0, shifted, history)
+        return rows, after
+
+    def _terms(self, history: np.ndarray) -> np.ndarray:
+        """`_history_terms` of ``history``: the prefetched result when it is for this history."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0].shape == history.shape and (ahead[0] == history).all():
+            return ahead[1].result()
+        return _history_terms(history, self.pad, self.layout.multipliers)
+
+    def _prefetch(self, history: np.ndarray) -> None:
+        """Start computing the next call's history terms (on the worker thread when ``overlap``)."""
+        history = history.copy()
+        if self.overlap:
+            self._ahead = (history, self._pool.submit(_history_terms, history, self.pad, self.layout.multipliers))
+        else:
+            self._ahead = None
 
     def advance(self, cids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """cids [B, H + T] (history then segment) → the last H entries up to each sequence's real length."""

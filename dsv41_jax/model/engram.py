@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from ..config import ModelConfig
-from .norms import Linear, rms_normalize
+from .norms import Linear
 
 SCALE_GROUP = 32  # one ue8m0 scale per 32 dims of a table row (§B.12)
 GATE_FLOOR = 1e-6  # sqrt(max(|dot|, 1e-6)) (§B.12)
@@ -39,10 +39,17 @@ class EngramInput:
 def decode_rows(codes: jnp.ndarray, scale_bytes: jnp.ndarray, dtype) -> jnp.ndarray:
     """codes e4m3 [..., d], scale_bytes uint8 [..., d/32] → rows [..., d] in ``dtype`` (exact: e4m3 · 2^k fits
     bf16), decoded after the gather (only the gathered rows are touched)."""
-    # 2^(e−127) from its bits (exact); byte 0 gives 0, f32 has no normal 2^-127 (MODEL.md §C.1 ue8m0).
-    scale = jax.lax.bitcast_convert_type(scale_bytes.astype(jnp.uint32) << 23, jnp.float32)
-    grouped = codes.astype(jnp.float32).reshape(*codes.shape[:-1], -1, SCALE_GROUP) * scale[..., None]
-    return grouped.reshape(codes.shape).astype(dtype)
+    # 2^(e−127) from its bits (exact); byte 0 gives 0, f32 has no normal 2^-127 (MODEL.md §C.1 ue8m0). The
+    # product is formed in ``dtype`` directly (a 4-bit significand times a power of two: exact in bf16 too,
+    # bf16 having f32's exponent range), so no f32 copy of the rows is made.
+    scale = jax.lax.bitcast_convert_type(scale_bytes.astype(jnp.uint32) << 23, jnp.float32).astype(dtype)
+    grouped = codes.astype(dtype).reshape(*codes.shape[:-1], -1, SCALE_GROUP) * scale[..., None]
+    return grouped.reshape(codes.shape)
+
+
+def _rms_inv(v: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """(mean(v²) + eps)^(−1/2) over the last axis: v [..., D] f32 → [...]."""
+    return jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
 
 
 def unpack_rows(packed: jnp.ndarray, dim: int) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -107,8 +114,10 @@ class Engram(nnx.Module):
         value = kv[..., s * d:].astype(jnp.float32)
         x = streams.astype(jnp.float32)
         weight = self.q_weight[...] * self.k_weight[...]  # [S, D]
-        # cosine of the RMS-normed stream and key, weighted by q_w ⊙ k_w, over sqrt(D)
-        dot = jnp.sum(rms_normalize(x, self.eps) * weight * rms_normalize(key, self.eps), axis=-1) * d**-0.5
+        # cosine of the RMS-normed stream and key, weighted by q_w ⊙ k_w, over sqrt(D): the norms are scalars a
+        # row, so Σ x·w·key · rms⁻¹(x) · rms⁻¹(key) — three sums over D of the same inputs, one pass for XLA
+        # (normalising x and key first would read them twice more)
+        dot = jnp.sum(x * weight * key, axis=-1) * _rms_inv(x, self.eps) * _rms_inv(key, self.eps) * d**-0.5
         gate = jax.nn.sigmoid(jnp.sign(dot) * jnp.sqrt(jnp.maximum(jnp.abs(dot), GATE_FLOOR)))  # [B, T, S]
         gate = jnp.where(inputs.text[..., None], gate, 0.0)
         return (x + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
