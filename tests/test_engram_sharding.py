@@ -113,8 +113,9 @@ def test_split_tables_match_world_1(reference, world, monkeypatch):
     path, cfg, ids, hasher, ref_logits, ref_tokens = reference
     reads = []
     real_read = load.read_table_rows
+    monkeypatch.setattr(load, "PROGRESS_BYTES", 0)  # the chunked read with its progress bar, in chunks of 500 rows
     monkeypatch.setattr(load, "read_table_rows", lambda ckpt, name, rows, **kw: reads.append((name, rows)) or
-                        real_read(ckpt, name, rows, **kw))
+                        real_read(ckpt, name, rows, chunk_rows=500))
     ckpt = open_checkpoint(path)
     whole = []
     read = ckpt.read
