@@ -3,7 +3,8 @@ rows + ue8m0 scales, dequantised bf16 ``wkv``):
 
 1. **device tables** (world 1): a full-width engram layer with random device-side weights (release table size by
    default), median ms for a prefill segment and a decode step, against ``--prefill-step-ms`` /
-   ``--decode-step-ms`` (default: the README's 2-layer H200 profile, 28.65 / 2.58 ms): the share it adds.
+   ``--decode-step-ms`` (default: the README's 2-layer H200 profile, 28.65 / 2.58 ms): the share it adds; and
+   its ``wkv`` GEMM alone, held bf16 vs held as stored (fp8) and decoded in the step.
 2. **host hashing** per call (`dsv41_jax.engram.Hasher`, median of many calls): a decode step's hash with the
    history terms prefetched on the worker thread during the (simulated) device step, and inline.
 3. **host tables** (``--engram-tables host``): two memory-mapped tables of ``--host-table-rows`` rows in a
@@ -100,6 +101,38 @@ def device_tables(full, hasher, args) -> None:
         ref = args.prefill_step_ms if t > 1 else args.decode_step_ms
         print(f"| {t:,} | {ms:.3f} | {ref} | {100 * ms / ref:.2f} % (+{ms:.3f} ms) |")
     del model, state
+    wkv_held_as_stored(cfg, args)
+
+
+def wkv_held_as_stored(cfg, args) -> None:
+    """The layer's main cost, its ``wkv`` GEMM [T, 6144] × [6144, 25600]: held dequantised (bf16, as the model
+    holds dense matrices: 315 MB read a decode step) vs held as stored (e4m3 + one ue8m0 scale per 32×32 block,
+    157 MB) and decoded inside the step — whether XLA fuses the decode into the GEMM decides if holding it fp8
+    would pay."""
+    out_dim, in_dim = (cfg.hc_mult + 1) * cfg.hidden_size, 24 * cfg.engram_head_dim
+    key = jax.random.key(3)
+    w = (jax.random.normal(key, (out_dim, in_dim), jnp.float32) * in_dim**-0.5).astype(jnp.bfloat16)
+    codes = jax.lax.bitcast_convert_type(jax.random.bits(key, (out_dim, in_dim), jnp.uint8) & 0x7E,
+                                         jnp.float8_e4m3fn)
+    scales = jnp.full((out_dim // 32, in_dim // 32), 120, jnp.uint8)
+
+    @jax.jit
+    def held_bf16(x, w):
+        return jnp.einsum("ti,oi->to", x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    @jax.jit
+    def held_fp8(x, codes, scales):
+        step = jax.lax.bitcast_convert_type(scales.astype(jnp.uint32) << 23, jnp.float32).astype(jnp.bfloat16)
+        step = jnp.repeat(jnp.repeat(step, 32, axis=0), 32, axis=1)
+        return held_bf16(x, codes.astype(jnp.bfloat16) * step)
+
+    print("\n| rows | wkv GEMM, held bf16 (ms) | held e4m3 + block scales, decoded in the step (ms) |")
+    print("|---|---|---|")
+    for t in (int(x) for x in args.rows.split(",")):
+        x = jax.random.normal(key, (t, in_dim), jnp.float32).astype(jnp.bfloat16)
+        a = median_ms(held_bf16, x, w, repeats=args.repeats)
+        b = median_ms(held_fp8, x, codes, scales, repeats=args.repeats)
+        print(f"| {t:,} | {a:.3f} | {b:.3f} |")
 
 
 def host_hashing(full, hasher, args) -> None:
