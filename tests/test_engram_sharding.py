@@ -34,6 +34,7 @@ from sharding.load import checkpoint_source
 
 OPTIONS = ModelOptions(dtype="float32", quant_rounding=False)
 LOGITS_ATOL = 1e-4
+SAME_BYTES_ATOL = 0.0 if jax.default_backend() == "cpu" else 1e-5  # host vs device tables, one device
 PROMPT, NEW, MAX_CONTEXT = 24, 3, 32
 
 
@@ -171,18 +172,18 @@ def host_model(path, world: int):
 
 
 @pytest.mark.devices
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_host_tables_match_device_tables(reference, world):
     """Host placement (rows gathered on the host from the memory-mapped shards, sent with each call) = device
-    placement: the same stored bytes reach the same decode, so world 1 is bit-identical; world 2 within the
-    sharded bound."""
+    placement: the same stored bytes reach the same exact decode, so world 1 is bit-identical on CPU (on a GPU
+    the two programs may fuse the GEMMs differently: 1e-5); world 2 within the sharded bound."""
     path, cfg, ids, hasher, ref_logits, ref_tokens = reference
     model, mesh, tables = host_model(path, world)
     inner = model if mesh is None else model.inner
     assert not hasattr(inner.layers[1].engram, "embed") and all(
         not c.flags.owndata for c in tables.codes + tables.scales)  # views of the shards' memory maps
     logits, tokens = greedy(model, cfg, ids, mesh, hasher, gathered=tables.gather)
-    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=0 if world == 1 else LOGITS_ATOL)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL if world > 1 else SAME_BYTES_ATOL)
     np.testing.assert_array_equal(tokens, ref_tokens)
 
 
@@ -202,7 +203,8 @@ def test_host_gather_is_the_table_rows(reference):
 
 def test_generate_host_tables_equal_device_tables(reference, tmp_path, capsys):
     """``generate --checkpoint``: ``--engram-tables host`` (engine: hash, gather on the host, call) gives the
-    same greedy tokens and logits as ``auto`` (which picks device for tiny tables and says so), bit for bit.
+    same greedy tokens and logits as ``auto`` (which picks device for tiny tables and says so), bit for bit on
+    CPU.
     Prompt of 12 ids: a short segment, one compiled program per run."""
     from dsv41_jax import generate
 
@@ -218,14 +220,18 @@ def test_generate_host_tables_equal_device_tables(reference, tmp_path, capsys):
         want = "tables on the devices, 0.00 GiB a device (chosen by the planner)" if tables == "auto" else \
             "tables on the host (memory-mapped"
         assert f"engram layers [1]: {want}" in err, err
-    for key in ("tokens", "prefill", "decode"):
-        np.testing.assert_array_equal(runs["host"][key], runs["auto"][key])
+    np.testing.assert_array_equal(runs["host"]["tokens"], runs["auto"]["tokens"])
+    for key in ("prefill", "decode"):
+        np.testing.assert_allclose(runs["host"][key], runs["auto"][key], rtol=0, atol=SAME_BYTES_ATOL)
 
 
-def test_engram_setup_says_where_the_tables_go(capsys):
+def test_engram_setup_says_where_the_tables_go(capsys, monkeypatch):
     """The placement line of ``generate`` (no run): the split at world 4 (TINY-E: 2 of 6 columns a layer at most)
-    and the planner's choice for the release: host at world 1 (189 GiB of tables), device at world 4."""
+    and the planner's choice for the release on H200s (139 GiB budget): host at world 1 (189 GiB of tables),
+    device at world 4."""
     from dsv41_jax import generate
+
+    monkeypatch.setattr(generate, "_device_memory_bytes", lambda: None)  # the planner's H200 budget here too
 
     def setup(config, world, tables="auto", expert_format="dequantized"):
         args = generate.build_parser().parse_args(["--prompt-ids", "0", "--world", str(world), "--engram-tables",
