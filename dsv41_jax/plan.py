@@ -7,6 +7,9 @@ Weights are planned in the formats the config's ``quantization_config`` says the
 release: fp4 routed experts, fp8 dense matrices; bf16 without one); ``--experts`` / ``--dense`` override.
 A refusal prints its rule and reason on stderr and exits 2. R10 (memory, PLANNER.md §F) is checked by default
 against the H200's 139 GiB usable a device; ``--budget-gib`` sets another budget, ``--no-memory-check`` skips it.
+A config with engram layers also shows the engram term R10 counts: where the tables are (``--engram-tables``;
+auto: device when R10 holds with them split by hash column at this world, else host) and the bytes on the
+device (the rank's table slabs, the gathered rows, the projection).
 """
 
 from __future__ import annotations
