@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from ..config import ModelConfig
+from ..formats import BLOCK as SCALE_GROUP  # one ue8m0 scale per 32 dims of a table row (§B.12)
 from .norms import Linear
 
-SCALE_GROUP = 32  # one ue8m0 scale per 32 dims of a table row (§B.12)
 GATE_FLOOR = 1e-6  # sqrt(max(|dot|, 1e-6)) (§B.12)
 
 
@@ -40,8 +40,8 @@ def decode_rows(codes: jnp.ndarray, scale_bytes: jnp.ndarray, dtype) -> jnp.ndar
     """codes e4m3 [..., d], scale_bytes uint8 [..., d/32] → rows [..., d] in ``dtype`` (exact: e4m3 · 2^k fits
     bf16), decoded after the gather (only the gathered rows are touched)."""
     # 2^(e−127) from its bits (exact); byte 0 gives 0, f32 has no normal 2^-127 (MODEL.md §C.1 ue8m0). The
-    # product is formed in ``dtype`` directly (a 4-bit significand times a power of two: exact in bf16 too,
-    # bf16 having f32's exponent range), so no f32 copy of the rows is made.
+    # product is formed in ``dtype`` directly (a 4-bit significand times a power of two: exact in bf16 as in f32,
+    # bf16 having f32's exponent range, down to the normal range's 2^-126), so no f32 copy of the rows is made.
     scale = jax.lax.bitcast_convert_type(scale_bytes.astype(jnp.uint32) << 23, jnp.float32).astype(dtype)
     grouped = codes.astype(dtype).reshape(*codes.shape[:-1], -1, SCALE_GROUP) * scale[..., None]
     return grouped.reshape(codes.shape)
