@@ -280,13 +280,14 @@ class Engine:
     ``segment_plan(longest prompt) -> sizes`` (default: fixed 2,048-row segments); segments of at most
     ``short_rows`` rows run row by row through the decode program (0: never). ``hasher``: the engram hasher
     (`dsv41_jax.engram.Hasher`, e.g. with a checkpoint's token map) when the model runs engram layers; default
-    ``Hasher(cfg)``.
+    ``Hasher(cfg)``. ``host_tables``: `dsv41_jax.engram.HostTables` for a model built with
+    ``ModelOptions(engram_tables="host")``: each call's rows are gathered on the host and sent with it.
     """
 
     def __init__(self, model: nnx.Module, cfg: ModelConfig, *, max_context: int, cache_dtype: str = "bfloat16",
                  eos_ids: Sequence[int] | None = None, segment_plan: SegmentPlan | None = None,
                  short_rows: int = SHORT_SEGMENT_ROWS, init_cache: Callable | None = None, mesh=None,
-                 hasher=None):
+                 hasher=None, host_tables=None):
         if init_cache is None:
             from .model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light
         self.cfg = cfg
@@ -305,6 +306,7 @@ class Engine:
 
             self.hasher = hasher or Hasher(cfg)
         self._has_vision = hasattr(model, "vision")  # built with the image path (a sharded model's: its inner's)
+        self.host_tables = host_tables  # engram tables on the host (`engram.HostTables`): rows gathered per call
         graphdef, self.state = nnx.split(model)
         self._programs = _shared_programs(graphdef, self.state)
 
@@ -357,8 +359,11 @@ class Engine:
         from .model.engram import EngramInput  # noqa: PLC0415
 
         lay = self.hasher.layout
-        return EngramInput(rows=arg((batch, t, len(lay.layer_ids), lay.columns), jnp.int32),
-                           text=arg((batch, t), jnp.bool_))
+        shape = (batch, t, len(lay.layer_ids), lay.columns)
+        gathered = None
+        if self.host_tables is not None:
+            gathered = arg((*shape, self.host_tables.row_bytes), jnp.uint8)
+        return EngramInput(rows=arg(shape, jnp.int32), text=arg((batch, t), jnp.bool_), gathered=gathered)
 
     def _engram_rows(self, ids: np.ndarray, lengths: np.ndarray, history, is_image: np.ndarray | None = None):
         """(EngramInput for this call | None, the history after it): hashed on the host (module docstring).
@@ -369,7 +374,10 @@ class Engine:
 
         rows, history = self.hasher.rows(ids, history, is_image=is_image, lengths=lengths)
         text = np.ones(ids.shape, bool) if is_image is None else ~is_image
-        return EngramInput(rows=rows.astype(np.int32), text=text), history
+        # Host tables: the rows as stored, gathered now; the device step dispatched before this call is still
+        # running (async dispatch), so a prefill's gathers overlap the previous segment (engram.HostTables).
+        gathered = None if self.host_tables is None else self.host_tables.gather(rows)
+        return EngramInput(rows=rows.astype(np.int32), text=text, gathered=gathered), history
 
     def _empty_history(self, batch: int):
         if self.hasher is None:

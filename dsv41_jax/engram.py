@@ -17,10 +17,14 @@ Pieces:
 * `History` — the last ``max_ngram − 1`` ids of a sequence, ``DEAD`` where a position is blocked (before the
   start, or inside an image span): what carries the hash across prefill segments and decode steps.
 * `Hasher` — one token map + layout; ``rows(ids, history, is_image)`` for all engram layers at once.
+* `ColumnSplit` / `column_splits` — the tables split by hash column over ranks (device placement, sharded).
+* `HostTables` — the tables left memory-mapped in the checkpoint's shards (host placement): ``gather(rows)``
+  copies one call's rows, as stored, into the buffer sent with the call (`EngramInput.gathered`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -31,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .formats import BLOCK  # one ue8m0 scale byte per 32 dims of a table row (§B.12)
 
 DEAD = -1  # a blocked history slot: before the sequence start, or an image position (VISION.md §V.E.4)
 TOKEN_MAP_FILE = "engram_token_map.json"  # a precomputed map next to a checkpoint (mlx-vlm reads it too)
@@ -240,6 +245,56 @@ def _layout(layer_ids, max_ngram, heads, vocab, compressed, num_embeddings) -> E
     return EngramLayout(tuple(layer_ids), primes, offsets, mult)
 
 
+@dataclass(frozen=True)
+class ColumnSplit:
+    """One engram layer's table split by hash column over ``len(columns)`` ranks: rank r owns ``columns[r]``
+    consecutive columns from ``col_start(r)``, i.e. the table rows ``[row_start(r), row_start(r) + rows[r])`` —
+    one contiguous range, since column c's rows start at ``offsets[c]`` (§B.12). Every rank's slab is padded to
+    the largest (``slab`` rows; the primes differ, so the slabs do by a few hundred rows)."""
+
+    columns: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.columns)
+
+    @property
+    def slab(self) -> int:
+        return max(self.rows)
+
+    @property
+    def max_columns(self) -> int:
+        return max(self.columns)
+
+    def col_start(self, rank: int) -> int:
+        return sum(self.columns[:rank])
+
+    def row_start(self, rank: int) -> int:
+        return sum(self.rows[:rank])
+
+
+def column_splits(cfg: ModelConfig, world: int) -> tuple[ColumnSplit, ...]:
+    """One `ColumnSplit` per engram layer of ``cfg`` at ``world`` ranks: ``cols // world`` columns a rank, the
+    first ``cols % world`` ranks one more (24 columns: 24/W for W ∈ {1, 2, 3, 4, 6, 8}, PLANNER.md §C)."""
+    return _column_splits(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                          cfg.engram_vocab_size, int(world))
+
+
+@functools.lru_cache(maxsize=32)
+def _column_splits(layer_ids, max_ngram, heads, vocab, world) -> tuple[ColumnSplit, ...]:
+    cfg = ModelConfig(engram_layer_ids=layer_ids, engram_max_ngram_size=max_ngram, engram_n_heads=heads,
+                      engram_vocab_size=vocab, engram_num_embeddings=(0,) * len(layer_ids))
+    out = []
+    for primes in layer_primes(cfg):
+        cols = len(primes)
+        counts = tuple(cols // world + (r < cols % world) for r in range(world))
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        rows = tuple(int(primes[starts[r]:starts[r + 1]].sum()) for r in range(world))
+        out.append(ColumnSplit(counts, rows))
+    return tuple(out)
+
+
 # ------------------------------------------------------------------------------------------------ hashing
 def empty_history(cfg: ModelConfig, batch: int | None = None) -> np.ndarray:
     """int64 [max_ngram − 1] (or [batch, max_ngram − 1]) of DEAD: the history before a sequence starts."""
@@ -268,8 +323,30 @@ def _hash(cids: np.ndarray, n_new: int, pad: int, primes: np.ndarray, offsets: n
     return out
 
 
+def _history_terms(history: np.ndarray, pad: int, mult: np.ndarray) -> np.ndarray:
+    """history [B, H] (compressed ids, DEAD = blocked) → int64 [B, n_layers, H]: for s = 1..H the XOR of the
+    terms ``val · m[s']`` for s' = 1..s — `_hash`'s accumulator before the current token's term, for a current
+    token that is not DEAD (the history part of a one-row step; §B.12)."""
+    b, hist = history.shape
+    acc = np.zeros((b, mult.shape[0]), np.int64)
+    blocked = np.zeros(b, bool)
+    out = np.empty((b, mult.shape[0], hist), np.int64)
+    for s in range(1, hist + 1):
+        src = history[:, hist - s]
+        blocked |= src == DEAD
+        acc ^= np.where(blocked, pad, src)[:, None] * mult[:, s]
+        out[:, :, s - 1] = acc
+    return out
+
+
 class Hasher:
-    """One token map and layout: `rows` hashes a batch of segments for every engram layer at once."""
+    """One token map and layout: `rows` hashes a batch of segments for every engram layer at once.
+
+    Decode steps (one row a sequence, text): the hash of a row is ``(tmap[token] · m[0]) XOR (terms of the 3
+    ids before it)``, and those history terms are known as soon as the previous call's ids are. So after each
+    call a worker thread computes the next call's history terms (`_history_terms`) while the engine dispatches
+    the device step and waits for its sampled token (that wait releases the GIL); the next one-row call then
+    only adds the token's term and takes the residues. Same rows as the general path (tested)."""
 
     def __init__(self, cfg: ModelConfig, tmap: np.ndarray | None = None, *, checkpoint_dir=None):
         if not cfg.engram_layer_ids:
@@ -278,6 +355,9 @@ class Hasher:
         self.layout = layout(cfg)
         self.tmap = np.asarray(tmap if tmap is not None else token_map(cfg, checkpoint_dir), np.int64)
         self.pad = int(self.tmap[cfg.engram_pad_token_id])
+        self.overlap = True  # compute the next call's history terms on a worker thread (False: inline)
+        self._ahead: tuple[np.ndarray, concurrent.futures.Future] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engram-hash")
 
     def compress(self, ids: np.ndarray, is_image: np.ndarray | None = None) -> np.ndarray:
         """ids int [..., T] → compressed ids int64, DEAD at image positions (and where ids are DEAD)."""
@@ -292,10 +372,44 @@ class Hasher:
         [B, H] after each sequence's ``lengths[b]`` real rows)."""
         ids = np.asarray(ids)
         b, t = ids.shape
-        cids = np.concatenate([np.asarray(history, np.int64), self.compress(ids, is_image)], axis=1)
-        rows = _hash(cids, t, self.pad, self.layout.primes, self.layout.offsets, self.layout.multipliers)
-        lengths = np.full(b, t) if lengths is None else np.asarray(lengths)
-        return rows, self.advance(cids, lengths)
+        history = np.asarray(history, np.int64)
+        if t == 1 and is_image is None and ids.min() >= 0:
+            rows, after = self._one_row(ids[:, 0], history, lengths)
+        else:
+            cids = np.concatenate([history, self.compress(ids, is_image)], axis=1)
+            lay = self.layout
+            rows = _hash(cids, t, self.pad, lay.primes, lay.offsets, lay.multipliers)
+            after = self.advance(cids, np.full(b, t) if lengths is None else np.asarray(lengths))
+        self._prefetch(after)
+        return rows, after
+
+    def _one_row(self, ids: np.ndarray, history: np.ndarray, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """A decode step (ids [B] text tokens): the token's term XOR the (prefetched) history terms, then the
+        residues; as `_hash` computes them, with a few numpy calls (the step's host latency)."""
+        lay = self.layout
+        new = self.tmap[np.minimum(ids, len(self.tmap) - 1)]  # [B]
+        acc = (new[:, None, None] * lay.multipliers[None, :, :1]) ^ self._terms(history)  # [B, L, H]
+        n_layers, hist = acc.shape[1:]
+        primes = lay.primes.reshape(n_layers, hist, -1)
+        rows = (acc[..., None] % primes + lay.offsets.reshape(primes.shape)).reshape(len(ids), 1, n_layers, -1)
+        shifted = np.concatenate([history[:, 1:], new[:, None]], axis=1)
+        after = shifted if lengths is None else np.where(np.asarray(lengths)[:, None] > 0, shifted, history)
+        return rows, after
+
+    def _terms(self, history: np.ndarray) -> np.ndarray:
+        """`_history_terms` of ``history``: the prefetched result when it is for this history."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0].shape == history.shape and (ahead[0] == history).all():
+            return ahead[1].result()
+        return _history_terms(history, self.pad, self.layout.multipliers)
+
+    def _prefetch(self, history: np.ndarray) -> None:
+        """Start computing the next call's history terms (on the worker thread when ``overlap``)."""
+        history = history.copy()
+        if self.overlap:
+            self._ahead = (history, self._pool.submit(_history_terms, history, self.pad, self.layout.multipliers))
+        else:
+            self._ahead = None
 
     def advance(self, cids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """cids [B, H + T] (history then segment) → the last H entries up to each sequence's real length."""
@@ -327,3 +441,72 @@ def hash_rows(token_ids, layer_id: int, config: ModelConfig, *, history=None, is
     ids = np.asarray(token_ids, np.int64)[None]
     rows, _ = hasher.rows(ids, hist[None], None if is_image is None else np.asarray(is_image)[None])
     return rows[0, :, hasher.layout.index(layer_id)]
+
+
+# ------------------------------------------------------------------------------------------------ host tables
+def table_names(layer: int) -> tuple[str, str]:
+    """Model names of engram layer ``layer``'s table: (e4m3 codes [rows, d], ue8m0 scale bytes [rows, d/32])."""
+    return f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale"
+
+
+class HostTables:
+    """The engram tables on the host (``--engram-tables host``): e4m3 codes and ue8m0 scale bytes of every
+    engram layer, as stored — memory maps of the safetensors shards (`from_checkpoint`: never read whole; the
+    pages a gather touches are read on demand and stay in the page cache), or arrays (`from_weights`).
+
+    ``gather(rows)`` copies one call's rows into ``uint8 [B, T, L, C, d + d/32]`` (codes then scale bytes, the
+    model's `EngramInput.gathered`), split over a few threads (numpy's row copies release the GIL, so page
+    faults on cold rows overlap). The engine calls it right after hashing, on the host; JAX dispatches device
+    steps asynchronously, so during a prefill the gather of segment k + 1 runs while the device computes
+    segment k. A decode step's rows depend on the token the previous step sampled, so there it cannot overlap.
+    """
+
+    def __init__(self, codes, scales, *, threads: int | None = None):
+        """codes: per engram layer ``[rows, d]`` e4m3 (or uint8); scales: ``[rows, d/32]`` uint8."""
+        self.codes = [np.asarray(c).view(np.uint8) for c in codes]
+        self.scales = [np.asarray(s).view(np.uint8) for s in scales]
+        self.dim = self.codes[0].shape[1]
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="engram-gather")
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, cfg: ModelConfig) -> "HostTables":
+        """Memory maps of the tables of an opened `dsv41_jax.checkpoint.Checkpoint` (nothing is read yet)."""
+        names = [table_names(layer) for layer in cfg.engram_layer_ids]
+        return cls([ckpt.read_table(w) for w, _ in names], [ckpt.read_table(s) for _, s in names])
+
+    @classmethod
+    def from_weights(cls, flat, cfg: ModelConfig) -> "HostTables":
+        """From a flat model-name dict (e.g. ``make_tiny.random_weights``)."""
+        names = [table_names(layer) for layer in cfg.engram_layer_ids]
+        return cls([flat[w] for w, _ in names], [flat[s] for _, s in names])
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one gathered column: d code bytes + d/32 scale bytes (264 in the release)."""
+        return self.dim + self.dim // BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tables (as stored; memory-mapped, not resident)."""
+        return sum(c.nbytes + s.nbytes for c, s in zip(self.codes, self.scales))
+
+    def gather(self, rows: np.ndarray, chunk: int = 256) -> np.ndarray:
+        """rows int [B, T, L, C] (absolute, `Hasher.rows`) → uint8 [B, T, L, C, d + d/32]."""
+        rows = np.asarray(rows)
+        *lead, n_layers, cols = rows.shape
+        flat_rows = rows.reshape(-1, n_layers, cols)
+        out = np.empty((flat_rows.shape[0], n_layers, cols, self.row_bytes), np.uint8)
+
+        def fill(layer: int, lo: int, hi: int) -> None:
+            idx = flat_rows[lo:hi, layer].reshape(-1)
+            out[lo:hi, layer, :, :self.dim] = self.codes[layer][idx].reshape(hi - lo, cols, self.dim)
+            out[lo:hi, layer, :, self.dim:] = self.scales[layer][idx].reshape(hi - lo, cols, -1)
+
+        jobs = [(layer, lo, min(lo + chunk, len(flat_rows)))
+                for layer in range(n_layers) for lo in range(0, len(flat_rows), chunk)]
+        if len(jobs) == 1:
+            fill(*jobs[0])
+        else:
+            list(self._pool.map(lambda job: fill(*job), jobs))
+        return out.reshape(*lead, n_layers, cols, -1)

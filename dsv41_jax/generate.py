@@ -35,8 +35,11 @@ examples:
 
 Engram layers (the released config has two) run by default: their n-gram rows are hashed on the host from the
 token map of the checkpoint's tokenizer.json (or engram_token_map.json; else the packaged tokenizer's), and the
-tables are held on the devices (--engram-tables device). --skip-engram runs without them: the output is then
-NOT the model's (a warning says so).
+tables are placed by --engram-tables: device (split by hash column over the --world devices, 24/W columns a
+layer each), host (left memory-mapped in the checkpoint's shards; each call's rows are gathered on the host and
+sent with it), or auto (default: the planner picks device when it fits the devices' memory at this world, else
+host; the choice is printed). --skip-engram runs without them: the output is then NOT the model's (a warning
+says so).
 
 --prompts-file holds one JSON object per line: {"prompt": "text"}, {"prompt_ids": [0, 5, 6]} or
 {"messages": [{"role": "user", "content": "Hi"}]} (OpenAI-style messages: roles system, user, assistant, tool;
@@ -127,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "agree with one device to ~1e-5 (with them on, an fp4 boundary flip can move later "
                             "logits by up to ~1 on random weights)")
     model.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
-                       help="where engram tables live: device (replicated on every device, e4m3 + ue8m0 as "
-                            "stored) or host (memory-mapped, rows gathered per step: not implemented yet); "
-                            "auto (default): device")
+                       help="where engram tables live: device (split by hash column over the devices, e4m3 + "
+                            "ue8m0 as stored) or host (memory-mapped, each call's rows gathered on the host); "
+                            "auto (default): device when it fits at this --world, else host (printed)")
     model.add_argument("--world", type=_positive_int, default=1, metavar="N",
                        help="devices to shard over (default 1: unsharded)")
     model.add_argument("--max-context", type=_positive_int, metavar="N",
@@ -386,35 +389,73 @@ class ModelInputs:
     expert_format: str = "dequantized"
     vision: bool = False  # the image path is loaded (prompts have images)
     hasher: object = None  # the engram hasher (token map + layout) when engram layers run
+    engram_tables: str = "device"  # where the engram tables live ("device" | "host")
+    host_tables: object = None  # engram.HostTables with "host": memory maps of the tables
 
 
-def engram_hasher(cfg, args, checkpoint_dir=None):
-    """The engram hasher when the config's engram layers run (None without engram layers or with
-    ``--skip-engram``, which gets a loud warning); refuses an unusable token map or table layout, and
-    ``--engram-tables host`` (not implemented yet), before any weight is read."""
+@dataclass(frozen=True)
+class EngramSetup:
+    """How the engram layers run: the hasher (None: no engram layers, or --skip-engram) and where the tables
+    live ("device": split by hash column over the devices; "host": memory-mapped, rows gathered per call)."""
+
+    hasher: object = None
+    tables: str = "device"
+
+
+def engram_setup(cfg, args, checkpoint_dir=None, expert_format: str = "dequantized") -> EngramSetup:
+    """The engram hasher and table placement for the run, before any weight is read: ``--skip-engram`` gets a
+    loud warning; an unusable token map or table layout is refused; ``--engram-tables auto`` asks the planner
+    (device when R10 holds at this world with the tables split by hash column, else host); ``device`` is
+    refused when a device's slab cannot fit. The choice is printed."""
     from .engram import Hasher  # noqa: PLC0415
 
     if not cfg.engram_layer_ids:
-        return None
+        return EngramSetup()
     layers = list(cfg.engram_layer_ids)
     if args.skip_engram:
         _say(f"WARNING: --skip-engram: running WITHOUT the engram layers {layers}; the output is NOT the model's")
-        return None
-    if args.engram_tables == "host":
-        raise UsageError("--engram-tables host (tables memory-mapped on the host, rows gathered per step) is not "
-                         "implemented yet; use --engram-tables device, or --skip-engram (not the model's output)")
+        return EngramSetup()
     hasher = Hasher(cfg, checkpoint_dir=checkpoint_dir)
     from .planner import engram_bytes_per_rank  # noqa: PLC0415
 
+    tables = args.engram_tables
+    how = "--engram-tables"
+    if tables == "auto":
+        tables, how = _planned_engram_tables(cfg, args, expert_format), "chosen by the planner"
     need = engram_bytes_per_rank(cfg, args.world, tables="device")
     limit = _device_memory_bytes()
-    if limit and need["tables"] > 0.9 * limit:
-        raise UsageError(f"the engram tables need {need['tables'] / 2**30:,.1f} GiB on every device (replicated), "
-                         f"more than the {limit / 2**30:,.1f} GiB a device has; splitting them by hash column and "
-                         f"--engram-tables host are not implemented yet: use --skip-engram (not the model's output)")
-    _say(f"engram layers {layers}: tables on the devices, {need['tables'] / 2**30:,.2f} GiB a device "
-         f"(+{need['projection'] / 2**20:,.1f} MiB projection)")
-    return hasher
+    if tables == "device" and limit and need["tables"] > 0.9 * limit:
+        raise UsageError(f"the engram tables need {need['tables'] / 2**30:,.1f} GiB on every device at --world "
+                         f"{args.world} (split by hash column, {need['columns']} columns a layer), more than the "
+                         f"{limit / 2**30:,.1f} GiB a device has: use --engram-tables host, or a larger --world")
+    if tables == "device":
+        split = f", split by hash column ({need['columns']} columns a layer each)" if args.world > 1 else ""
+        where = f"tables on the devices{split}, {need['tables'] / 2**30:,.2f} GiB a device"
+    else:
+        host = engram_bytes_per_rank(cfg, args.world, tables="host")
+        where = (f"tables on the host (memory-mapped, {host['host_tables'] / 2**30:,.2f} GiB; each call's rows "
+                 f"gathered there and sent with it)")
+    _say(f"engram layers {layers}: {where} ({how})")
+    return EngramSetup(hasher, tables)
+
+
+def _planned_engram_tables(cfg, args, expert_format: str) -> str:
+    """The planner's placement for the weights as this run holds them (dense matrices in --dtype, experts fp4
+    or in --dtype) within the device's memory (the H200 budget when the backend does not report it)."""
+    from .planner import MemoryBudget, PlanOptions, engram_placement  # noqa: PLC0415
+
+    held = "f32" if args.dtype == "float32" else "bf16"
+    options = PlanOptions(experts="fp4" if expert_format == "fp4" else held, dense=held)
+    limit = _device_memory_bytes()
+    budget = MemoryBudget(usable_bytes=int(limit)) if limit else MemoryBudget()
+    return engram_placement(cfg, args.world, options, budget)
+
+
+def _without_tables(weights):
+    """The weights minus the engram tables (``--engram-tables host``: they stay memory-mapped on the host)."""
+    from .param_specs import is_engram_table  # noqa: PLC0415
+
+    return {k: v for k, v in weights.items() if not is_engram_table(k)}
 
 
 def _device_memory_bytes() -> int | None:
@@ -447,10 +488,10 @@ def open_checkpoint_inputs(args) -> ModelInputs:
     vision = _wants_images(args)
     engram = not args.skip_engram
     ckpt = open_checkpoint(path, cfg_override, vision=vision, engram=engram)
-    hasher = engram_hasher(ckpt.cfg, args, checkpoint_dir=path)
     fmt = args.expert_format
     if fmt == "auto":
         fmt = ckpt.stored_expert_format
+    setup = engram_setup(ckpt.cfg, args, checkpoint_dir=path, expert_format=fmt)
     if fmt != "dequantized":
         ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram)  # refuses non-fp4 experts
     for line in ckpt.skipped:
@@ -458,7 +499,13 @@ def open_checkpoint_inputs(args) -> ModelInputs:
             _say(f"note: {line}")
     experts = ", fp4 experts" if fmt == "fp4" else ""
     weights = checkpoint_source(ckpt, dtype=args.dtype)
-    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision, hasher)
+    host_tables = None
+    if setup.tables == "host" and setup.hasher is not None:
+        from .engram import HostTables  # noqa: PLC0415
+
+        weights, host_tables = _without_tables(weights), HostTables.from_checkpoint(ckpt, ckpt.cfg)
+    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision, setup.hasher, setup.tables,
+                       host_tables)
 
 
 def load_model_inputs(args) -> ModelInputs:
@@ -488,12 +535,18 @@ def load_model_inputs(args) -> ModelInputs:
         check_random_size(cfg)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    hasher = engram_hasher(cfg, args)
+    setup = engram_setup(cfg, args)
     weights = random_weights(cfg, seed=0)
     if args.skip_engram:
         weights = {k: v for k, v in weights.items() if ".engram." not in k}
+    host_tables = None
+    if setup.tables == "host" and setup.hasher is not None:
+        from .engram import HostTables  # noqa: PLC0415
+
+        weights, host_tables = _without_tables(weights), HostTables.from_weights(weights, cfg)
     return ModelInputs(cfg, weights, f"{name} with RANDOM weights (seed 0): the output is not language",
-                       vision=_wants_images(args), hasher=hasher)
+                       vision=_wants_images(args), hasher=setup.hasher, engram_tables=setup.tables,
+                       host_tables=host_tables)
 
 
 def kernel_impl(args) -> str:
@@ -505,7 +558,7 @@ def kernel_impl(args) -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def model_options(args, expert_format: str, vision: bool = False):
+def model_options(args, expert_format: str, vision: bool = False, engram_tables: str = "device"):
     """ModelOptions for the run (engram layers unless --skip-engram); says so when float32 experts would be
     computed in bf16 by the Pallas MoE."""
     from .model.transformer import ModelOptions  # noqa: PLC0415
@@ -516,14 +569,14 @@ def model_options(args, expert_format: str, vision: bool = False):
              "takes bf16 activations); use --impl reference for float32 experts")
     return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
                         quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl, hc_impl=impl,
-                        engram=not args.skip_engram)
+                        engram=not args.skip_engram, engram_tables=engram_tables)
 
 
 def build(inputs: ModelInputs, args):
     """(model, mesh | None) for --world; the weights are placed tensor by tensor."""
     from .engine import build_model  # noqa: PLC0415
 
-    options = model_options(args, inputs.expert_format, inputs.vision)
+    options = model_options(args, inputs.expert_format, inputs.vision, inputs.engram_tables)
     if args.world == 1:
         return build_model(inputs.cfg, options, inputs.weights), None
     try:
@@ -729,10 +782,10 @@ def run(args) -> int:
     plan = segment_plan(cfg, args.world)
     plan(max(len(p) for p in prompt_ids))  # the planner may refuse the prompt
     model, mesh = build(inputs, args)
-    hasher = inputs.hasher
+    hasher, host_tables = inputs.hasher, inputs.host_tables
     del inputs
     engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
-                    hasher=hasher)
+                    hasher=hasher, host_tables=host_tables)
     result = generate_with_output(engine, requests, tokenizer, args)
     report(result, tokenizer, args, description, max_context, folded,
            [chat_messages(s, args) is not None for s in specs])

@@ -10,6 +10,9 @@ A refusal prints its rule and reason on stderr and exits 2. R10 (memory, PLANNER
 against the H200's 139 GiB usable a device; ``--budget-gib`` sets another budget, ``--no-memory-check`` skips it.
 With ``--images`` on a config with a vision tower, the tower's plan is shown too (patch / token buckets, its
 per-rank weights and its workspace for ``--vision-images`` images at the largest bucket) and R10 counts both.
+A config with engram layers also shows the engram term R10 counts: where the tables are (``--engram-tables``;
+auto: device when R10 holds with them split by hash column at this world, else host) and the bytes on the
+device (the rank's table slabs, the gathered rows, the projection).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import sys
 
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, VisionPlan, admit,
-                               buffer_plan, plan_segment, plan_vision)
+                               buffer_plan, engram_bytes_per_rank, engram_placement, plan_segment,
+                               plan_vision, prefill_rows)
 
 EXPERT_FORMATS = ("f32", "bf16", "fp8", "fp4")
 DENSE_FORMATS = ("f32", "bf16", "fp8")
@@ -73,12 +77,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vision-images", type=_at_least(1), default=1, metavar="N",
                    help="with --images: images one tower call encodes, each planned at the largest bucket "
                         "(default 1)")
-    p.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
+    p.add_argument("--experts", "--expert-format", dest="experts", choices=EXPERT_FORMATS, default=None,
                    help="how routed experts are held (default: as the config's quantization_config says the "
                         "checkpoint stores them: fp4 for dsv41_flash, bf16 without a quantization_config)")
     p.add_argument("--dense", choices=DENSE_FORMATS, default=None,
                    help="how the other matrices are held (default: from quantization_config: fp8 for "
                         "dsv41_flash, bf16 without one)")
+    p.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
+                   help="where the engram tables are planned (configs with engram layers): device (split by hash "
+                        "column, 24/W columns a rank), host (memory-mapped; only the gathered rows on the "
+                        "device), or auto (default): device when it fits the memory budget at this world")
     p.add_argument("--moe", choices=("auto", "bounded", "whole", "halving"), default="auto")
     p.add_argument("--index-budget-mib", type=_at_least(1), default=256, help="B_idx (MiB, ≥ 1)")
     p.add_argument("--indexer", choices=("pallas", "reference"), default="pallas",
@@ -106,13 +114,26 @@ def stored_formats(cfg) -> tuple[str, str]:
     return experts, dense
 
 
-def _options(args: argparse.Namespace, cfg) -> PlanOptions:
-    """The plan options; weight formats from the flags, else from the config (``stored_formats``)."""
+def _options(args: argparse.Namespace, cfg, budget: MemoryBudget | None = None) -> PlanOptions:
+    """The plan options; weight formats from the flags, else from the config (``stored_formats``); engram
+    tables from ``--engram-tables`` (auto: the planner's choice at this world and budget)."""
     experts, dense = (args.experts, args.dense) if args.experts and args.dense else stored_formats(cfg)
-    return PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
-                       experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
-                       index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer,
-                       vision_images=args.vision_images)
+    options = PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
+                          experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
+                          index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer,
+                          vision_images=args.vision_images)
+    tables = args.engram_tables
+    if tables == "auto":
+        tables = engram_placement(cfg, args.world, options, budget or MemoryBudget())
+    return PlanOptions(**{**options.__dict__, "engram_tables": tables})
+
+
+def engram_term(cfg, world: int, options: PlanOptions) -> dict:
+    """The engram bytes on a rank (planner.engram_bytes_per_rank) with the placement: what R10 counts."""
+    need = engram_bytes_per_rank(cfg, world, tables=options.engram_tables, dense=options.dense,
+                                 rows=prefill_rows(options))
+    return {"placement": options.engram_tables, **need,
+            "device_total": need["tables"] + need["gathered"] + need["projection"]}
 
 
 def _as_json(cfg, plan: SegmentPlan, options: PlanOptions, vision: VisionPlan | None) -> dict:
@@ -129,10 +150,13 @@ def _as_json(cfg, plan: SegmentPlan, options: PlanOptions, vision: VisionPlan | 
     if vision is not None:
         out["vision"] = vision.to_json()
         out["total_bytes_with_vision"] = plan.total_bytes + vision.weight_bytes + vision.workspace_total
+    if cfg.engram_layer_ids:
+        out["engram"] = engram_term(cfg, plan.world, options)
     return out
 
 
-def _print_table(plan: SegmentPlan, cfg_name: str, options: PlanOptions, vision: VisionPlan | None) -> None:
+def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, vision: VisionPlan | None,
+                 engram_choice: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -173,6 +197,15 @@ def _print_table(plan: SegmentPlan, cfg_name: str, options: PlanOptions, vision:
         rows += [(f"vision workspace total ({vision.images} × {vision.patch_buckets[-1]:,} patches)",
                   b(vision.workspace_total)),
                  ("total with the vision tower", b(plan.total_bytes + vision.weight_bytes + vision.workspace_total))]
+    if cfg.engram_layer_ids:
+        e = engram_term(cfg, plan.world, options)
+        where = (f"device, split by hash column ({e['columns']} of "
+                 f"{(cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads} columns a layer on this rank)"
+                 if e["placement"] == "device" else f"host (memory-mapped, {b(e['host_tables'])})")
+        rows += [(f"engram tables ({engram_choice})", where),
+                 ("engram on this device (R10 term, not in total)",
+                  f"{b(e['device_total'])} = tables {b(e['tables'])} + gathered rows {b(e['gathered'])} + "
+                  f"projection {b(e['projection'])}")]
     for item, value in rows:
         t.add_row(item, value)
     Console().print(t)
@@ -188,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_named(args.config)
-        options = _options(args, cfg)
         budget = _budget(args)
+        options = _options(args, cfg, budget)
         plan = plan_segment(cfg, args.world, args.rank, args.rows, args.position, options, budget)
         vision = plan_vision(cfg, args.world, args.rank, options) if args.images and cfg.vision else None
     except ConfigError as e:
@@ -201,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(_as_json(cfg, plan, options, vision), indent=2))
     else:
-        _print_table(plan, args.config, options, vision)
+        choice = "chosen by the planner" if args.engram_tables == "auto" else "--engram-tables"
+        _print_table(plan, cfg, args.config, options, vision, choice)
     return 0
 
 

@@ -881,29 +881,59 @@ def _param_bytes(cfg: ModelConfig, world: int, rank: int, experts: str, dense: s
     return int(round(total))
 
 
-def engram_bytes_per_rank(cfg: ModelConfig, world: int, *, tables: str = "host", dense: str = "bf16") -> dict:
-    """Engram bytes a rank holds (MODEL.md §B.12, §E.2): ``tables`` — the hash tables as stored (e4m3 rows +
-    a ue8m0 byte per 32 dims, ~98 GB a release layer) on the device when ``tables="device"`` (replicated on
-    every rank today, sharding/rules.py), 0 when ``"host"`` (memory-mapped host pages: ``host_tables``);
-    ``projection`` — ``wkv`` in ``dense`` (fp8 or the 16-bit model dtype; f32: 4 bytes) plus the f32
-    ``q_weight`` / ``k_weight``, replicated. ``world`` is kept for the planned split by hash column (24/W a rank)."""
-    from dsv41_jax.param_specs import STORED_BYTES, engram_tensors, fp4_scale_shape
+def engram_bytes_per_rank(cfg: ModelConfig, world: int, *, tables: str = "host", dense: str = "bf16",
+                          rows: int = CAP_2K) -> dict:
+    """Engram bytes a rank holds (MODEL.md §B.12, §E.2; PLANNER.md §C, §F):
+
+    * ``tables`` — ``tables="device"``: the rank's slab of every layer's table, split by hash column (24/W
+      columns a rank, `engram.column_splits`; padded to the largest slab, as JAX allocates it), e4m3 rows + one
+      ue8m0 byte per 32 dims: 25.3 GB a layer at W = 4 in the release. ``"host"``: 0 (``host_tables`` holds
+      the whole tables' bytes, memory-mapped on the host, not resident on any device).
+    * ``gathered`` — the call's rows as stored, ``rows × 24 × 264 B``: with host tables the input buffer for
+      every layer (25.9 MB at 2,048 rows in the release), with device tables one layer's all-gathered rows.
+    * ``projection`` — ``wkv`` in ``dense`` (fp8 or the 16-bit model dtype; f32: 4 bytes) plus the f32
+      ``q_weight`` / ``k_weight``, replicated.
+    """
+    from dsv41_jax.engram import column_splits
+    from dsv41_jax.param_specs import STORED_BYTES, engram_tensors
 
     if tables not in ("host", "device"):
         raise PlanRefused("admission", f"engram tables {tables!r}: use host or device.")
-    table = projection = 0
+    if not cfg.engram_layer_ids:
+        return {"tables": 0, "host_tables": 0, "gathered": 0, "projection": 0, "columns": 0}
+    d = cfg.engram_head_dim
+    row_bytes = d + d // 32  # e4m3 codes + ue8m0 scale bytes
+    splits = column_splits(cfg, world)
+    slabs = sum(split.slab for split in splits) * row_bytes
+    whole = sum(cfg.engram_num_embeddings) * row_bytes
+    cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    layers = len(cfg.engram_layer_ids) if tables == "host" else 1
+    projection = 0
     for layer in cfg.engram_layer_ids:
         for spec in engram_tensors(cfg, layer):
             n = math.prod(spec.shape)
             if spec.name.endswith(".embed.weight"):
-                table += n + math.prod(fp4_scale_shape(spec.shape))  # codes + scale bytes
-            elif spec.stored == "f32":
+                continue
+            if spec.stored == "f32":
                 projection += 4 * n
             else:
                 projection += n * (_DTYPE_BYTES[dense] if dense in _DTYPE_BYTES else STORED_BYTES["bf16"])
-    del world
-    return {"tables": table if tables == "device" else 0, "host_tables": table if tables == "host" else 0,
-            "projection": int(projection)}
+    return {"tables": slabs if tables == "device" else 0, "host_tables": whole if tables == "host" else 0,
+            "gathered": rows * layers * cols * row_bytes, "projection": int(projection),
+            "columns": max(split.max_columns for split in splits)}
+
+
+def engram_placement(cfg: ModelConfig, world: int, options: PlanOptions = PlanOptions(),
+                     budget: MemoryBudget = MemoryBudget()) -> str:
+    """``--engram-tables auto``: "device" when R10 holds at ``world`` with the tables on the devices (split by
+    hash column), else "host" (also for a world refused for other reasons: that refusal comes elsewhere)."""
+    if not cfg.engram_layer_ids:
+        return "device"
+    try:
+        check_memory(cfg, world, replace(options, engram_tables="device"), budget)
+    except PlanRefused:
+        return "host"
+    return "device"
 
 
 def _weight_bytes(cfg: ModelConfig, world: int, rank: int, options: PlanOptions) -> int:
@@ -1146,8 +1176,9 @@ def _memory_terms(cfg: ModelConfig, adm: Admission, rank: int, options: PlanOpti
 
 
 def _engram_device_bytes(cfg: ModelConfig, world: int, options: PlanOptions) -> int:
-    need = engram_bytes_per_rank(cfg, world, tables=options.engram_tables, dense=options.dense)
-    return need["tables"] + need["projection"]
+    need = engram_bytes_per_rank(cfg, world, tables=options.engram_tables, dense=options.dense,
+                                 rows=prefill_rows(options))
+    return need["tables"] + need["gathered"] + need["projection"]
 
 
 def memory_need(cfg: ModelConfig, world: int, rank: int, options: PlanOptions, budget: MemoryBudget) -> dict:

@@ -7,6 +7,8 @@ The partitioner cannot split a Pallas call, so under a mesh the kernels run per 
 * ``routed_experts``: x, top-k ids and weights replicated (every rank routes identically); layout "tp": each
   device's expert weights hold its F columns (padding columns are zero); layout "ep": its whole experts, the
   other ranks' picks passed as id -1 (outside [0, E): no work, no contribution) with weight 0. Each device's y is a partial sum; one ``psum`` in f32 (§F.4).
+* ``engram_gather``: the engram tables split by hash column (``rules`` "engram_rows"): each rank gathers its own
+  columns' rows from its slab and one ``all_gather`` (the stored bytes, e4m3 + ue8m0) gives every rank all rows.
 * ``index_topk``: every input and output replicated (``rules``: the indexer's top-k is one selection for
   all heads, computed redundantly); the shard_map only lets each device run the whole kernel. No collective.
 
@@ -25,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharding import context
 from sharding.mesh import TP
+from sharding.rules import activation_spec, param_spec
 
 
 def _mesh_and_layout(mesh: Mesh | None, layout: str | None) -> tuple[Mesh | None, str]:
@@ -106,3 +109,55 @@ def _local_experts(ids, w, experts_here: int):
     local = ids - jax.lax.axis_index(TP) * experts_here
     mine = (local >= 0) & (local < experts_here)
     return jnp.where(mine, local, -1).astype(ids.dtype), jnp.where(mine, w, 0.0).astype(w.dtype)
+
+
+def engram_gather(weight, scale, rows, *, cfg, layer: int, mesh: Mesh | None = None):
+    """(codes [.., C, d] e4m3, scale bytes [.., C, d/32] uint8) of engram layer ``layer``'s table rows
+    ``rows [.., C]`` (absolute, `dsv41_jax.engram.Hasher`), replicated.
+
+    Unsharded: two gathers. Sharded: the tables are split by hash column (`rules`: "engram_rows", padded slabs,
+    ``cfg`` the padded run config: its primes give the split), so rank r gathers only its columns' rows (their
+    indices less its first row, ``[.., W, c_max]`` split on W) and one all-gather of the gathered bytes — codes
+    and scale bytes side by side, (d + d/32) a column — gives every rank all C columns; slots past a rank's
+    columns (uneven splits) are dropped after it. Why an all-gather of rows and not ``wkv`` split by input
+    columns: see the rule's reason.
+    """
+    mesh, layout = _mesh_and_layout(mesh, None)
+    if mesh is None or mesh.size == 1:
+        return jnp.take(weight, rows, axis=0), jnp.take(scale, rows, axis=0)
+    from dsv41_jax.engram import column_splits  # noqa: PLC0415
+
+    split = column_splits(cfg, mesh.size)[cfg.engram_layer_ids.index(layer)]
+    cols, starts, real = _engram_slots(split)
+    local = jnp.clip(rows[..., cols] - starts, 0, split.slab - 1).astype(jnp.int32)  # [.., W, c_max]
+    table = param_spec(f"layers.{layer}.engram.embed.weight", 2, layout)
+    d = weight.shape[-1]
+
+    def gather(w, s, idx):  # w [slab, d] e4m3, s [slab, d/32] u8, idx [.., 1, c_max]
+        idx = idx[..., 0, :]
+        codes = jax.lax.bitcast_convert_type(jnp.take(w, idx, axis=0), jnp.uint8)
+        packed = jnp.concatenate([codes, jnp.take(s, idx, axis=0)], axis=-1)  # [.., c_max, d + d/32]
+        return jax.lax.all_gather(packed, TP, axis=packed.ndim - 2, tiled=True)
+
+    run = jax.shard_map(gather, mesh=mesh, in_specs=(table, table, activation_spec("engram_local_rows", local.ndim,
+                                                                                    layout)),
+                        out_specs=activation_spec("engram_gathered", local.ndim, layout), check_vma=False)
+    packed = run(weight, scale, local)[..., real, :]  # [.., C, d + d/32] in column order
+    return jax.lax.bitcast_convert_type(packed[..., :d], jnp.float8_e4m3fn), packed[..., d:]
+
+
+def _engram_slots(split):
+    """For a `dsv41_jax.engram.ColumnSplit`: (column of each rank's slot int32 [W, c_max] (padding slots repeat a
+    real column), each rank's first row int32 [W, 1], the real slots' positions in the gathered [W·c_max] order
+    int32 [C])."""
+    import numpy as np  # noqa: PLC0415
+
+    w, c = split.world, split.max_columns
+    cols = np.zeros((w, c), np.int32)
+    real = []
+    for r in range(w):
+        n, first = split.columns[r], split.col_start(r)
+        cols[r] = np.minimum(first + np.minimum(np.arange(c), max(n - 1, 0)), sum(split.columns) - 1)
+        real += [r * c + j for j in range(n)]
+    starts = np.array([[split.row_start(r)] for r in range(w)], np.int32)
+    return cols, starts, np.array(real, np.int32)

@@ -7,19 +7,22 @@ the *padded* global dimension is ``world × widest`` and rank r's real entries s
 Why zero padding is exact: padded expert columns have zero w1/w3 rows and zero w2 columns, so SwiGLU gives
 silu(0)·0 = 0 there and w2 adds nothing (fp4-resident experts: zero code bytes are +0 and a zero scale byte
 keeps them 0, so their padding decodes to the same zeros); padded vocabulary rows are never looked up (ids < V) and their logits
-are dropped before sampling (``real_vocab_index``).
+are dropped before sampling (``real_vocab_index``); padded engram table rows are never looked up either (each rank
+reads only rows of its own columns, ``sharding.kernels.engram_gather``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from sharding.mesh import ShardingError
-from sharding.rules import (ALIGNER_HIDDEN, EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP,
-                            VISION_GATE_UP, VISION_HEADS, VISION_MLP, VISION_QKV, VOCAB, check_layout)
+from sharding.rules import (ALIGNER_HIDDEN, ENGRAM_ROWS, EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES,
+                            SHARED_MLP, VISION_GATE_UP, VISION_HEADS, VISION_MLP, VISION_QKV, VOCAB,
+                            check_layout)
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ class ShardPlan:
     vision_heads: Split | None = None   # ViT heads (padded when the world does not divide them)
     vision_mlp: Split | None = None     # ViT MLP columns
     aligner_width: Split | None = None  # aligner hidden columns (D, split evenly; None: this world cannot)
+    engram: tuple[tuple[int, Split], ...] = ()  # (engram layer id, its table rows split by hash column)
 
     @staticmethod
     def from_admission(cfg, world: int, admission, layout: str = "tp") -> "ShardPlan":
@@ -197,13 +201,18 @@ class ShardPlan:
             width = Split((cfg.moe_intermediate_size,))
         vc = cfg.vision
         if vc is None:
-            return ShardPlan(world, layout, vocab, width)
+            return ShardPlan(world, layout, vocab, width, engram=engram_splits(cfg, world))
         aligner = Split.even(cfg.hidden_size, world) if cfg.hidden_size % world == 0 else None
         return ShardPlan(world, layout, vocab, width, Split.padded(vc.num_attention_heads, world),
-                         Split.padded(vc.intermediate_size, world), aligner)
+                         Split.padded(vc.intermediate_size, world), aligner,
+                         engram=engram_splits(cfg, world))
 
-    def split(self, logical: str, size: int) -> Split | BlockedSplit:
-        """The per-rank split of a dimension of logical axis ``logical`` and padded size ``size``."""
+    def split(self, logical: str, size: int, name: str = "") -> Split | BlockedSplit:
+        """The per-rank split of a dimension of logical axis ``logical`` and padded size ``size`` (``name``: the
+        tensor, which picks the engram layer of an ``ENGRAM_ROWS`` split)."""
+        if logical == ENGRAM_ROWS:
+            layer = int(re.match(r"layers\.(\d+)\.", name).group(1))
+            return dict(self.engram)[layer]
         vision = {VISION_QKV: (self.vision_heads, 3), VISION_HEADS: (self.vision_heads, 1),
                   VISION_GATE_UP: (self.vision_mlp, 2), VISION_MLP: (self.vision_mlp, 1)}
         if logical in vision:
@@ -224,12 +233,15 @@ class ShardPlan:
 
     def run_config(self, cfg):
         """The config the sharded model is built with: vocabulary and expert width padded (zeros); the vision
-        tower's fused rows grouped rank by rank with its heads and MLP columns padded (``VisionConfig``)."""
+        tower's fused rows grouped rank by rank with its heads and MLP columns padded (``VisionConfig``); engram
+        tables of world × the largest slab (the hash columns and primes are unchanged)."""
         changes = {}
         if cfg.vision is not None:
             changes["vision"] = dataclasses.replace(cfg.vision, shard_groups=self.world,
                                                     group_heads=self.vision_heads.shard,
                                                     group_mlp=self.vision_mlp.shard)
+        if self.engram:
+            changes["engram_num_embeddings"] = tuple(split.padded_total for _, split in self.engram)
         return cfg.replace(vocab_size=self.vocab.padded_total,
                            moe_intermediate_size=self.expert_width.padded_total, **changes)
 
@@ -255,3 +267,14 @@ class ShardPlan:
         shard = self.vocab.shard
         parts = [logits[..., r * shard: r * shard + n] for r, n in enumerate(self.vocab.sizes)]
         return jnp.concatenate(parts, axis=-1)
+
+
+def engram_splits(cfg, world: int) -> tuple[tuple[int, Split], ...]:
+    """(layer id, table rows split) for every engram layer: the rows of each rank's hash columns
+    (`dsv41_jax.engram.column_splits`), padded to the largest slab."""
+    if not cfg.engram_layer_ids:
+        return ()
+    from dsv41_jax.engram import column_splits  # noqa: PLC0415
+
+    return tuple((layer, Split(split.rows))
+                 for layer, split in zip(cfg.engram_layer_ids, column_splits(cfg, world), strict=True))

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from dsv41_jax.param_specs import is_engram_table
 from sharding.layout import ShardPlan, Split
 from sharding.rules import param_spec, split_axis
 
@@ -27,7 +28,7 @@ def real_shape(name: str, padded_shape: tuple[int, ...], plan: ShardPlan) -> tup
         return tuple(padded_shape)
     axis, logical = hit
     out = list(padded_shape)
-    out[axis] = plan.split(logical, padded_shape[axis]).total
+    out[axis] = plan.split(logical, padded_shape[axis], name).total
     return tuple(out)
 
 
@@ -42,7 +43,7 @@ def place(name: str, host: Any, padded_shape: tuple[int, ...], dtype: Any, mesh:
         raise ValueError(f"tensor {name!r} has shape {tuple(host.shape)}, expected {expected}")
     sharding = NamedSharding(mesh, param_spec(name, len(padded_shape), plan.layout))
     hit = split_axis(name, len(padded_shape), plan.layout)
-    split: Split | None = plan.split(hit[1], padded_shape[hit[0]]) if hit else None
+    split: Split | None = plan.split(hit[1], padded_shape[hit[0]], name) if hit else None
 
     def shard_data(index: tuple[slice, ...]) -> np.ndarray:
         if split is None:
@@ -99,6 +100,8 @@ class CheckpointTensor:
         index = index if isinstance(index, tuple) else (index,)
         index = index + (slice(None),) * (len(self.shape) - len(index))
         if not self.stacked:
+            if self._whole is None and not self._covers_all(index) and is_engram_table(self.name):
+                return read_table_rows(self.ckpt, self.name, index[0])[(slice(None), *index[1:])]
             if self._whole is None and not self._covers_all(index):
                 return self.ckpt.read_window(self.name, index, dtype=self.dtype)
             if self._whole is None:
@@ -123,6 +126,32 @@ class CheckpointTensor:
 
     def release(self) -> None:
         self._whole = None
+
+
+PROGRESS_BYTES = 256 << 20  # table reads above this show a progress bar on stderr (the release: ~25 GB a rank)
+
+
+def read_table_rows(ckpt: Any, name: str, rows: slice, chunk_rows: int = 1 << 20) -> np.ndarray:
+    """Rows ``rows`` of an engram table as stored (codes or scale bytes), read from its memory map in chunks of
+    ``chunk_rows``: only these rows are read from disk (a rank's slab of the split by hash column), with a
+    progress bar when the read is large."""
+    table = ckpt.read_table(name)  # a memory map: nothing is read yet
+    lo, hi, _ = rows.indices(table.shape[0])
+    out = np.empty((max(0, hi - lo), *table.shape[1:]), table.dtype)
+    if out.nbytes < PROGRESS_BYTES:
+        out[...] = table[lo:hi]
+        return out
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415
+
+    with Progress(TextColumn(f"{name} rows {lo:,}–{hi:,}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("read", total=out.nbytes)
+        for start in range(lo, hi, chunk_rows):
+            stop = min(hi, start + chunk_rows)
+            out[start - lo: stop - lo] = table[start:stop]
+            bar.update(task, advance=out[0].nbytes * (stop - start))
+    return out
 
 
 def checkpoint_source(ckpt: Any, dtype: str = "float32") -> dict[str, CheckpointTensor]:

@@ -42,6 +42,7 @@ EXPERT_MLP = "expert_mlp"    # routed-expert intermediate width F (128-blocks, p
 SHARED_MLP = "shared_mlp"    # shared-expert intermediate width (follows the routed split, §F.1)
 EXPERT_MLP_CODES = "expert_mlp_codes"    # fp4 w2 codes: F/2 bytes (two inputs a byte); the F split halved
 EXPERT_MLP_SCALES = "expert_mlp_scales"  # fp4 w2 scales: F/32 bytes (one per 32 inputs); the F split / 32
+ENGRAM_ROWS = "engram_rows"  # engram table rows, split by hash column (whole columns a rank, slabs padded)
 
 VISION_QKV = "vision_qkv"    # attn.wqkv rows: per rank its heads' q, k and v rows (grouped, VisionConfig)
 VISION_HEADS = "vision_heads"  # ViT heads: attn.wo input columns (h·d + i), the head axis of q / k / v
@@ -80,6 +81,11 @@ PARAM_RULES: tuple[Rule, ...] = (
          "shared expert split like the routed ones; its partial output joins the routed partial sum (§F.1)"),
     Rule(_LAYER + r"ffn\.shared_experts\.w2\.weight", (None, SHARED_MLP),
          "down-projection input columns of the shared expert"),
+    Rule(r"layers\.\d+\.engram\.embed\.(?:weight|scale)", (ENGRAM_ROWS, None),
+         "engram tables split by hash column (§B.12; PLANNER.md §C): each rank holds its 24/W columns' rows "
+         "(one contiguous range thanks to the per-column offsets, padded to the largest slab), gathers only "
+         "those and all-gathers the gathered rows as stored bytes (e4m3 + ue8m0: (256 + 8) B a column and "
+         "token, sharding/kernels.engram_gather): 203/W GB a rank instead of 203 GB"),
     # ---- replicated ----
     Rule(r"norm\.weight", (None,),
          "final norm: tiny, and every rank needs the whole normed hidden state for its head slice"),
@@ -124,21 +130,21 @@ PARAM_RULES: tuple[Rule, ...] = (
          "which is replicated between blocks (after each all-reduce)"),
     Rule(r"image_(?:start|newline|end)", (None,),
          "image span delimiters [D]: replaced into the replicated input embeddings on every rank"),
-    Rule(r"layers\.\d+\.engram\.(?:embed\.weight|embed\.scale|wkv\.weight|q_weight|k_weight)", (None, None),
-         "engram (§B.12): table rows, wkv and the gate computed redundantly on every rank, no collective "
-         "(MODEL.md §F.1); splitting the tables by hash column (24/W a rank, rows all-gathered) is the planned "
-         "memory saving for the release's 98 GB tables"),
+    Rule(r"layers\.\d+\.engram\.(?:wkv\.weight|q_weight|k_weight)", (None, None),
+         "engram projection and gate (§B.12): wkv, computed redundantly on every rank on the all-gathered rows; "
+         "splitting wkv by input columns would replace the rows' all-gather (6,336 B a token) by an all-reduce "
+         "of [T, 25,600] f32 (~100 KB a token), and wkv is small (157 MB fp8 a layer)"),
 )
 # Axes lists are per dim; a 1-D replicated tensor simply uses the first entry (see ``param_logical_axes``).
 
 LOGICAL_TO_MESH: dict[str, dict[str, str | None]] = {
     "tp": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: None, EXPERT_MLP: TP, SHARED_MLP: TP,
-           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP, **dict.fromkeys(VISION_AXES, TP)},
+           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP, ENGRAM_ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
     # Expert parallelism: whole routed experts a rank (E/P each, no padding of F). The shared expert is then
     # replicated: splitting it on F would force F's 128-block padding onto every routed expert too, since
     # both share moe_intermediate_size; it is 1/E of the expert weights.
     "ep": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: TP, EXPERT_MLP: None, SHARED_MLP: None,
-           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, **dict.fromkeys(VISION_AXES, TP)},
+           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, ENGRAM_ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
 }
 
 # Activations: logical axes of the *trailing* dims (leading batch / token dims are never split).
@@ -155,6 +161,9 @@ ACTIVATION_RULES: dict[str, tuple[tuple[str | None, ...], str]] = {
     "vision_heads": ((VISION_HEADS, None), "ViT q, k, v, o [.., H, d]: each rank its heads; attention is per head"),
     "vision_mlp_hidden": ((VISION_MLP,), "ViT SiLU·up [.., I]: each rank its own MLP columns"),
     "aligner_hidden": ((ALIGNER_HIDDEN,), "aligner GELU output [.., D]: each rank its own columns"),
+    "engram_local_rows": ((ENGRAM_ROWS, None), "engram row indices [.., W, c_max] in each rank's slab: rank r "
+                          "gets its own columns' rows (sharding/kernels.engram_gather)"),
+    "engram_gathered": ((None, None), "engram rows [.., C, d + d/32] bytes after the all-gather: replicated"),
     "replicated": ((), "caches, tokens, streams, positions, top-k: every rank holds the same values"),
 }
 

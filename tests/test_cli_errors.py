@@ -93,8 +93,9 @@ def test_engram_runs_by_default_and_skipping_is_loud(tmp_path, capsys):
     last = _last_error(capsys)
     assert "engram_num_embeddings [1000]" in last and "not the sums" in last
     tiny_e = str(REPO / "configs" / "tiny_engram.json")
-    assert generate.main(["--config", tiny_e, "--engram-tables", "host", "--prompt-ids", "0"]) == 2
-    assert "not implemented yet" in _last_error(capsys)
+    assert generate.main(["--config", tiny_e, "--engram-tables", "host", "--prompt-ids", "0,99999"]) == 2
+    err = capsys.readouterr().err  # host tables are accepted (and said so); the bad id is refused next
+    assert "tables on the host" in err and "outside the model's vocabulary" in err
     # With --skip-engram the run goes on (to the next check, cheaply refused here) after a loud warning.
     assert generate.main(["--config", str(path), "--skip-engram", "--prompt-ids", "0,99999"]) == 2
     err = capsys.readouterr().err

@@ -100,6 +100,33 @@ def test_history_carries_across_segments_and_decode(tiny_e):
     np.testing.assert_array_equal(whole[:, 15:18], whole[:, 6:9])
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_one_row_steps_equal_the_demo(flash, demo, overlap):
+    """Decode-style calls (one row each: the token's term XOR the history terms, prefetched on a worker thread
+    or computed inline) give the demo's rows for the release config, both layers; ragged steps (length 0 keeps
+    a sequence's history) and DEAD histories agree with the general path."""
+    h = Hasher(flash)
+    h.overlap = overlap
+    ids = demo["random_ids"][:2]
+    hist, steps = engram.empty_history(flash, 2), []
+    for t in range(ids.shape[1]):
+        rows, hist = h.rows(ids[:, t:t + 1], hist)
+        steps.append(rows)
+    rows = np.concatenate(steps, axis=1)
+    for li, lid in enumerate(flash.engram_layer_ids):
+        np.testing.assert_array_equal(rows[:, :, li], demo[f"random_rows_{lid}"][:2])
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        hist = rng.integers(0, 99092, (4, 3))
+        hist[rng.random((4, 3)) < 0.3] = DEAD
+        new, lengths = rng.integers(0, 129280, (4, 1)), rng.integers(0, 2, 4)
+        rows, after = h.rows(new, hist, lengths=lengths)
+        cids = np.concatenate([hist, h.compress(new)], axis=1)
+        lay = h.layout
+        np.testing.assert_array_equal(rows, engram._hash(cids, 1, h.pad, lay.primes, lay.offsets, lay.multipliers))
+        np.testing.assert_array_equal(after, h.advance(cids, lengths))
+
+
 def test_image_positions_are_dead(tiny_e):
     """VISION.md §V.E.4: image positions hash all-pad; the text token after a span hashes like a sequence start."""
     ids = np.array([7, 8, 9, 509, 509, 509, 11, 12])

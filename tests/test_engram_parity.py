@@ -169,8 +169,8 @@ def test_chunked_prefill_equals_one_pass(case, runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_worlds_equal_one_device(case, runs, world):
-    """Sharded over 2 and 4 simulated devices (engram replicated, sharding/rules.py) = one device (f32 sums
-    reordered by the all-reduces only; same 1e-4 as tests/test_sharding_model.py)."""
+    """Sharded over 2 and 4 simulated devices (engram tables split by hash column, sharding/rules.py) = one
+    device (f32 sums reordered by the all-reduces only; same 1e-4 as tests/test_sharding_model.py)."""
     import sharding
 
     name, path, cfg, flat, ids, refs = case

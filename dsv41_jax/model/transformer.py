@@ -44,6 +44,7 @@ class ModelOptions:
     expert_format: str = "dequantized"
     vision: bool = False  # build the image path (VISION.md): tower, aligner, span delimiters, gate.bias_vl
     engram: bool = True  # run the config's engram layers (False = --skip-engram: no engram parameters either)
+    engram_tables: str = "device"  # "host": no table parameters; each call brings its gathered rows (§B.12)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -115,7 +116,7 @@ class Block(nnx.Module):
         self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format,
                        image_bias=options.vision)
         if options.engram and layer in cfg.engram_layer_ids:
-            self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs)
+            self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs, tables=options.engram_tables)
 
     def _mix(self, sub: str, streams):
         p = [getattr(self, f"hc_{sub}_{k}")[...] for k in ("fn", "base", "scale")]
