@@ -32,8 +32,8 @@ from sharding.mesh import make_mesh, replicated
 class ShardedTransformer(nnx.Module):
     """A Transformer built with the padded config, its parameters sharded over ``mesh``.
 
-    Call: ``(ids [B, T] int32, cache, lengths [B] | None, engram: EngramInput | None) -> (logits [B, T, V] f32
-    replicated, cache)``.
+    Call: ``(ids [B, T] int32, cache, lengths [B] | None, engram: EngramInput | None, logit_rows [B] | None)
+    -> (logits [B, T, V] f32 replicated ([B, V] with logit_rows), cache)``.
     """
 
     def __init__(self, inner: nnx.Module, mesh: Mesh, plan: ShardPlan, cfg: Any, run_cfg: Any):
@@ -48,10 +48,10 @@ class ShardedTransformer(nnx.Module):
     def engram_layers(self) -> tuple[int, ...]:
         return self.inner.engram_layers
 
-    def __call__(self, ids, cache, lengths=None, engram=None):
+    def __call__(self, ids, cache, lengths=None, engram=None, logit_rows=None):
         with context.activate(self.mesh, self.plan.layout):
             padded_ids = self.plan.padded_token_ids(ids)
-            logits, cache = self.inner(padded_ids, cache, lengths=lengths, engram=engram)
+            logits, cache = self.inner(padded_ids, cache, lengths=lengths, engram=engram, logit_rows=logit_rows)
             logits = context.constrain(logits, "logits_shards")
             # The head's gather (§F.4) moves every rank's padded slice (equal sizes: one all-gather); dropping
             # the padding afterwards is local. Dropping it first would make the slices uneven and cost

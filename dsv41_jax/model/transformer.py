@@ -186,18 +186,19 @@ class Transformer(nnx.Module):
         return tuple(self.cfg.engram_layer_ids) if self.options.engram else ()
 
     def __call__(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None,
-                 engram: EngramInput | None = None):
-        logits, cache, _ = self.forward(ids, cache, lengths, images, engram)
+                 engram: EngramInput | None = None, logit_rows=None):
+        logits, cache, _ = self.forward(ids, cache, lengths, images, engram, logit_rows)
         return logits, cache
 
     def forward(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None,
-                engram: EngramInput | None = None):
+                engram: EngramInput | None = None, logit_rows=None):
         """``__call__`` plus the per-call selections (for tests and diagnostics): returns
         (logits [B,T,V] f32, new Cache, {index-source layer: top-k [B,T,K] int32, −1 = none}).
 
         ``images``: the segment's image rows and roles (None: text only; needs ``ModelOptions.vision``).
         ``engram``: the host-hashed rows of this call (`dsv41_jax.engram.Hasher`), required when the model runs
-        engram layers."""
+        engram layers. ``logit_rows`` int32 [B]: apply the head to row ``logit_rows[b]`` of each sequence only
+        (logits [B,V]; a decode step or a prefill segment needs one row per sequence); None: every row."""
         if self.engram_layers and engram is None:
             raise ValueError(f"this model runs engram layers {list(self.engram_layers)}: pass their rows "
                              f"(engram=EngramInput), or build it with ModelOptions(engram=False)")
@@ -220,7 +221,11 @@ class Transformer(nnx.Module):
             with jax.named_scope(f"layer_{i}"):  # per-layer op names for traces (profiling/trace.py)
                 streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared, is_image, engram)
             new_layers.append(layer_cache)
-        logits = self.head(self.norm(collapse(streams, pre)))
+        hidden = collapse(streams, pre)  # [B,T,D]
+        if logit_rows is not None:
+            rows = jnp.clip(jnp.asarray(logit_rows, jnp.int32), 0, t - 1)
+            hidden = jnp.take_along_axis(hidden, rows[:, None, None], axis=1)[:, 0]  # [B,D]
+        logits = self.head(self.norm(hidden))
         selections = {key[1]: v for key, v in shared.items() if isinstance(key, tuple) and key[0] == "topk"}
         return logits, Cache(offset=offset + lengths, layers=tuple(new_layers)), selections
 
