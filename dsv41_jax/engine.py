@@ -451,6 +451,47 @@ class Engine:
         timings.programs_compiled = self.compile_count - count_before
         return GenerateResult(generations, timings, prefill_logits, decode_logits)
 
+    def decode_from(self, cache, last_ids, requests: Sequence[Request], *,
+                    on_tokens: TokenCallback | None = None) -> GenerateResult:
+        """Decode from a cache that already holds every prompt but its last token (``cache.offset [B]`` rows),
+        feeding ``last_ids [B]`` first: what ``generate`` does after its prefill, timed as decode (every one of
+        the tokens is a one-row step). For benchmarks at long positions (a random cache from
+        ``profiling.build.build_cache``); the cache (shaped for this engine's ``max_context``) is donated. Models
+        without engram layers (their hash history would start from the prompt)."""
+        if self.hasher is not None:
+            raise EngineInputError("decode_from needs a model without engram layers")
+        batch = len(requests)
+        stop = self._stop_inputs(requests)
+        timings = Timings()
+        t0 = time.perf_counter()
+        out = self._call(False, self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
+                                                np.ones(batch, np.int32), np.zeros((batch, self.vocab_size),
+                                                                                   np.float32),
+                                                np.ones(batch, bool), np.int32(0), stop, None)[0])
+        generations, _ = self._decode(requests, out, None, stop, timings, on_tokens, False, None)
+        timings.decode_s = time.perf_counter() - t0
+        return GenerateResult(generations, timings)
+
+    def step_seconds(self, cache, last_ids, steps: int):
+        """(seconds per decode step, the cache after): ``steps`` calls of the one-row step program chained on the
+        device (each feeding the previous step's tokens), nothing read back, one wait at the end, after one
+        warm-up call. The device-bound rate that ``generate``'s host loop is measured against; ``cache`` is
+        donated and must hold ``steps + 1`` more positions."""
+        batch = len(last_ids)
+        stop = self._stop_inputs([Request((0,), steps + 2)] * batch)  # nobody stops by length
+        args, _ = self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
+                                  np.ones(batch, np.int32), np.zeros((batch, self.vocab_size), np.float32),
+                                  np.ones(batch, bool), np.int32(0), stop, None)
+        run = self._programs.get("step", _step, {"keep_first_row": False}, args, _STEP_DONATE, self._replicated)
+        out = run(*args)
+        jax.block_until_ready(out.tokens)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = run(self.state, out.cache, out.tokens, out.lengths, out.last_logits, out.keep_going,
+                      out.next_step, *stop, None, None)
+        jax.block_until_ready(out.tokens)
+        return (time.perf_counter() - t0) / steps, out.cache
+
     def _stop_inputs(self, requests) -> tuple:
         """(eos ids [E], max new tokens [B], SamplingArrays): the step program's per-request constants, placed on
         the device once per ``generate``."""
