@@ -515,7 +515,7 @@ def model_options(args, expert_format: str, vision: bool = False):
         _say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
              "takes bf16 activations); use --impl reference for float32 experts")
     return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
-                        quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl,
+                        quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl, hc_impl=impl,
                         engram=not args.skip_engram)
 
 

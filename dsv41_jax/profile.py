@@ -176,7 +176,7 @@ def run(req: Request, on_step=None) -> dict:
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
     options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl, indexer_impl=req.impl,
-                           expert_format=req.expert_format)
+                           hc_impl=req.impl, expert_format=req.expert_format)
     _check_fits(req, jax.devices()[0])
     start = time.perf_counter()
     model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)

@@ -25,7 +25,8 @@ from test_sharding_model import collectives
 pytest.importorskip("pallas_kernels.moe.ops")
 pytest.importorskip("pallas_kernels.sparse_attention.ops")
 
-OPTIONS = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="pallas", moe_impl="pallas")
+OPTIONS = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="pallas", moe_impl="pallas",
+                       hc_impl="pallas")
 BATCH, ROWS = 2, 24  # ≥ 2 windows of 8: eviction and real top-k picks on the ratio-2 layers
 # Both kernels round their inputs to bf16 (PLANNER.md §E: x and act in bf16; keys in q's dtype). The sharded
 # run reorders f32 partial sums (per-rank F slices or experts, then the psum); a last-bit change can flip one

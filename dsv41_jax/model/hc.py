@@ -9,25 +9,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.hc_mix.ops import comb as comb_op
+
 from .norms import HIGHEST, rms_normalize
 
 
-def sinkhorn(comb: jnp.ndarray, iters: int, eps: float) -> jnp.ndarray:
-    """comb [..., S, S] -> doubly (approximately) stochastic: columns first and last, 2·iters − 1 passes."""
-    def rows_then_columns(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    # A loop, not unrolled: 39 unrolled passes per mix dominate XLA's compile time.
-    return jax.lax.fori_loop(0, iters - 1, rows_then_columns, comb)
-
-
-def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn_iters: int):
+def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn_iters: int,
+           impl: str = "reference"):
     """The mix of one sublayer.
 
     streams [B,T,S,D]; fn f32 [(2+S)·S, S·D]; base f32 [(2+S)·S]; scale f32 [3].
     Returns pre f32 [B,T,S], post f32 [B,T,S], comb f32 [B,T,S,S] (comb[i, j]: source i → destination j).
+    ``impl``: the comb's softmax + Sinkhorn (`pallas_kernels/hc_mix`): "pallas" (one kernel) or "reference" (XLA).
     """
     s = streams.shape[-2]
     flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), norm_eps)
@@ -36,8 +29,7 @@ def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn
     pre = jax.nn.sigmoid(mix[..., :s]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., s : 2 * s])
     comb = mix[..., 2 * s :].reshape(*mix.shape[:-1], s, s)
-    comb = jax.nn.softmax(comb, axis=-1) + hc_eps
-    return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
+    return pre, post, comb_op(comb, iters=sinkhorn_iters, eps=hc_eps, impl=impl)
 
 
 def collapse(streams: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:

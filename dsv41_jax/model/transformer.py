@@ -40,6 +40,7 @@ class ModelOptions:
     attention_impl: str = "reference"
     moe_impl: str = "reference"
     indexer_impl: str = "reference"  # "pallas": the fused scores + top-k kernel (pallas_kernels/indexer)
+    hc_impl: str = "reference"  # "pallas": the HC comb's softmax + Sinkhorn in one kernel (pallas_kernels/hc_mix)
     expert_format: str = "dequantized"
     vision: bool = False  # build the image path (VISION.md): tower, aligner, span delimiters, gate.bias_vl
     engram: bool = True  # run the config's engram layers (False = --skip-engram: no engram parameters either)
@@ -47,7 +48,7 @@ class ModelOptions:
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelOptions.dtype {self.dtype!r} must be one of {_DTYPES}")
-        for name in ("attention_impl", "moe_impl", "indexer_impl"):
+        for name in ("attention_impl", "moe_impl", "indexer_impl", "hc_impl"):
             if getattr(self, name) not in _IMPLS:
                 raise ValueError(f"ModelOptions.{name} {getattr(self, name)!r} must be one of {_IMPLS}")
         if self.expert_format not in _EXPERT_FORMATS:
@@ -101,7 +102,8 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, options: ModelOptions, *, rngs: nnx.Rngs):
         dtype = options.jnp_dtype
         mix, width = cfg.hc_mix_width, cfg.hc_mult * cfg.hidden_size
-        self.hc_kwargs = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters)
+        self.hc_kwargs = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
+                              impl=options.hc_impl)
         # The two HC mixes (§B.3): fn f32 [(2+S)·S, S·D], base f32 [(2+S)·S], scale f32 [3] (pre, post, comb).
         self.hc_attn_fn = nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32))
         self.hc_attn_base = nnx.Param(jnp.zeros((mix,), jnp.float32))
