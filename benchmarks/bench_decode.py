@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in a.worlds:
         for fmt in a.formats:
             options = ModelOptions(dtype="bfloat16", attention_impl=a.impl, moe_impl=a.impl, indexer_impl=a.impl,
-                                   hc_impl=a.impl,
-                                   expert_format=FORMATS[fmt])
+                                   hc_impl=a.impl, expert_format=FORMATS[fmt])
             t0 = time.perf_counter()
             model, mesh = build.build_model(cfg, world, options)
             print(f"world {world} {fmt}: model drawn in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
