@@ -18,7 +18,9 @@ Per case it prints:
 * ``gen tok/s``: ``Engine.decode_from`` over ``--tokens`` new tokens per sequence (the host loop included: token
   reads, queueing, stop bookkeeping), next to ``step tok/s`` = batch / step, and their quotient.
 
-The share of the step inside kernels comes from a trace: ``python -m dsv41_jax.profile --decode --trace DIR``.
+With ``--trace DIR`` also ``kernels``: the share of the step inside kernels, from a ``jax.profiler`` trace of a
+few chained steps per case (`dsv41_jax.profiling.trace`); XLA's command buffers are then off for the whole run,
+as in ``dsv41_jax.profile --trace``, so every op is its own named kernel (step times include those launches).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -36,10 +39,11 @@ from flax import nnx
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.engine import Engine, Request
 from dsv41_jax.model import ModelOptions
-from dsv41_jax.profiling import build
+from dsv41_jax.profiling import build, trace
 from dsv41_jax.profiling.cut import cut_layers
 
 H200_BYTES_PER_S = 4.3e12
+TRACE_STEPS = 3
 FORMATS = {"bf16": "dequantized", "fp4": "fp4"}
 
 
@@ -59,6 +63,8 @@ def parse_args(argv):
     p.add_argument("--bandwidth", type=float, default=H200_BYTES_PER_S, help="bytes/s of the floor (H200: 4.3e12)")
     p.add_argument("--quick", action="store_true", help="first world, batch 1, position 0, bf16, 32 tokens")
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--trace", default=None, metavar="DIR", help="trace a few steps per case under DIR: the share "
+                   "of the step inside kernels (command buffers off for the run)")
     a = p.parse_args(argv)
     try:
         a.batches = _ints(a.batches, "--batches")
@@ -129,14 +135,24 @@ def cache_bytes(cfg, batch: int, position: int, itemsize: int = 2) -> float:
     return float(total * itemsize * batch)
 
 
-def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps: int, bandwidth: float) -> dict:
-    capacity = position + steps + tokens + 2
+def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps: int, bandwidth: float,
+             trace_dir: Path | None = None) -> dict:
+    capacity = position + steps + tokens + 2 + (TRACE_STEPS + 1 if trace_dir else 0)
     engine = Engine(model, cfg, max_context=capacity, eos_ids=(), mesh=mesh)
     last = np.random.default_rng(position + batch).integers(0, cfg.vocab_size, batch).astype(np.int32)
     cache = build.build_cache(cfg, mesh, batch=batch, position=position, rows=capacity - position, dtype="bfloat16")
     t0 = time.perf_counter()
-    step_s, cache = engine.step_seconds(cache, last, steps)
-    compile_s = engine._programs.compile_s  # noqa: SLF001 - shared table: an upper bound after the first case
+    step_s, cache, program = engine.step_seconds(cache, last, steps)
+    kernel_s = None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            cache = engine.step_seconds(cache, last, TRACE_STEPS).cache
+        found = trace.perfetto_file(trace_dir)
+        if found is not None:  # the warm-up call is traced too: TRACE_STEPS + 1 steps
+            ops = trace.op_times(trace.load_events(found), trace.instruction_sources(program.as_text()),
+                                 TRACE_STEPS + 1, mesh.size)
+            kernel_s = sum(o.seconds for o in ops)
     out = engine.decode_from(cache, last, [Request((0,), tokens)] * batch)
     wall = time.perf_counter() - t0
     weights, touched = weight_bytes(model, cfg, batch)
@@ -147,20 +163,24 @@ def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps:
             "ratio": step_s / floor_s, "weight_gb": weights / 1e9, "cache_gb": kv / 1e9,
             "experts_per_layer": touched, "step_tok_s": batch / step_s, "gen_tok_s": gen_tok_s,
             "gen_over_step": gen_tok_s / (batch / step_s), "tokens": out.timings.generated_tokens,
-            "case_s": wall, "compile_s_total": compile_s}
+            "case_s": wall, "kernel_share": None if kernel_s is None else kernel_s / step_s}
 
 
 HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'step ms':>8} {'floor ms':>8} {'ratio':>6} "
-          f"{'exp/layer':>9} {'step tok/s':>10} {'gen tok/s':>10} {'gen/step':>8}")
+          f"{'exp/layer':>9} {'step tok/s':>10} {'gen tok/s':>10} {'gen/step':>8} {'kernels':>7}")
 
 
 def fmt_row(r: dict) -> str:
     return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "
             f"{r['floor_ms']:>8.4g} {r['ratio']:>6.3g} {r['experts_per_layer']:>9.1f} {r['step_tok_s']:>10.1f} "
-            f"{r['gen_tok_s']:>10.1f} {r['gen_over_step']:>8.1%}")
+            f"{r['gen_tok_s']:>10.1f} {r['gen_over_step']:>8.1%} "
+            f"{'-' if r['kernel_share'] is None else format(r['kernel_share'], '.0%'):>7}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--trace" in (sys.argv[1:] if argv is None else argv):
+        from dsv41_jax.profile import _one_kernel_per_op  # noqa: PLC0415 - before JAX starts its backend
+        _one_kernel_per_op()
     a = parse_args(argv)
     try:
         cfg = cut_layers(load_named(a.config), a.layers)
@@ -184,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                 for position in a.positions:
                     r = {"world": world, "experts": fmt}
                     try:
+                        folder = Path(a.trace) / f"w{world}_{fmt}_b{batch}_p{position}" if a.trace else None
                         r.update(run_case(model, mesh, cfg, batch=batch, position=position, tokens=a.tokens,
-                                          steps=a.steps, bandwidth=a.bandwidth))
+                                          steps=a.steps, bandwidth=a.bandwidth, trace_dir=folder))
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported, the grid goes on
                         r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                         print(f"world {world} {fmt} batch {batch} position {position}: {r['error']}",

@@ -232,6 +232,14 @@ def _step(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_
                    step + 1)
 
 
+class StepTiming(NamedTuple):
+    """``Engine.step_seconds``: seconds per step, the cache after the steps, the compiled step program."""
+
+    seconds: float
+    cache: object
+    program: object
+
+
 _MODEL_PROGRAMS = (_step, _encode_images)  # programs whose first argument is the model state
 _STEP_DONATE = (1, 4)  # the cache and last_logits are updated in place
 
@@ -472,11 +480,11 @@ class Engine:
         timings.decode_s = time.perf_counter() - t0
         return GenerateResult(generations, timings)
 
-    def step_seconds(self, cache, last_ids, steps: int):
-        """(seconds per decode step, the cache after): ``steps`` calls of the one-row step program chained on the
-        device (each feeding the previous step's tokens), nothing read back, one wait at the end, after one
-        warm-up call. The device-bound rate that ``generate``'s host loop is measured against; ``cache`` is
-        donated and must hold ``steps + 1`` more positions."""
+    def step_seconds(self, cache, last_ids, steps: int) -> StepTiming:
+        """``steps`` calls of the one-row step program chained on the device (each feeding the previous step's
+        tokens), nothing read back, one wait at the end, after one warm-up call: the device-bound rate that
+        ``generate``'s host loop is measured against. ``cache`` is donated and must hold ``steps + 1`` more
+        positions."""
         batch = len(last_ids)
         stop = self._stop_inputs([Request((0,), steps + 2)] * batch)  # nobody stops by length
         args, _ = self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
@@ -490,7 +498,7 @@ class Engine:
             out = run(self.state, out.cache, out.tokens, out.lengths, out.last_logits, out.keep_going,
                       out.next_step, *stop, None, None)
         jax.block_until_ready(out.tokens)
-        return (time.perf_counter() - t0) / steps, out.cache
+        return StepTiming((time.perf_counter() - t0) / steps, out.cache, run)
 
     def _stop_inputs(self, requests) -> tuple:
         """(eos ids [E], max new tokens [B], SamplingArrays): the step program's per-request constants, placed on

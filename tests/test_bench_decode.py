@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -41,14 +42,17 @@ def test_cache_bytes_counts_windows_picks_and_index_keys():
     assert bench.cache_bytes(cfg, 3, 4096) == 3 * want
 
 
-def test_quick_smoke_run_on_cpu(tmp_path, capsys):
+def test_quick_smoke_run_on_cpu(tmp_path, capsys, monkeypatch):
     out = tmp_path / "decode.json"
-    assert bench.main(["--config", "tiny", "--quick", "--tokens", "6", "--steps", "3", "--json-out", str(out)]) == 0
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --trace adds a (GPU-only) flag: restored
+    assert bench.main(["--config", "tiny", "--quick", "--tokens", "6", "--steps", "3", "--json-out", str(out),
+                       "--trace", str(tmp_path / "trace")]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     assert (row["world"], row["experts"], row["batch"], row["position"], row["tokens"]) == (1, "bf16", 1, 0, 6)
     assert row["step_ms"] > 0 and row["floor_ms"] > 0 and row["gen_tok_s"] > 0
     assert math.isclose(row["ratio"], row["step_ms"] / row["floor_ms"], rel_tol=1e-9)
+    assert row["kernel_share"] > 0  # the traced steps' XLA ops were found and attributed
     assert "step tok/s" in capsys.readouterr().out
 
 
