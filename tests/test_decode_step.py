@@ -168,3 +168,21 @@ def test_end_id_stops_a_queued_loop(setup):
     assert stopped[1].token_ids == free[1].token_ids[:2] and stopped[1].finish_reason == "eos"
     engine.eos_ids = ()
     assert engine.generate(requests).generations == free
+
+
+@pytest.mark.slow
+def test_programs_do_not_grow_with_layers():
+    """A 1-layer and a 4-layer model (window layers repeated) compile the same programs for a request. Their
+    compile seconds are printed, not bounded: layers are still a Python loop, so compile time grows with depth
+    until they are scanned (docs/DESIGN.md "Scanned layers")."""
+    counts, seconds = {}, {}
+    for layers in (1, 4):
+        cfg = load_named("tiny").replace(
+            num_hidden_layers=layers, compress_ratios=(0,) * layers, kv_source_layer_ids=(), index_source_layer_ids=(),
+            candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=(), engram_layer_ids=())
+        model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))
+        engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=())
+        seconds[layers] = engine.precompile(1, 4)
+        counts[layers] = sorted(key[0] for key in engine._programs.compiled)
+    print(f"compile seconds: 1 layer {seconds[1]:.1f}, 4 layers {seconds[4]:.1f}")
+    assert counts[1] == counts[4] == ["init", "step"]
