@@ -101,17 +101,15 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 def sample(logits: jax.Array, params: SamplingArrays, step: jax.Array) -> jax.Array:
     """Next ids [B] int32 from logits [B, V]; ``step`` (scalar int32) indexes each sequence's key stream.
 
-    An all-greedy batch skips the sort over the vocabulary the filters need (a ``cond`` inside the decode
-    step, not a second program)."""
+    Both the greedy and the filtered draw are computed and selected per sequence, with no ``cond`` on device
+    values: outside a command buffer, an XLA:GPU conditional reads its predicate on the host (ConditionalThunk), a
+    sync in the middle of the decode step."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    masked = filtered_logits(logits, params.temperature, params.top_k, params.top_p)
 
     def draw(key_data: jax.Array, row: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), step)
         return jax.random.categorical(key, row).astype(jnp.int32)
 
-    def mixed() -> jax.Array:
-        masked = filtered_logits(logits, params.temperature, params.top_k, params.top_p)
-        drawn = jax.vmap(draw)(params.keys, masked)
-        return jnp.where(params.temperature > 0, drawn, greedy_ids)
-
-    return jax.lax.cond(jnp.any(params.temperature > 0), mixed, lambda: greedy_ids)
+    drawn = jax.vmap(draw)(params.keys, masked)
+    return jnp.where(params.temperature > 0, drawn, greedy_ids)
