@@ -99,17 +99,15 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 
 def sample(logits: jax.Array, params: SamplingArrays, step: jax.Array) -> jax.Array:
-    """Next ids [B] int32 from logits [B, V]; ``step`` (scalar int32) indexes each sequence's key stream.
-
-    Both the greedy and the filtered draw are computed and selected per sequence, with no ``cond`` on device
-    values: outside a command buffer, an XLA:GPU conditional reads its predicate on the host (ConditionalThunk), a
-    sync in the middle of the decode step."""
+    """Next ids [B] int32 from logits [B, V]; ``step`` (int32, scalar or [B]: each sequence's own count, as the
+    server's slots keep it) indexes each sequence's key stream."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     masked = filtered_logits(logits, params.temperature, params.top_k, params.top_p)
+    steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), greedy_ids.shape)
 
-    def draw(key_data: jax.Array, row: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), step)
+    def draw(key_data: jax.Array, row: jax.Array, seq_step: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), seq_step)
         return jax.random.categorical(key, row).astype(jnp.int32)
 
-    drawn = jax.vmap(draw)(params.keys, masked)
+    drawn = jax.vmap(draw)(params.keys, masked, steps)
     return jnp.where(params.temperature > 0, drawn, greedy_ids)

@@ -1,0 +1,140 @@
+"""Load a running `python -m dsv41_jax.serve` (or start one) and print throughput and latency percentiles.
+
+For each concurrency C (default 1, 8, 32): C client streams, each sending ``--rounds`` streaming completions one
+after another (prompts of ``--prompt-tokens`` random ids, ``--max-tokens`` new tokens, greedy). Per request:
+TTFT = arrival of the first text chunk after sending; ITL = (last chunk − first chunk) / (tokens − 1), the mean
+gap between its tokens (chunks carry text, and a token may carry none: per-chunk gaps would be biased). Printed
+per C: requests answered / refused (503), generated tokens per second of wall time (all streams together),
+TTFT and ITL p50 / p90 / p99.
+
+  python benchmarks/serve_load.py --url http://127.0.0.1:8000
+  python benchmarks/serve_load.py --spawn -- --max-batch 32 --max-context 1024      # start the server too
+
+``--spawn -- ARGS``: runs ``python -m dsv41_jax.serve --port 0 ARGS``, waits for its start-up line, loads it, stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+
+
+def percentiles(values) -> str:
+    if not values:
+        return "-"
+    p = np.percentile(np.asarray(values) * 1e3, [50, 90, 99])
+    return " / ".join(f"{v:.1f}" for v in p)
+
+
+async def one_request(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"status": r.status_code}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+    out = {"status": 200, "tokens": tokens, "ttft": (first or time.perf_counter()) - start}
+    if first is not None and tokens > 1:
+        out["itl"] = (last - first) / (tokens - 1)
+    return out
+
+
+async def load(url: str, concurrency: int, rounds: int, prompt_tokens: int, max_tokens: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    results = []
+
+    async def stream(c: int, http):
+        for k in range(rounds):
+            prompt = rng.integers(3, 500, prompt_tokens).tolist()
+            results.append(await one_request(http, prompt, max_tokens))
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(stream(c, http) for c in range(concurrency)))
+        wall = time.perf_counter() - start
+    ok = [r for r in results if r["status"] == 200]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"concurrency": concurrency, "requests": len(results), "ok": len(ok),
+            "refused": sum(r["status"] == 503 for r in results), "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "ttft_ms": percentiles([r["ttft"] for r in ok]),
+            "itl_ms": percentiles([r["itl"] for r in ok if "itl" in r])}
+
+
+def spawn(server_args: list[str]) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--port", "0", *server_args]
+    print("starting:", " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        print("  server:", line.rstrip(), file=sys.stderr, flush=True)
+        match = re.search(r"listening on (http://\S+)", line)
+        if match:
+            threading.Thread(target=lambda: [print("  server:", x.rstrip(), file=sys.stderr) for x in proc.stdout],
+                             daemon=True).start()
+            return proc, match.group(1)
+    raise SystemExit(f"the server exited ({proc.wait()}) before listening")
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    server_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--spawn", action="store_true", help="start the server (its flags after --)")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts (default 1,8,32)")
+    p.add_argument("--rounds", type=int, default=4, help="requests per stream (default 4)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still stops the spawned server (finally)
+    proc = None
+    url = a.url
+    if a.spawn:
+        proc, url = spawn(server_args)
+    try:
+        asyncio.run(load(url, 1, 1, a.prompt_tokens, 4, 99))  # warm-up
+        rows = []
+        print(f"{'streams':>7} {'requests':>8} {'ok':>4} {'503':>4} {'tokens':>7} {'wall s':>7} {'tok/s':>8} "
+              f"{'TTFT ms p50/p90/p99':>22} {'ITL ms p50/p90/p99':>22}")
+        for c in (int(x) for x in a.concurrency.split(",")):
+            row = asyncio.run(load(url, c, a.rounds, a.prompt_tokens, a.max_tokens, c))
+            rows.append(row)
+            print(f"{c:>7} {row['requests']:>8} {row['ok']:>4} {row['refused']:>4} {row['tokens']:>7} "
+                  f"{row['wall_s']:>7.2f} {row['tok_s']:>8.1f} {row['ttft_ms']:>22} {row['itl_ms']:>22}", flush=True)
+        print(httpx.get(url + "/metrics").text.count("\n"), "metric lines; server healthy:",
+              httpx.get(url + "/health").json())
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

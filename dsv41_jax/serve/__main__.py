@@ -1,0 +1,209 @@
+"""``python -m dsv41_jax.serve``: serve the model over the OpenAI API (chat and completions) with continuous
+batching. Model flags are `generate`'s; bad flags are one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Sequence
+
+EXAMPLES = """\
+examples:
+  python -m dsv41_jax.serve                                   # the embedded tiny model on 127.0.0.1:8000
+  python -m dsv41_jax.serve --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --max-batch 32 --max-context 65536
+  python -m dsv41_jax.serve --port 0                          # a free port (the start-up line says which)
+
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "Hi"}], "thinking": true, "stream": true}'
+
+Routes: POST /v1/chat/completions, POST /v1/completions (SSE with "stream": true), GET /v1/models, GET /health,
+GET /metrics. Chat requests take "thinking" (true/false or {"type": "enabled"}; default off, on when
+"reasoning_effort" is given), "reasoning_effort" (low, high, max or 1..100), "tools" and "tool_choice"; the reply
+carries "reasoning_content" apart from "content", and "tool_calls". Without --checkpoint the embedded tiny model
+(configs/tiny.json, random weights) answers noise: its 512-id vocabulary folds the tokenizer's ids (id mod 512).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..generate import _Parser, _positive_int  # noqa: PLC0415
+
+    p = _Parser(prog="python -m dsv41_jax.serve", description="An OpenAI-compatible server for DeepSeek-V4.1 in JAX.",
+                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_argument_group("model (as python -m dsv41_jax.generate)")
+    model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
+    model.add_argument("--config", metavar="FILE", help="config.json for the random-weight model (default: tiny)")
+    model.add_argument("--layers", type=_positive_int, metavar="K",
+                       help="a K-layer cut of --config (default the released dsv41_flash) keeping its layer roles, "
+                            "random weights drawn on the devices, sharded (as python -m dsv41_jax.profile): e.g. "
+                            "the 2-layer full-width model for serving benchmarks")
+    model.add_argument("--world", type=_positive_int, default=1, metavar="N",
+                       help="devices to shard over (default 1: unsharded)")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                       help="activations, weights and cache (default: bfloat16)")
+    model.add_argument("--expert-format", choices=("auto", "dequantized", "fp4"), default="auto",
+                       help="with --checkpoint: routed experts packed fp4 as stored, or dequantised (default auto)")
+    model.add_argument("--impl", choices=("auto", "reference", "pallas"), default="auto",
+                       help="kernels; auto (default): pallas on GPU, reference elsewhere")
+    model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
+                       help="the release's fp8/fp4 rounding points (MODEL.md §C.2; default on; off for comparisons)")
+    model.add_argument("--skip-engram", action="store_true",
+                       help="run a config with engram layers without them (NOT the model's output)")
+    model.add_argument("--compile-cache", metavar="DIR",
+                       help="persistent compilation cache (default: $DSV41_JAX_COMPILE_CACHE or "
+                            "~/.cache/dsv41_jax/xla; 'off' disables it)")
+    serve = p.add_argument_group("serving")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    serve.add_argument("--max-batch", type=_positive_int, default=8, metavar="B",
+                       help="decode slots: requests generating at once (default 8)")
+    serve.add_argument("--max-context", type=_positive_int, default=4096, metavar="N",
+                       help="cache capacity per request, prompt + new tokens (default 4096)")
+    serve.add_argument("--max-queue", type=int, default=64, metavar="Q",
+                       help="requests that may wait for a slot; more get 503 at once (default 64)")
+    serve.add_argument("--segment-rows", type=_positive_int, metavar="N",
+                       help="prefill segment rows (default: the planner's segments)")
+    return p
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_args(args) -> None:
+    from ..generate import UsageError  # noqa: PLC0415
+
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    from ..generate import UsageError  # noqa: PLC0415
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(infos[0][4])
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def random_cut(args):
+    """(ModelInputs, model, mesh) for --layers K: ``profiling.cut`` of the config, weights drawn on the devices."""
+    from .. import generate  # noqa: PLC0415
+    from ..config import load_named  # noqa: PLC0415
+    from ..profiling.build import build_model  # noqa: PLC0415
+    from ..profiling.cut import cut_layers  # noqa: PLC0415
+
+    if args.checkpoint:
+        raise generate.UsageError("--layers makes a random-weight model: it does not go with --checkpoint")
+    cfg = load_named(args.config or "dsv41_flash")
+    cfg = cut_layers(cfg, args.layers)
+    model, mesh = build_model(cfg, args.world, generate.model_options(args, "dequantized"))
+    name = f"{args.config or 'dsv41_flash'} cut to {args.layers} layers, RANDOM weights drawn on the devices"
+    return generate.ModelInputs(cfg, None, name), model, mesh
+
+
+def build_server(args):
+    """(app, state): the model, its engine and slots compiled, the HTTP app over them."""
+    import jax  # noqa: PLC0415
+
+    from .. import generate  # noqa: PLC0415
+    from ..compile_cache import enable as enable_compile_cache  # noqa: PLC0415
+    from ..engine import Engine, fixed_segments  # noqa: PLC0415
+    from ..tokenizer import load_tokenizer  # noqa: PLC0415
+    from .app import ServerState, create_app  # noqa: PLC0415
+    from .metrics import Metrics  # noqa: PLC0415
+    from .slots import SlotEngine  # noqa: PLC0415
+    from .worker import Worker  # noqa: PLC0415
+
+    args.engram_tables, args.wants_images = "device", False  # generate's loaders read these
+    generate.check_world(args.world)
+    cache_dir = enable_compile_cache(args.compile_cache)
+    _say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
+    if args.layers:
+        inputs, model, mesh = random_cut(args)
+    else:
+        inputs = generate.load_model_inputs(args)
+    cfg = inputs.cfg
+    if args.max_context > cfg.max_position_embeddings:
+        raise generate.UsageError(f"--max-context {args.max_context:,} is above the model's "
+                                  f"max_position_embeddings ({cfg.max_position_embeddings:,})")
+    _say(f"model: {inputs.description}")
+    tokenizer, tokenizer_description = load_tokenizer(args.checkpoint)
+    _say(f"tokenizer: {tokenizer_description}")
+    plan = ((lambda n: fixed_segments(n, args.segment_rows)) if args.segment_rows
+            else generate.segment_plan(cfg, args.world))
+    if not args.layers:
+        model, mesh = generate.build(inputs, args)
+    engine = Engine(model, cfg, max_context=args.max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
+                    hasher=inputs.hasher)
+    slots = SlotEngine(engine, args.max_batch)
+    compile_events = [0]
+
+    def on_compile(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compile_events[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    _say(f"compiling ({args.max_batch} slots, context {args.max_context:,}) ...")
+    seconds = slots.precompile()
+    _say(f"compiled {engine.compile_count} programs in {seconds:.1f} s")
+    metrics = Metrics({})
+    worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
+    metrics.gauges.update({
+        "dsv41_queue_length": ("Requests waiting for a slot.", lambda: worker.queued),
+        "dsv41_running_requests": ("Requests holding a slot.", lambda: worker.slots.active),
+        "dsv41_slots": ("Decode slots.", lambda: worker.slots.slots),
+        "dsv41_programs_compiled": ("Programs in the engine's table.", lambda: engine.compile_count),
+        "dsv41_compile_events": ("JAX backend compiles since start-up (precompile included).",
+                                 lambda: compile_events[0]),
+        "dsv41_decode_steps": ("Decode steps run.", lambda: worker.slots.decode_steps),
+    })
+    name = (args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else
+            f"dsv41-{args.layers}-layer-random" if args.layers else "dsv41-tiny-random")
+    state = ServerState(worker, tokenizer, metrics, name, engine.vocab_size, args.max_context)
+    return create_app(state), state
+
+
+def run(args) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    check_args(args)
+    sock = listen(args.host, args.port)
+    app, state = build_server(args)
+    state.worker.start()
+    host, port = sock.getsockname()[:2]
+    _say(f"dsv41_jax.serve: listening on http://{host}:{port} (model {state.model_name}, "
+         f"{args.max_batch} slots, context {args.max_context:,}, queue {args.max_queue})")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+    server.run(sockets=[sock])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..generate import user_errors  # noqa: PLC0415
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    if args.world > 1:
+        from sharding.mesh import request_host_devices  # noqa: PLC0415
+
+        request_host_devices(args.world)
+    try:
+        return run(args)
+    except user_errors() as e:
+        _say(f"error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

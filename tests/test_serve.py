@@ -1,0 +1,356 @@
+"""`python -m dsv41_jax.serve` as a real server process on 127.0.0.1 (a free port), the embedded tiny model,
+talked to by the official `openai` client (a client no one here wrote) and by plain HTTP (httpx).
+
+The server runs float32 with the rounding points off (as tests/test_engine.py: then batching changes at most
+GEMM summation order), 4 slots, a 12-request queue, a 512-token context and 16-row segments, so every prompt is
+short and prefills row by row inside the decode steps: the one model program compiled at start-up is the decode
+step's (the one-row prefill of long prompts is tested in-process, tests/test_serve_slots.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")  # the test extra; a GPU machine may lack these: skipped there
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOTS, QUEUE, CONTEXT = 4, 12, 512
+STARTUP_S = 420  # compiling on a loaded 2-core machine
+
+
+def _start(*flags):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--port", "0", "--dtype", "float32", "--no-quant-rounding",
+           "--max-batch", str(SLOTS), "--max-queue", str(QUEUE), "--max-context", str(CONTEXT),
+           "--segment-rows", "16", *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, deadline = [], time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = re.search(r"listening on (http://\S+)", line)
+        if match:
+            return proc, match.group(1), lines
+    proc.kill()
+    raise AssertionError("the server did not start:\n" + "".join(lines))
+
+
+STARTUP: dict = {}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url, lines = _start()
+    STARTUP["compiles"] = _metric(url, "dsv41_compile_events")
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+              or line.startswith(name + "{")]
+    return sum(values)
+
+
+def _ids_prompt(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 512, n)]
+
+
+# ------------------------------------------------------------------------------------------ the openai client
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_stream_equals_non_stream(client, thinking):
+    ask = dict(model="dsv41-tiny-random", messages=[{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Why is the sky blue?"}],
+               max_tokens=10, temperature=1.0, seed=11, extra_body={"thinking": thinking})
+    whole = client.chat.completions.create(**ask)
+    message = whole.choices[0].message
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    parts, stream_reasoning, finish, usage = [], [], None, None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            stream_reasoning.append((choice.delta.model_extra or {}).get("reasoning_content") or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == (message.content or "")
+    assert "".join(stream_reasoning) == (reasoning or "")
+    assert finish == whole.choices[0].finish_reason and usage == whole.usage
+    assert whole.usage.completion_tokens == 10 or finish == "stop"
+    if thinking:  # the reply opens inside <think>: a random model's text is all reasoning
+        assert reasoning and not message.content
+    else:
+        assert reasoning is None and message.content
+
+
+def test_thinking_changes_the_prompt(client):
+    """Thinking on writes the reasoning-effort line into the prompt (chat.py); the usage counts show it."""
+    messages = [{"role": "user", "content": "Hi"}]
+    off = client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+    on = client.chat.completions.create(model="m", messages=messages, max_tokens=1, reasoning_effort="low")
+    assert on.usage.prompt_tokens > off.usage.prompt_tokens
+
+
+def test_completions_stream_equals_non_stream(client):
+    ask = dict(model="m", prompt="The capital of France is", max_tokens=8, temperature=0.7, seed=5)
+    whole = client.completions.create(**ask)
+    streamed = [c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices]
+    assert "".join(streamed) == whole.choices[0].text and whole.usage.completion_tokens == 8
+
+
+def test_models_health_and_tools(server, client):
+    assert [m.id for m in client.models.list().data] == ["dsv41-tiny-random"]
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+    with_tools = client.chat.completions.create(model="m", messages=messages, max_tokens=1, tools=tools)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 100  # the schemas are in the prompt
+
+
+def test_stop_strings_cut_the_text(client):
+    ask = dict(model="m", prompt=[7, 8, 9, 10], max_tokens=16, temperature=0)
+    free = client.completions.create(**ask).choices[0].text
+    stop = free[4:6]
+    assert len(stop) == 2
+    cut = client.completions.create(**ask, stop=[stop, "never-there"]).choices[0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stop=stop, stream=True)
+                       if c.choices)
+    assert cut.text == free[:free.index(stop)] == streamed and cut.finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------------------ continuous batching
+def _complete(http: httpx.Client, ids, max_tokens):
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                                           "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_continuous_batching_is_exact_and_compiles_nothing(server):
+    """16 greedy requests of different lengths arriving at different times, 4 slots: each gets exactly the
+    tokens it gets alone; slots are reused without a compile, and nothing compiled since start-up (JAX's
+    backend-compile events, counted in the server)."""
+    lengths = [3, 24, 17, 9, 21, 1, 19, 12, 5, 20, 7, 23, 14, 2, 11, 16]
+    asks = [(_ids_prompt(n, i), 2 + (i * 5) % 7) for i, n in enumerate(lengths)]
+    with httpx.Client(base_url=server, timeout=120) as http:
+        alone = [_complete(http, ids, m) for ids, m in asks[:2]]  # warm: every program has run once
+        compiles = _metric(server, "dsv41_compile_events")
+        alone += [_complete(http, ids, m) for ids, m in asks[2:]]
+
+    async def together():
+        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+            async def one(i, ids, m):
+                await asyncio.sleep(0.15 * (i % 6))
+                r = await http.post("/v1/completions", json={"prompt": ids, "max_tokens": m, "temperature": 0,
+                                                             "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(i, ids, m) for i, (ids, m) in enumerate(asks)))
+
+    batched = asyncio.run(together())
+    assert [len(a) for a in alone] == [m for _, m in asks]  # no end id in these (else the lengths differ)
+    assert batched == alone
+    assert _metric(server, "dsv41_compile_events") == compiles == STARTUP["compiles"]  # all at start-up
+
+
+def test_disconnect_frees_the_slot(server):
+    before = _metric(server, "dsv41_generated_tokens_total")
+    with httpx.Client(base_url=server, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": CONTEXT - 2,
+                                                          "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(4)]  # a couple of tokens (data lines and blank separators)
+        assert any(line.startswith("data: ") for line in got)
+        deadline = time.monotonic() + 30
+        while httpx.get(server + "/health").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert httpx.get(server + "/health").json()["running"] == 0
+    assert _metric(server, "dsv41_generated_tokens_total") - before < CONTEXT - 2
+
+
+# ------------------------------------------------------------------------------------------ errors and load
+BAD = [
+    ("/v1/chat/completions", b"{not json"),
+    ("/v1/chat/completions", b"[1, 2]"),
+    ("/v1/chat/completions", {}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": -1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 1200}]}),
+    ("/v1/completions", {"prompt": 5}),
+    ("/v1/completions", {"prompt": [1, 2, 600]}),
+    ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": [1] * (CONTEXT + 1)}),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": CONTEXT}),
+]
+
+
+def test_bad_requests_get_400_and_the_server_lives(server):
+    with httpx.Client(base_url=server, timeout=60) as http:
+        for path, body in BAD:
+            r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["message"], (body, error)
+            if isinstance(body, dict) and path.endswith("chat/completions") and len(body) == 2:
+                assert error["param"] == [k for k in body if k != "messages"][0], (body, error)  # the bad one
+            assert "Traceback" not in r.text
+        assert http.get("/health").json()["status"] == "ok"
+        assert http.get("/v1/nowhere").json()["error"]["type"] == "not_found_error"
+    assert _metric(server, 'dsv41_requests_total{endpoint="chat",status="400"') >= 0  # counted (below)
+    text = httpx.get(server + "/metrics").text
+    assert re.search(r'dsv41_requests_total\{endpoint="chat",status="400"\} (\d+)', text)
+
+
+def test_load_queue_bound_and_metrics(server):
+    """200 requests from 32 concurrent clients (streaming and not): each is answered 200 with exactly the
+    tokens the prompt gets alone (none lost or repeated) or a clean 503 (queue full); the server is healthy
+    after, its counters add up."""
+    prompts = [(_ids_prompt(4 + k, 100 + k), 3) for k in range(4)]
+    with httpx.Client(base_url=server, timeout=120) as http:
+        want = [_complete(http, ids, m) for ids, m in prompts]
+    tokenizer_text = {}
+    start_requests = _metric(server, "dsv41_requests_total")
+
+    async def client_loop(http, c, results):
+        for i in range(c, 200, 32):
+            ids, m = prompts[i % 4]
+            body = {"prompt": ids, "max_tokens": m, "temperature": 0}
+            if i % 2:
+                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    if r.status_code != 200:
+                        results.append((i, r.status_code, json.loads(await r.aread())))
+                        continue
+                    chunks = [json.loads(line[6:]) async for line in r.aiter_lines()
+                              if line.startswith("data: ") and line != "data: [DONE]"]
+                    text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+                    usage = chunks[-1]["usage"]
+                    results.append((i, 200, (text, usage["completion_tokens"])))
+            else:
+                r = await http.post("/v1/completions", json={**body, "return_token_ids": True})
+                results.append((i, r.status_code, r.json()))
+
+    async def run():
+        results = []
+        async with httpx.AsyncClient(base_url=server, timeout=120,
+                                     limits=httpx.Limits(max_connections=64)) as http:
+            await asyncio.gather(*(client_loop(http, c, results) for c in range(32)))
+        return results
+
+    t0 = time.monotonic()
+    results = asyncio.run(run())
+    elapsed = time.monotonic() - t0
+    assert len(results) == 200 and elapsed < 120
+    with httpx.Client(base_url=server, timeout=60) as http:
+        for ids, m in prompts:
+            r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": m, "temperature": 0})
+            tokenizer_text[tuple(ids)] = r.json()["choices"][0]["text"]
+    ok = 0
+    for i, status, payload in results:
+        ids, m = prompts[i % 4]
+        if status == 503:
+            assert payload["error"]["code"] == "queue_full"
+            continue
+        assert status == 200, payload
+        ok += 1
+        if i % 2:
+            assert payload == (tokenizer_text[tuple(ids)], m)
+        else:
+            assert payload["choices"][0]["token_ids"] == want[i % 4]
+    assert ok >= SLOTS + QUEUE  # at least the first wave is served
+    assert ok < 200  # 32 clients at once against 4 slots + 12 queued: some were refused at once
+    assert httpx.get(server + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
+    assert _metric(server, "dsv41_requests_total") - start_requests == 200 + len(prompts)
+    assert _metric(server, "dsv41_time_to_first_token_seconds_count") >= ok
+    assert _metric(server, "dsv41_queue_length") == 0
+
+
+def test_bad_flags_exit_2_with_one_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for flags in (["--max-batch", "0"], ["--port", "70000"], ["--nonsense"]):
+        r = subprocess.run([sys.executable, "-m", "dsv41_jax.serve", *flags], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, r.stderr
+
+
+def test_tool_calls_stream_as_openai_chunks():
+    """A reply with a DSML tool call (the V4.1 format, rendered by chat.render_reply and tokenized by the real
+    tokenizer) goes through the server's pipeline and SSE writer; the official client's chunk type reads a
+    tool_calls delta with the call, and finish_reason tool_calls."""
+    from openai.types.chat import ChatCompletionChunk
+
+    from dsv41_jax.chat import Message, ToolCall, render_reply
+    from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream
+    from dsv41_jax.tokenizer import load_tokenizer
+
+    tokenizer, _ = load_tokenizer()
+    reply = Message("assistant", "Let me look.", reasoning_content="Weather needs a tool.",
+                    tool_calls=(ToolCall("get_weather", '{"city": "Paris", "days": 3}'),))
+    ids = tokenizer.encode(render_reply(reply, thinking=True))
+    pipeline = TextPipeline(tokenizer, (), chat=True, thinking=True)
+
+    async def events():
+        for i in ids[:-1]:  # the end id is not reported by the engine
+            for e in pipeline.push(i):
+                yield e
+        for e in pipeline.finish():
+            yield e
+        yield Finish("stop", tuple(ids[:-1]))
+
+    async def collect():
+        return [line async for line in _chat_stream({"id": "x", "created": 0, "model": "m"}, events(), 10)]
+
+    lines = asyncio.run(collect())
+    assert lines[-1] == "data: [DONE]\n\n"
+    chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in lines[:-1]]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [call for d in deltas for call in (d.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 3}
+    assert "".join(d.content or "" for d in deltas) == "Let me look."
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Weather needs a tool."
+    assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens == len(ids) - 1

@@ -1,0 +1,146 @@
+"""The slot engine in-process, against `Engine.generate` of each request alone (the reference: tests/test_engine.py
+checks it against one plain forward).
+
+Model: tests/test_engine.py's 5-layer cut of the tiny config (every layer role), float32, rounding points off.
+16-row segments and ``short_rows`` 8: prompts of at most 8 tokens feed row by row in the decode steps, longer
+ones prefill into a one-row cache (bucket 16) and are copied into their slot — both paths run here, mixed, with
+greedy and seeded sampling; sampled tokens must be equal too, which holds only if each slot draws from its own
+key with its own step count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import make_tiny
+from dsv41_jax.engine import Engine, Request, build_model, fixed_segments
+from dsv41_jax.model.transformer import ModelOptions
+from dsv41_jax.sampling import SamplingParams, sample, sampling_arrays
+from dsv41_jax.serve.slots import Job, SlotEngine
+from test_engine import mini_config
+
+SLOTS = 3
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = mini_config()
+    model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))
+    return Engine(model, cfg, max_context=64, cache_dtype="float32", eos_ids=(),
+                  segment_plan=lambda n: fixed_segments(n, 16), short_rows=8)
+
+
+def _requests():
+    rng = np.random.default_rng(0)
+    shapes = [(5, 7), (30, 4), (17, 9), (3, 11), (40, 5), (8, 3), (12, 6)]
+    return [Request(tuple(int(x) for x in rng.integers(3, 512, n)), m,
+                    SamplingParams() if i % 2 == 0 else SamplingParams(temperature=1.0, top_k=40, seed=i))
+            for i, (n, m) in enumerate(shapes)]
+
+
+def test_sample_with_per_sequence_steps_equals_one_by_one():
+    logits = np.random.default_rng(1).normal(size=(3, 64)).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (4, 5, 6)]
+    steps = np.array([0, 3, 7], np.int32)
+    together = np.asarray(jax.jit(sample)(logits, sampling_arrays(params), steps))
+    alone = [int(jax.jit(sample)(logits[b:b + 1], sampling_arrays([params[b]]), jnp.int32(steps[b]))[0])
+             for b in range(3)]
+    assert together.tolist() == alone
+
+
+@pytest.mark.slow
+def test_slots_equal_alone_reuse_slots_and_compile_nothing(engine):
+    slots = SlotEngine(engine, SLOTS)
+    slots.precompile()
+    requests = _requests()
+    got: dict[int, list] = {}
+    done: dict[int, str] = {}
+
+    def sink(i):
+        def put(kind, value):
+            if kind == "token":
+                got.setdefault(i, []).append(value)
+            else:
+                done[i] = value
+        return put
+
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        # Staggered arrival: two now, the rest one per step; 7 requests through 3 slots.
+        for i in (0, 1):
+            slots.add(Job(i, requests[i], sink(i)))
+        pending = list(range(2, len(requests)))
+        while slots.busy or pending:
+            if pending:
+                i = pending.pop(0)
+                slots.add(Job(i, requests[i], sink(i)))
+            slots.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert slots.prefill_calls == 2 + 2 + 3 + 1  # the 17-, 30-, 40- and 12-token prompts, 16-row segments
+    for i, r in enumerate(requests):
+        alone = engine.generate([r]).generations[0]
+        assert tuple(got[i]) == alone.token_ids and done[i] == "length", i
+
+
+def test_cancel_frees_the_slot_at_once(engine):
+    slots = SlotEngine(engine, 1)
+    events = []
+    slots.add(Job(1, Request((5, 6, 7), 50), lambda kind, value: events.append((1, kind, value))))
+    slots.add(Job(2, Request((8, 9), 2), lambda kind, value: events.append((2, kind, value))))
+    for _ in range(6):
+        slots.step()
+    slots.cancel(1)
+    slots.step()  # request 1 leaves, request 2 takes the one slot in the same step
+    assert (1, "done", "cancelled") in events and slots.running[0].id == 2
+    while slots.busy:
+        slots.step()
+    assert [e for e in events if e[0] == 2][-1] == (2, "done", "length")
+    assert sum(1 for e in events if e[:2] == (1, "token")) == 6 - 3  # 3 steps feed the prompt rows, 3 sample
+
+
+def test_a_failing_step_fails_its_request_and_the_engine_thread_goes_on(engine, monkeypatch):
+    """The engine thread (serve.worker): a step that raises fails the requests it held (the server's 500) and
+    the next request runs; one slot and no queue: a second request in flight is refused at once (the 503)."""
+    from dsv41_jax.serve.worker import QueueFull, Worker
+
+    real, failures = SlotEngine._decode_step, []
+
+    def flaky(self):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected")
+        return real(self)
+
+    monkeypatch.setattr(SlotEngine, "_decode_step", flaky)
+    worker = Worker(SlotEngine(engine, 1), max_queue=0)
+    worker.start()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        _, first = worker.submit(Request((5, 6), 3), loop)
+        with pytest.raises(QueueFull):
+            worker.submit(Request((5,), 2), loop)
+        failed = await asyncio.wait_for(first.get(), 120)
+        _, second = worker.submit(Request((5, 6), 3), loop)
+        return failed, [await asyncio.wait_for(second.get(), 120) for _ in range(4)]
+
+    try:
+        failed, events = asyncio.run(run())
+    finally:
+        worker.stop()
+    assert failed[0] == "error"
+    assert [kind for kind, _ in events] == ["token", "token", "token", "done"] and events[-1] == ("done", "length")
+    assert [v for _, v in events[:3]] == list(engine.generate([Request((5, 6), 3)]).generations[0].token_ids)
