@@ -8,42 +8,47 @@ seconds are measured apart from run time.
 
 The programs:
 
-* ``forward[B, T]``: the model over a segment of T rows (``ids [B, T]``, ``lengths [B]``), keeping each
-  sequence's last real row's logits. Rows ``t >= lengths[b]`` are padding the model ignores (DESIGN.md "Model
-  API"), which gives ragged batches and lets a segment run in a larger bucket.
-* ``sample[B]``: picks every running sequence's next token and decides on device which keep going (an end id,
-  the max new tokens).
+* ``step[B, T]``: the model over a segment of T rows (``ids [B, T]``, ``lengths [B]``), its head applied only to
+  each sequence's last real row (every row of sequence 0 when recording logits), then sampling from those logits
+  and the stop flags (an end id, the max new tokens), all in one program with the cache and the logits donated.
+  Rows ``t >= lengths[b]`` are padding the model ignores (DESIGN.md "Model API"), which gives ragged batches and
+  lets a segment run in a larger bucket. Its outputs include the next step's inputs (tokens as ``[B, 1]`` ids,
+  ``lengths = keep_going``, the step index), so decode steps chain on the device without the host touching them.
 * ``init[B]``: an empty cache.
 * ``encode[images]`` (only for prompts with images): the vision tower and aligner over every image of the batch,
-  padded to one size bucket, once per request (VISION.md §V.G). Its rows stay on device; each ``forward`` call of
+  padded to one size bucket, once per request (VISION.md §V.G). Its rows stay on device; each ``step`` call of
   such a request takes the table plus its segment's slice of row indices and roles (``ImageRows``), so spans may
-  cross segment boundaries, and every forward call of that request (decode included) uses the image signature,
+  cross segment boundaries, and every step call of that request (decode included) uses the image signature,
   so one program per row count serves it.
 
 Prefill cuts the batch's longest prompt into the planner's segments ``[start, start + n)``; sequence b
 contributes ``clip(len_b - start, 0, n)`` real rows. A segment of more than ``short_rows`` rows runs as one
-``forward`` call whose T is n rounded up to a power-of-two bucket (so a handful of programs serve every prompt
-length); a *short* segment (PLANNER.md §A: ≤ 16 rows) runs row by row through ``forward[B, 1]`` — the decode
-program — which saves a compile for short prompts. Decode alternates ``sample`` and ``forward[B, 1]`` with
-``lengths = keep_going``, so finished sequences' caches stay untouched.
+``step`` call whose T is n rounded up to a power-of-two bucket (so a handful of programs serve every prompt
+length); a *short* segment (PLANNER.md §A: ≤ 16 rows) runs row by row through ``step[B, 1]`` — the decode
+program — which saves a compile for short prompts. The prompt's last call draws the first new token. Decode is
+one ``step[B, 1]`` call per token with ``lengths = keep_going``, so finished sequences' caches stay untouched;
+the host dispatches step n+1 before it reads step n's tokens (printing lags a step), and without a streaming
+callback keeps ``DECODE_AHEAD`` steps queued, so it waits on the device only to read tokens that are long done.
+Steps queued past the last stop write nothing (lengths 0) and are dropped.
 
-Engram (`MODEL.md` §B.12): for a model with engram layers every ``forward`` call also takes the call's table
+Engram (`MODEL.md` §B.12): for a model with engram layers every ``step`` call also takes the call's table
 rows (``EngramInput``), hashed on the host just before the call (`dsv41_jax.engram.Hasher`) from the call's ids
 and each sequence's last three ids. That history lives here, in the engine, per ``generate`` call (numpy
 ``[B, 3]``), not in the device cache: the ids of every segment and every sampled token pass through the host
-anyway (tokens are read back each step to stream them and to stop), the hash needs the host, and the device
-program stays free of host-only state; segments and decode steps then hash exactly as one pass
+(an engram model's decode reads each step's tokens before it dispatches the next), the hash needs the host,
+and the device program stays free of host-only state; segments and decode steps then hash exactly as one pass
 (tests/test_engram_parity.py).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +60,7 @@ from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
 
 FALLBACK_SEGMENT_ROWS = 2048  # until the planner says otherwise (PLANNER.md §A "Segment")
 SHORT_SEGMENT_ROWS = 16  # PLANNER.md §A: rows <= 16 form a short segment (decode row paths)
+DECODE_AHEAD = 4  # decode steps queued on the device while the host reads a token (no streaming callback)
 
 
 class EngineInputError(ValueError):
@@ -161,7 +167,10 @@ def check_requests(requests: Sequence[Request], vocab_size: int, max_context: in
 
 # ------------------------------------------------------------------------------------------------ programs
 def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, keep_first_row: bool):
-    """ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32, engram rows (EngramInput | None) ->
+    """The model part of ``_step``; on its own the ``forward`` program of the server's slot loop
+    (`serve.slots`, which samples apart with ``_sample_step``).
+
+    ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32, engram rows (EngramInput | None) ->
     (cache, last_logits, first [T,V] f32 | None).
 
     ``last_logits[b]`` becomes the logits of row ``lengths[b] - 1`` wherever ``lengths[b] > 0``; after a prompt's
@@ -176,10 +185,14 @@ def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, 
 
         table, row, roles = images
         kwargs["images"] = ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
-    logits, cache = model(ids, cache, lengths=lengths, **kwargs)  # text, no engram: the plain call
-    logits = logits.astype(jnp.float32)
     last_row = jnp.clip(lengths - 1, 0, ids.shape[1] - 1)
-    row_logits = jnp.take_along_axis(logits, last_row[:, None, None], axis=1)[:, 0]
+    if keep_first_row:  # every row of sequence 0 is recorded: the head runs on every row
+        logits, cache = model(ids, cache, lengths=lengths, **kwargs)
+        logits = logits.astype(jnp.float32)
+        row_logits = jnp.take_along_axis(logits, last_row[:, None, None], axis=1)[:, 0]
+    else:  # the head runs on each sequence's last real row only (issue #22)
+        row_logits, cache = model(ids, cache, lengths=lengths, logit_rows=last_row, **kwargs)
+        row_logits = row_logits.astype(jnp.float32)
     last_logits = jnp.where((lengths > 0)[:, None], row_logits, last_logits)
     return cache, last_logits, (logits[0] if keep_first_row else None)
 
@@ -189,16 +202,55 @@ def _encode_images(graphdef, state, batch):
     return nnx.merge(graphdef, state).encode_images(batch)
 
 
-_MODEL_PROGRAMS = (_forward, _encode_images)  # programs whose first argument is the model state
+class StepOut(NamedTuple):
+    """What ``_step`` returns. The last four are the next decode step's ``ids``, ``lengths``, ``running`` and
+    ``step`` as they are: the host chains steps without reading them (or changing their shapes) first."""
+
+    cache: object
+    last_logits: jax.Array  # [B,V] f32
+    first: jax.Array | None  # [T,V] f32 (sequence 0's rows, only when recording)
+    tokens: jax.Array  # [B,1] i32: the token each sequence drew from last_logits
+    lengths: jax.Array  # [B] i32: 1 where the sequence keeps going, else 0
+    keep_going: jax.Array  # [B] bool
+    next_step: jax.Array  # i32 scalar
+
+
+def _step(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_ids, max_new,
+          sampling: SamplingArrays, images, engram, keep_first_row: bool) -> StepOut:
+    """One forward call and the sampling after it, as one program (prefill segments and decode steps alike).
+
+    ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32 (see ``_forward``), running [B] bool, step i32 (the
+    index of the token drawn now), eos_ids [E] i32, max_new [B] i32. Every sequence draws a token from its
+    ``last_logits``; it keeps going unless that token is an end id or its ``max_new``-th. The host uses the tokens
+    of a prompt's last call and of decode steps; earlier prefill calls' draws are don't-care (cheap: [B,V]).
+    """
+    cache, last_logits, first = _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram,
+                                         keep_first_row)
+    tokens, keep_going = _sample_step(graphdef, last_logits, running, eos_ids, max_new, sampling, step)
+    return StepOut(cache, last_logits, first, tokens[:, None], keep_going.astype(jnp.int32), keep_going,
+                   step + 1)
+
+
+class StepTiming(NamedTuple):
+    """``Engine.step_seconds``: seconds per step, the cache after the steps, the compiled step program."""
+
+    seconds: float
+    cache: object
+    program: object
 
 
 def _sample_step(graphdef, logits, running, eos_ids, max_new, sampling: SamplingArrays, step):
-    """logits [B,V] f32, running [B] bool, eos_ids [E] i32, max_new [B] i32, step i32 (tokens produced so far)
-    -> (tokens [B] i32, keep_going [B] bool): keep going unless the token ends the sequence or it is full."""
+    """logits [B,V] f32, running [B] bool, eos_ids [E] i32, max_new [B] i32, step i32 (scalar or [B]: tokens
+    produced so far) -> (tokens [B] i32, keep_going [B] bool): keep going unless the token ends the sequence or
+    it is full. Inside ``_step``; on its own the server's ``sample`` program."""
     del graphdef
     tokens = sample(logits, sampling, step)
     is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
     return tokens, running & ~is_eos & (step + 1 < max_new)
+
+
+_MODEL_PROGRAMS = (_step, _forward, _encode_images)  # programs whose first argument is the model state
+_STEP_DONATE = (1, 4)  # the cache and last_logits are updated in place
 
 
 def _fresh_cache(graphdef, *, init, cfg, batch, max_context, dtype, sharding):
@@ -252,13 +304,17 @@ class _Programs:
                 self.compiled[key] = fut.result()
         self.compile_s += time.perf_counter() - start
 
-    def run(self, name, fn, static, args, donate=(), sharding=None):
-        """Call the program for these arguments, compiling it first if this shape is new."""
+    def get(self, name, fn, static, args, donate=(), sharding=None):
+        """The compiled program for these arguments, compiled first if this shape is new."""
         abstract = _abstract(args[1:] if fn in _MODEL_PROGRAMS else args, sharding)
         key = _key(name, static, abstract)
         if key not in self.compiled:
             self.ensure([(name, fn, static, (args[0], *abstract) if fn in _MODEL_PROGRAMS else abstract, donate)])
-        return self.compiled[key](*args)
+        return self.compiled[key]
+
+    def run(self, name, fn, static, args, donate=(), sharding=None):
+        """Call the program for these arguments, compiling it first if this shape is new."""
+        return self.get(name, fn, static, args, donate, sharding)(*args)
 
 
 _PROGRAMS: dict[str, _Programs] = {}
@@ -342,15 +398,34 @@ class Engine:
         i32 = jnp.int32
         logits, vec = arg((batch, self.vocab_size), jnp.float32), arg((batch,), i32)
         sampling = _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
-        specs = [("init", _fresh_cache, self._init_static(batch), (), ()),
-                 ("sample", _sample_step, {}, (logits, arg((batch,), jnp.bool_),
-                                               arg((len(self.eos_ids or (-1,)),), i32), vec, sampling,
-                                               arg((), i32)), ())]
+        stop = (arg((batch,), jnp.bool_), arg((), i32), arg((len(self.eos_ids or (-1,)),), i32), vec, sampling)
+        specs = [("init", _fresh_cache, self._init_static(batch), (), ())]
         for t in sorted({1, *program_rows}) if not images else ():
             ids = arg((batch, t), i32)
+            specs.append(("step", _step, {"keep_first_row": record},
+                          (self.state, cache, ids, vec, logits, *stop, None, self._engram_abstract(batch, t, arg)),
+                          _STEP_DONATE))
+        return specs
+
+    def _split_specs(self, batch: int, program_rows: Sequence[int], record: bool) -> list[tuple]:
+        """The server's programs (`serve.slots`): ``init``, ``sample[B]`` (per-sequence steps) and the model-only
+        ``forward[B, T]``, since its slot loop samples before it feeds (``generate`` runs ``step`` instead)."""
+        cache = _abstract(jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context,
+                                                                  self.cache_dtype)), self._replicated)
+
+        def arg(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+
+        i32 = jnp.int32
+        logits, vec = arg((batch, self.vocab_size), jnp.float32), arg((batch,), i32)
+        sampling = _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
+        specs = [("init", _fresh_cache, self._init_static(batch), (), ()),
+                 ("sample", _sample_step, {}, (logits, arg((batch,), jnp.bool_),
+                                               arg((len(self.eos_ids or (-1,)),), i32), vec, sampling, vec), ())]
+        for t in sorted({1, *program_rows}):
             specs.append(("forward", _forward, {"keep_first_row": record},
-                          (self.state, cache, ids, vec, logits, None, self._engram_abstract(batch, t, arg)),
-                          (1, 4)))
+                          (self.state, cache, arg((batch, t), i32), vec, logits, None,
+                           self._engram_abstract(batch, t, arg)), (1, 4)))
         return specs
 
     def _engram_abstract(self, batch, t, arg):
@@ -410,22 +485,91 @@ class Engine:
         self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images))
         cache = self._programs.run("init", _fresh_cache, self._init_static(len(requests)), ())
         images = self._encode(requests)
-        cache, logits, prefill_logits, history = self._prefill(requests, cache, sizes, rows, timings, on_prefill,
-                                                               record_logits, images)
-        generations, decode_logits = self._decode(requests, cache, logits, timings, on_tokens, record_logits,
-                                                  history, _segment_images(images, 0, 0, 1))
+        stop = self._stop_inputs(requests)
+        out, prefill_logits, history = self._prefill(requests, cache, stop, sizes, rows, timings, on_prefill,
+                                                     record_logits, images)
+        step_images = _segment_images(images, 0, 0, 1)
+        if step_images is not None:  # the same every decode step: placed once
+            step_images = jax.device_put(step_images, self._replicated)
+        first_row = prefill_logits[-1:] if record_logits else None  # token 0's distribution
+        generations, decode_logits = self._decode(requests, out, first_row, stop, timings, on_tokens,
+                                                  record_logits, history, step_images)
         timings.compile_s = self._programs.compile_s - compile_before
         timings.programs_compiled = self.compile_count - count_before
         return GenerateResult(generations, timings, prefill_logits, decode_logits)
 
+    def decode_from(self, cache, last_ids, requests: Sequence[Request], *,
+                    on_tokens: TokenCallback | None = None) -> GenerateResult:
+        """Decode from a cache that already holds every prompt but its last token (``cache.offset [B]`` rows),
+        feeding ``last_ids [B]`` first: what ``generate`` does after its prefill, timed as decode (every one of
+        the tokens is a one-row step). For benchmarks at long positions (a random cache from
+        ``profiling.build.build_cache``); the cache (shaped for this engine's ``max_context``) is donated. Models
+        without engram layers (their hash history would start from the prompt)."""
+        if self.hasher is not None:
+            raise EngineInputError("decode_from needs a model without engram layers")
+        batch = len(requests)
+        stop = self._stop_inputs(requests)
+        timings = Timings()
+        t0 = time.perf_counter()
+        out = self._call(False, self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
+                                                np.ones(batch, np.int32), np.zeros((batch, self.vocab_size),
+                                                                                   np.float32),
+                                                np.ones(batch, bool), np.int32(0), stop, None)[0])
+        generations, _ = self._decode(requests, out, None, stop, timings, on_tokens, False, None)
+        timings.decode_s = time.perf_counter() - t0
+        return GenerateResult(generations, timings)
+
+    def step_seconds(self, cache, last_ids, steps: int) -> StepTiming:
+        """``steps`` calls of the one-row step program chained on the device (each feeding the previous step's
+        tokens), nothing read back, one wait at the end, after one warm-up call: the device-bound rate that
+        ``generate``'s host loop is measured against. ``cache`` is donated and must hold ``steps + 1`` more
+        positions."""
+        batch = len(last_ids)
+        stop = self._stop_inputs([Request((0,), steps + 2)] * batch)  # nobody stops by length
+        args, _ = self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
+                                  np.ones(batch, np.int32), np.zeros((batch, self.vocab_size), np.float32),
+                                  np.ones(batch, bool), np.int32(0), stop, None)
+        run = self._programs.get("step", _step, {"keep_first_row": False}, args, _STEP_DONATE, self._replicated)
+        out = run(*args)
+        jax.block_until_ready(out.tokens)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = run(self.state, out.cache, out.tokens, out.lengths, out.last_logits, out.keep_going,
+                      out.next_step, *stop, None, None)
+        jax.block_until_ready(out.tokens)
+        return StepTiming((time.perf_counter() - t0) / steps, out.cache, run)
+
+    def _stop_inputs(self, requests) -> tuple:
+        """(eos ids [E], max new tokens [B], SamplingArrays): the step program's per-request constants, placed on
+        the device once per ``generate``."""
+        eos = np.array(self.eos_ids or (-1,), np.int32)
+        max_new = np.array([r.max_new_tokens for r in requests], np.int32)
+        return jax.device_put((eos, max_new, sampling_arrays([r.sampling for r in requests])), self._replicated)
+
+    def _step_args(self, out: StepOut | None, cache, ids, lengths, logits, running, step, stop, history,
+                   images=None):
+        """The arguments of one ``step`` call and the engram history after it. ``ids``/``lengths``/``running``/
+        ``step`` are host arrays (prefill, engram decode) or the previous step's device outputs (chained decode);
+        engram rows are hashed from host ids here (module docstring)."""
+        is_image = None if images is None or self.hasher is None else np.asarray(images[2]) >= 0
+        engram, history = self._engram_rows(ids, lengths, history, is_image)
+        if out is not None:
+            cache, logits = out.cache, out.last_logits
+        return (self.state, cache, ids, lengths, logits, running, step, *stop, images, engram), history
+
     def _forward(self, cache, ids, lengths, logits, record, history, images=None):
-        """One forward call; returns (cache, logits, first rows, engram history after the call)."""
+        """One model-only ``forward`` call (the server's slot loop); returns (cache, logits, first rows, engram
+        history after the call)."""
         is_image = None if images is None else images[2] >= 0
         engram, history = self._engram_rows(ids, lengths, history, is_image)
         cache, logits, first = self._programs.run("forward", _forward, {"keep_first_row": record},
                                                   (self.state, cache, ids, lengths, logits, images, engram),
                                                   donate=(1, 4), sharding=self._replicated)
         return cache, logits, first, history
+
+    def _call(self, record: bool, args) -> StepOut:
+        return self._programs.run("step", _step, {"keep_first_row": record}, args, donate=_STEP_DONATE,
+                                  sharding=self._replicated)
 
     def _encode(self, requests):
         """Encode every image of the batch once (one tower call, VISION.md §V.G) -> None (no images) or
@@ -456,7 +600,9 @@ class Engine:
         encoded = self._programs.run("encode", _encode_images, {}, (self.state, batch), sharding=self._replicated)
         return encoded.reshape(-1, encoded.shape[-1]), row, roles
 
-    def _prefill(self, requests, cache, sizes, rows, timings: Timings, on_prefill, record, images=None):
+    def _prefill(self, requests, cache, stop, sizes, rows, timings: Timings, on_prefill, record, images=None):
+        """Run the prompts' segments -> (the last call's StepOut, whose tokens are every sequence's first new
+        token, prefill logits of request 0 [len, V] | None, engram history)."""
         batch = len(requests)
         lengths = np.array([len(r.prompt_ids) for r in requests], np.int32)
         total = int(lengths.max())
@@ -464,9 +610,11 @@ class Engine:
         for b, r in enumerate(requests):
             padded[b, : lengths[b]] = r.prompt_ids
         logits = np.zeros((batch, self.vocab_size), np.float32)
+        running, step0 = np.ones(batch, bool), np.int32(0)
         first_rows = []
         start = 0
         history = self._empty_history(batch)
+        out = None
         t0 = time.perf_counter()
         for size, t in zip(sizes, rows):
             # A short segment runs as `size` one-row calls; a long one as one call of `t >= size` rows.
@@ -474,47 +622,69 @@ class Engine:
                 ids = np.zeros((batch, t), np.int32)
                 ids[:, :sub_size] = padded[:, sub_start : sub_start + sub_size]
                 sub_lengths = np.clip(lengths - sub_start, 0, sub_size).astype(np.int32)
-                cache, logits, first, history = self._forward(cache, ids, sub_lengths, logits, record, history,
-                                                              _segment_images(images, sub_start, sub_size, t))
+                args, history = self._step_args(out, cache, ids, sub_lengths, logits, running, step0, stop, history,
+                                                _segment_images(images, sub_start, sub_size, t))
+                out = self._call(record, args)
                 if record:
-                    first_rows.append(np.asarray(first)[: min(sub_size, max(0, int(lengths[0]) - sub_start))])
+                    first_rows.append(np.asarray(out.first)[: min(sub_size, max(0, int(lengths[0]) - sub_start))])
             start += size
             if on_prefill:
-                jax.block_until_ready(logits)
+                jax.block_until_ready(out.last_logits)
                 on_prefill(start, total)
-        jax.block_until_ready(logits)
+        jax.block_until_ready(out.tokens)
         timings.prefill_s = time.perf_counter() - t0
-        return cache, logits, (np.concatenate(first_rows, axis=0) if record else None), history
+        return out, (np.concatenate(first_rows, axis=0) if record else None), history
 
-    def _decode(self, requests, cache, logits, timings: Timings, on_tokens, record, history, images=None):
+    def _decode(self, requests, out: StepOut, first_row, stop, timings: Timings, on_tokens, record, history,
+                images=None):
+        """Read token 0 from the prefill's last call, then run one ``step`` program per token.
+
+        Without engram layers the host chains each step on the previous step's device outputs and keeps up to
+        ``ahead`` steps queued while it reads a token: one step (printing lags a step) with a streaming callback,
+        ``DECODE_AHEAD`` without. Steps queued past the last stop do no cache writes (their lengths are 0) and
+        are dropped. Engram models hash each step's ids on the host first: one step at a time."""
         batch = len(requests)
-        max_new = np.array([r.max_new_tokens for r in requests], np.int32)
-        eos = np.array(self.eos_ids or (-1,), np.int32)
-        sampling = sampling_arrays([r.sampling for r in requests])
-        running = np.ones(batch, bool)
+        longest = max(r.max_new_tokens for r in requests)
+        ahead = 0 if self.hasher is not None else (1 if on_tokens else DECODE_AHEAD)
+        pending = collections.deque([(out.tokens, out.keep_going, first_row)])  # oldest first
+        dispatched = 1  # token indices dispatched so far
+        alive = np.ones(batch, bool)  # sequences producing the token read next
         produced: list[list[int]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
         recorded = []
         step = 0
+        run = None  # the compiled decode step, looked up once
+
+        def dispatch(ids, lengths, running, index):
+            nonlocal out, history, run, dispatched
+            args, history = self._step_args(out, None, ids, lengths, None, running, index, stop, history, images)
+            if run is None:
+                run = self._programs.get("step", _step, {"keep_first_row": record}, args, _STEP_DONATE,
+                                         self._replicated)
+            out = run(*args)
+            pending.append((out.tokens, out.keep_going, out.first))
+            dispatched += 1
+
         t0 = time.perf_counter()
-        while running.any():
-            if record and running[0]:
-                recorded.append(np.asarray(logits)[0])
-            tokens, keep_going = self._programs.run(
-                "sample", _sample_step, {}, (logits, running, eos, max_new, sampling, np.int32(step)),
-                sharding=self._replicated)
-            tokens_np, keep_np = np.asarray(tokens), np.asarray(keep_going)
-            for b in np.flatnonzero(running):
+        while pending:
+            while ahead and len(pending) <= ahead and dispatched < longest:
+                dispatch(out.tokens, out.lengths, out.keep_going, out.next_step)
+            tokens, keep, first = pending.popleft()
+            tokens_np, keep_np = np.asarray(tokens)[:, 0], np.asarray(keep)
+            if record and alive[0]:
+                recorded.append(np.asarray(first)[0])
+            for b in np.flatnonzero(alive):
                 produced[b].append(int(tokens_np[b]))
                 if int(tokens_np[b]) in self.eos_ids:
                     finish[b] = "eos"
             if on_tokens:
-                on_tokens(step, tokens_np, running.copy())
-            if keep_np.any():  # feed the new tokens of the sequences that go on
-                cache, logits, _, history = self._forward(cache, tokens_np[:, None], keep_np.astype(np.int32),
-                                                          logits, record, history, images)
-            running = keep_np
+                on_tokens(step, tokens_np, alive.copy())
+            alive = keep_np
             step += 1
+            if not alive.any():
+                break
+            if not ahead:  # engram: the next ids go through the host hash first
+                dispatch(tokens_np[:, None], keep_np.astype(np.int32), keep_np, np.int32(step))
         timings.decode_s = time.perf_counter() - t0
         timings.decode_steps = step
         timings.generated_tokens = sum(len(p) for p in produced)

@@ -32,9 +32,10 @@ from sharding.mesh import make_mesh, replicated
 class ShardedTransformer(nnx.Module):
     """A Transformer built with the padded config, its parameters sharded over ``mesh``.
 
-    Call: ``(ids [B, T] int32, cache, lengths [B] | None, engram: EngramInput | None, images: ImageRows | None)
-    -> (logits [B, T, V] f32 replicated, cache)``. ``encode_images(batch)``: the tower and aligner (their weights
-    split by the rule table's vision rules), aligner rows [B_img, M, D] replicated.
+    Call: ``(ids [B, T] int32, cache, lengths [B] | None, engram: EngramInput | None, images: ImageRows | None,
+    logit_rows [B] | None) -> (logits [B, T, V] f32 replicated ([B, V] with logit_rows), cache)``.
+    ``encode_images(batch)``: the tower and aligner (their weights split by the rule table's vision rules),
+    aligner rows [B_img, M, D] replicated.
     """
 
     def __init__(self, inner: nnx.Module, mesh: Mesh, plan: ShardPlan, cfg: Any, run_cfg: Any):
@@ -59,10 +60,11 @@ class ShardedTransformer(nnx.Module):
         with context.activate(self.mesh, self.plan.layout):
             return context.constrain(self.inner.encode_images(batch), "replicated")
 
-    def __call__(self, ids, cache, lengths=None, engram=None, images=None):
+    def __call__(self, ids, cache, lengths=None, engram=None, images=None, logit_rows=None):
         with context.activate(self.mesh, self.plan.layout):
             padded_ids = self.plan.padded_token_ids(ids)
-            logits, cache = self.inner(padded_ids, cache, lengths=lengths, engram=engram, images=images)
+            logits, cache = self.inner(padded_ids, cache, lengths=lengths, engram=engram, images=images,
+                                       logit_rows=logit_rows)
             logits = context.constrain(logits, "logits_shards")
             # The head's gather (§F.4) moves every rank's padded slice (equal sizes: one all-gather); dropping
             # the padding afterwards is local. Dropping it first would make the slices uneven and cost

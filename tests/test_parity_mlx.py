@@ -198,7 +198,7 @@ def test_bf16_each_layer_teacher_forced(checkpoints):
     near-tied expert choice)."""
     from flax import nnx
     from model_helpers import _graph
-    from dsv41_jax.model.attention import Segment
+    from dsv41_jax.model.attention import CsaState, Segment
 
     path, cfg, flat = checkpoints["tiny1"]
     ids = prompt(1, cfg)
@@ -212,10 +212,10 @@ def test_bf16_each_layer_teacher_forced(checkpoints):
         cache = init_cache(cfg, 1, MAX_CONTEXT, "bfloat16")
         rows = jnp.arange(t)[None]
         seg = Segment(rows, rows < t, jnp.zeros(1, jnp.int32), jnp.full(1, t, jnp.int32))
-        shared, result = {}, []
+        csa, result = CsaState.empty(len(model.layers)), []
         for layer, block in enumerate(model.layers):
-            streams, _, _ = block(streams_in[layer].astype(jnp.bfloat16), pre_in[layer], seg, cache.layers[layer],
-                                  shared)
+            streams, _, _, csa = block(streams_in[layer].astype(jnp.bfloat16), pre_in[layer], seg,
+                                       cache.layers[layer], csa)
             result.append(streams.astype(jnp.float32))
         return jnp.stack(result)
 

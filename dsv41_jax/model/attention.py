@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from ..config import ModelConfig
 from .cache import LayerCache
@@ -24,6 +24,35 @@ class Segment(NamedTuple):
     valid: jnp.ndarray
     offset: jnp.ndarray
     lengths: jnp.ndarray
+
+
+@struct.dataclass
+class CsaState:
+    """What attention layers publish for later layers within one call (`MODEL.md` §B.7–§B.9): a frozen pytree
+    each layer takes and returns (``Attention.__call__``), indexed by the publishing layer.
+
+    ``kv[L]``: layer L's compressed entries [B,N,d] (kv sources, after this call's writes); ``index_keys[L]``:
+    its index keys [B,N,d_I] (kv-and-index sources); ``topk[L]`` int32 [B,T,K] (−1 = none): its selections
+    (index sources); ``candidates`` bool [B,T,⌈N/B_c⌉]: the candidate source's kept blocks (None before it).
+    Entries of layers that publish nothing (or have not run yet) are None.
+    """
+
+    kv: tuple
+    index_keys: tuple
+    topk: tuple
+    candidates: jnp.ndarray | None = None
+
+    @classmethod
+    def empty(cls, layers: int) -> CsaState:
+        return cls(kv=(None,) * layers, index_keys=(None,) * layers, topk=(None,) * layers)
+
+    def published(self, layer: int, *, kv=None, index_keys=None, topk=None) -> CsaState:
+        """This state with layer ``layer``'s given entries set."""
+        def put(entries: tuple, value) -> tuple:
+            return entries if value is None else entries[:layer] + (value,) + entries[layer + 1:]
+
+        return self.replace(kv=put(self.kv, kv), index_keys=put(self.index_keys, index_keys),
+                            topk=put(self.topk, topk))
 
 
 def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, window_size: int, scale: float):
@@ -109,9 +138,9 @@ class Attention(nnx.Module):
         is_index_source = self.ratio > 0 and layer in cfg.index_source_layer_ids
         self.indexer = Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl) if is_index_source else None
 
-    def __call__(self, u, seg: Segment, cache: LayerCache, shared: dict):
-        """u [B,T,D] (normed collapse) -> (out [B,T,D], new LayerCache). ``shared`` (one dict per call) holds
-        the CSA state later layers read: ("kv", L), ("ik", L), ("topk", L), "candidates"."""
+    def __call__(self, u, seg: Segment, cache: LayerCache, csa: CsaState):
+        """u [B,T,D] (normed collapse), the CSA state of the layers before -> (out [B,T,D], new LayerCache, the
+        CSA state with this layer's entries published)."""
         b, t, _ = u.shape
         q_res = self.q_norm(self.wq_a(u))
         q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
@@ -125,14 +154,14 @@ class Attention(nnx.Module):
         kv_pool = topk = None
         if self.ratio > 0:
             if self.compressor is not None:
-                cache = self._compress(u, seg, cache, shared)
+                cache, csa = self._compress(u, seg, cache, csa)
             if self.indexer is not None:
-                self._index(u, q_res, seg, shared)
-            kv_pool = shared[("kv", self.kv_src)]
-            topk = shared[("topk", self.idx_src)]
+                csa = self._index(u, q_res, seg, csa)
+            kv_pool = csa.kv[self.kv_src]
+            topk = csa.topk[self.idx_src]
         o = self._attend(q, kv_pool, topk, window, seg)
         o = apply_rope(o, seg.positions[..., None], self.inv_freq, inverse=True)
-        return self._output(o), cache
+        return self._output(o), cache, csa
 
     def _attend(self, q, kv_pool, topk, window, seg: Segment):
         kwargs = dict(window_size=self.window_size, scale=self.head_dim**-0.5)
@@ -162,7 +191,7 @@ class Attention(nnx.Module):
                        preferred_element_type=jnp.float32, precision=HIGHEST).astype(o.dtype)
         return self.wo_b(z.reshape(b, t, -1))
 
-    def _compress(self, u, seg: Segment, cache: LayerCache, shared: dict) -> LayerCache:
+    def _compress(self, u, seg: Segment, cache: LayerCache, csa: CsaState) -> tuple[LayerCache, CsaState]:
         """Close this segment's groups; publish compressed entries (and index keys) before any attention."""
         latent, entry, valid, pend_kv, pend_gate = self.compressor(
             u, seg.offset, seg.lengths, cache.pending_kv, cache.pending_gate)
@@ -173,13 +202,11 @@ class Attention(nnx.Module):
         if cache.index_keys is not None:
             ik = self.indexer.index_keys(latent, pos, self.inv_freq, self.rounding)
             cache = cache.replace(index_keys=write_rows(cache.index_keys, entry, valid, ik))
-            shared[("ik", self.layer)] = cache.index_keys
-        shared[("kv", self.layer)] = cache.compressed
-        return cache
+        return cache, csa.published(self.layer, kv=cache.compressed, index_keys=cache.index_keys)
 
-    def _index(self, u, q_res, seg: Segment, shared: dict) -> None:
-        topk, kept = self.indexer.topk(u, q_res, seg.positions, shared[("ik", self.ik_src)], self.inv_freq,
-                                       self.rounding, kept_blocks=shared.get("candidates"))
+    def _index(self, u, q_res, seg: Segment, csa: CsaState) -> CsaState:
+        topk, kept = self.indexer.topk(u, q_res, seg.positions, csa.index_keys[self.ik_src], self.inv_freq,
+                                       self.rounding, kept_blocks=csa.candidates)
         if self.indexer.is_candidate_source:
-            shared["candidates"] = kept
-        shared[("topk", self.layer)] = topk
+            csa = csa.replace(candidates=kept)
+        return csa.published(self.layer, topk=topk)

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import ModelConfig
-from .attention import Attention, Segment
+from .attention import Attention, CsaState, Segment
 from .cache import Cache
 from .engram import Engram, EngramInput
 from .hc import collapse, expand, hc_mix
@@ -105,10 +105,13 @@ class Block(nnx.Module):
         mix, width = cfg.hc_mix_width, cfg.hc_mult * cfg.hidden_size
         self.hc_kwargs = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
                               impl=options.hc_impl)
-        for sub in ("attn", "ffn"):
-            setattr(self, f"hc_{sub}_fn", nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32)))
-            setattr(self, f"hc_{sub}_base", nnx.Param(jnp.zeros((mix,), jnp.float32)))
-            setattr(self, f"hc_{sub}_scale", nnx.Param(jnp.ones((3,), jnp.float32)))
+        # The two HC mixes (§B.3): fn f32 [(2+S)·S, S·D], base f32 [(2+S)·S], scale f32 [3] (pre, post, comb).
+        self.hc_attn_fn = nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32))
+        self.hc_attn_base = nnx.Param(jnp.zeros((mix,), jnp.float32))
+        self.hc_attn_scale = nnx.Param(jnp.ones((3,), jnp.float32))
+        self.hc_ffn_fn = nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32))
+        self.hc_ffn_base = nnx.Param(jnp.zeros((mix,), jnp.float32))
+        self.hc_ffn_scale = nnx.Param(jnp.ones((3,), jnp.float32))
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
@@ -118,25 +121,24 @@ class Block(nnx.Module):
         if options.engram and layer in cfg.engram_layer_ids:
             self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs, tables=options.engram_tables)
 
-    def _mix(self, sub: str, streams):
-        p = [getattr(self, f"hc_{sub}_{k}")[...] for k in ("fn", "base", "scale")]
-        return hc_mix(streams, *p, **self.hc_kwargs)
-
-    def __call__(self, streams, pre_prev, seg: Segment, cache, shared, is_image=None,
+    def __call__(self, streams, pre_prev, seg: Segment, cache, csa: CsaState, is_image=None,
                  engram: EngramInput | None = None):
-        """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4), is_image bool [B,T] or
-        None (all text), engram rows (engram layers) -> (streams, pre of the FFN mix, new LayerCache)."""
+        """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4), the CSA state of the
+        layers before, is_image bool [B,T] or None (all text), engram rows (engram layers) -> (streams, pre of
+        the FFN mix, new LayerCache, CSA state with this layer's entries)."""
         if hasattr(self, "engram"):
             with jax.named_scope("engram"):  # §B.4: before the attention HC mix
                 streams = self.engram(streams, engram)
         with jax.named_scope("attn"):
-            pre_a, post_a, comb_a = self._mix("attn", streams)
-            y, cache = self.attn(self.attn_norm(collapse(streams, pre_prev)), seg, cache, shared)
+            pre_a, post_a, comb_a = hc_mix(streams, self.hc_attn_fn[...], self.hc_attn_base[...],
+                                           self.hc_attn_scale[...], **self.hc_kwargs)
+            y, cache, csa = self.attn(self.attn_norm(collapse(streams, pre_prev)), seg, cache, csa)
             streams = expand(y, streams, post_a, comb_a)
         with jax.named_scope("moe"):
-            pre_f, post_f, comb_f = self._mix("ffn", streams)
+            pre_f, post_f, comb_f = hc_mix(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...],
+                                           self.hc_ffn_scale[...], **self.hc_kwargs)
             y = self.ffn(self.ffn_norm(collapse(streams, pre_a)), is_image)
-            return expand(y, streams, post_f, comb_f), pre_f, cache
+            return expand(y, streams, post_f, comb_f), pre_f, cache, csa
 
 
 class Transformer(nnx.Module):
@@ -189,18 +191,19 @@ class Transformer(nnx.Module):
         return tuple(self.cfg.engram_layer_ids) if self.options.engram else ()
 
     def __call__(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None,
-                 engram: EngramInput | None = None):
-        logits, cache, _ = self.forward(ids, cache, lengths, images, engram)
+                 engram: EngramInput | None = None, logit_rows=None):
+        logits, cache, _ = self.forward(ids, cache, lengths, images, engram, logit_rows)
         return logits, cache
 
     def forward(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None,
-                engram: EngramInput | None = None):
+                engram: EngramInput | None = None, logit_rows=None):
         """``__call__`` plus the per-call selections (for tests and diagnostics): returns
         (logits [B,T,V] f32, new Cache, {index-source layer: top-k [B,T,K] int32, −1 = none}).
 
         ``images``: the segment's image rows and roles (None: text only; needs ``ModelOptions.vision``).
         ``engram``: the host-hashed rows of this call (`dsv41_jax.engram.Hasher`), required when the model runs
-        engram layers."""
+        engram layers. ``logit_rows`` int32 [B]: apply the head to row ``logit_rows[b]`` of each sequence only
+        (logits [B,V]; a decode step or a prefill segment needs one row per sequence); None: every row."""
         if self.engram_layers and engram is None:
             raise ValueError(f"this model runs engram layers {list(self.engram_layers)}: pass their rows "
                              f"(engram=EngramInput), or build it with ModelOptions(engram=False)")
@@ -217,14 +220,18 @@ class Transformer(nnx.Module):
             e, is_image = self.merge_images(e, images), images.is_image
         streams = jnp.broadcast_to(e[:, :, None, :], (b, t, s, e.shape[-1]))
         pre = jnp.broadcast_to(jax.nn.one_hot(0, s, dtype=jnp.float32), (b, t, s))  # §B.2: pre⁻¹ = stream 0
-        shared: dict = {}
+        csa = CsaState.empty(len(self.layers))
         new_layers = []
         for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
             with jax.named_scope(f"layer_{i}"):  # per-layer op names for traces (profiling/trace.py)
-                streams, pre, layer_cache = block(streams, pre, seg, layer_cache, shared, is_image, engram)
+                streams, pre, layer_cache, csa = block(streams, pre, seg, layer_cache, csa, is_image, engram)
             new_layers.append(layer_cache)
-        logits = self.head(self.norm(collapse(streams, pre)))
-        selections = {key[1]: v for key, v in shared.items() if isinstance(key, tuple) and key[0] == "topk"}
+        hidden = collapse(streams, pre)  # [B,T,D]
+        if logit_rows is not None:
+            rows = jnp.clip(jnp.asarray(logit_rows, jnp.int32), 0, t - 1)
+            hidden = jnp.take_along_axis(hidden, rows[:, None, None], axis=1)[:, 0]  # [B,D]
+        logits = self.head(self.norm(hidden))
+        selections = {layer: topk for layer, topk in enumerate(csa.topk) if topk is not None}
         return logits, Cache(offset=offset + lengths, layers=tuple(new_layers)), selections
 
 

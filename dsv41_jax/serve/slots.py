@@ -116,9 +116,9 @@ class SlotEngine:
         """Compile every program serving can need (module docstring); returns compile seconds."""
         e = self.engine
         before = e._programs.compile_s
-        specs = [s for s in e._specs(self.slots, [1], False) if s[0] != "sample"]
+        specs = [s for s in e._split_specs(self.slots, [1], False) if s[0] != "sample"]
         rows = self._prefill_rows()
-        specs += [s for s in e._specs(1, rows, False) if s[0] == "init" or (s[0] == "forward" and rows
+        specs += [s for s in e._split_specs(1, rows, False) if s[0] == "init" or (s[0] == "forward" and rows
                                                                              and s[3][2].shape[1] != 1)]
         e._programs.ensure(specs)
         self._run_sample(np.zeros(self.slots, bool))  # sample[S] with per-slot steps and insert: on a dry run

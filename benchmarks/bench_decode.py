@@ -1,0 +1,231 @@
+"""Decode against its weight-read floor (issue #14, "Measured, not asserted"): the engine's own one-row step program
+on a cut of the model with random weights drawn on the devices (`dsv41_jax.profiling.build`), a random cache
+filled to the position, for each world, expert format, batch and position.
+
+    python benchmarks/bench_decode.py                          # H200: flash 2-layer cut, worlds 1/2(/4), the grid
+    python benchmarks/bench_decode.py --quick                  # one world, batch 1, position 0, bf16, 32 tokens
+    python benchmarks/bench_decode.py --config tiny --quick    # CPU smoke run (tests/test_bench_decode.py)
+
+Per case it prints:
+
+* ``step ms``: the step program (forward of the last tokens + sampling + stop flags, cache donated) chained
+  ``--steps`` times on the device with one wait at the end (``Engine.step_seconds``): the device-bound rate;
+* ``floor ms``: the bytes the step must read ÷ 4.3 TB/s (``--bandwidth``), per device: every weight but the
+  routed experts and the embedding (B rows), the routed experts the batch touches (expected distinct experts per
+  layer under uniform routing, E·(1 − (1 − k/E)^B)), and the cache the step reads (window rings, the top-k
+  compressed entries, and every index key an indexer scores: ⌊position / r⌋ rows);
+* ``ratio`` = step / floor;
+* ``gen tok/s``: ``Engine.decode_from`` over ``--tokens`` new tokens per sequence (the host loop included: token
+  reads, queueing, stop bookkeeping), next to ``step tok/s`` = batch / step, and their quotient.
+
+With ``--trace DIR`` also ``kernels``: the share of the step inside kernels, from a ``jax.profiler`` trace of a
+few chained steps per case (`dsv41_jax.profiling.trace`); XLA's command buffers are then off for the whole run,
+as in ``dsv41_jax.profile --trace``, so every op is its own named kernel (step times include those launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.config import ConfigError, load_named
+from dsv41_jax.engine import Engine, Request
+from dsv41_jax.model import ModelOptions
+from dsv41_jax.profiling import build, trace
+from dsv41_jax.profiling.cut import cut_layers
+
+H200_BYTES_PER_S = 4.3e12
+TRACE_STEPS = 3
+FORMATS = {"bf16": "dequantized", "fp4": "fp4"}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="dsv41_flash", help="tiny, dsv41_flash, or a config.json / checkpoint dir")
+    p.add_argument("--layers", type=int, default=2, help="cut the model to K layers (keeps its layer roles)")
+    p.add_argument("--worlds", default=None, help="comma-separated worlds (default: 1, 2, 4 as devices allow)")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--positions", default="0,300000", help="comma-separated cache positions")
+    p.add_argument("--formats", default="bf16,fp4", help="routed expert formats: bf16, fp4")
+    p.add_argument("--tokens", type=int, default=256, help="new tokens per sequence in the generate loop")
+    p.add_argument("--steps", type=int, default=64, help="chained steps timed for the step-only rate")
+    p.add_argument("--impl", choices=("reference", "pallas"), default=None,
+                   help="kernels (default: pallas on GPU, reference elsewhere)")
+    p.add_argument("--bandwidth", type=float, default=H200_BYTES_PER_S, help="bytes/s of the floor (H200: 4.3e12)")
+    p.add_argument("--quick", action="store_true", help="first world, batch 1, position 0, bf16, 32 tokens")
+    p.add_argument("--json-out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--trace", default=None, metavar="DIR", help="trace a few steps per case under DIR: the share "
+                   "of the step inside kernels (command buffers off for the run)")
+    a = p.parse_args(argv)
+    try:
+        a.batches = _ints(a.batches, "--batches")
+        a.positions = _ints(a.positions, "--positions", minimum=0)
+        a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+        bad = [f for f in a.formats if f not in FORMATS]
+        if bad or not a.formats:
+            raise ValueError(f"--formats takes bf16 and/or fp4, got {a.formats}")
+        devices = len(jax.devices())
+        a.worlds = _ints(a.worlds, "--worlds") if a.worlds else [w for w in (1, 2, 4) if w <= devices]
+        if max(a.worlds) > devices:
+            raise ValueError(f"--worlds {max(a.worlds)} needs {max(a.worlds)} devices, {devices} present")
+        if a.tokens < 1 or a.steps < 1 or a.layers < 1:
+            raise ValueError("--tokens, --steps and --layers must be at least 1")
+    except ValueError as e:
+        p.exit(2, f"bench_decode: {e}\n")
+    if a.quick:
+        a.worlds, a.batches, a.positions, a.formats = a.worlds[:1], [1], [0], ["bf16"]
+        a.tokens, a.steps = min(a.tokens, 32), min(a.steps, 16)
+    a.impl = a.impl or ("pallas" if jax.default_backend() == "gpu" else "reference")
+    return a
+
+
+def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"{flag} values must be at least {minimum}, got {text!r}")
+    return values
+
+
+def distinct_experts(experts: int, per_token: int, batch: int) -> float:
+    """Expected distinct experts ``batch`` tokens route to, each picking ``per_token`` of ``experts`` uniformly."""
+    return experts * (1.0 - (1.0 - per_token / experts) ** batch)
+
+
+def weight_bytes(model, cfg, batch: int) -> tuple[float, float]:
+    """(bytes one device reads of the weights in a step of ``batch`` rows, expected distinct experts per layer)."""
+    touched = distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
+    total = 0.0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = ".".join(map(str, path))
+        leaf = var[...]
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        nbytes = math.prod(shape) * leaf.dtype.itemsize
+        if ".ffn.experts." in name:  # stacked routed experts [E, ...]: the touched ones
+            nbytes *= touched / cfg.n_routed_experts
+        elif name.endswith("embed.weight"):  # a gather of the batch's rows
+            nbytes *= min(1.0, batch / cfg.vocab_size)
+        total += nbytes
+    return total, touched
+
+
+def cache_bytes(cfg, batch: int, position: int, itemsize: int = 2) -> float:
+    """Bytes of cache one step reads per device (caches are replicated): each layer's window ring, the top-k
+    compressed entries it attends to, and for each indexer every index key it scores."""
+    total = 0
+    for layer in range(cfg.num_hidden_layers):
+        total += cfg.sliding_window * cfg.head_dim
+        ratio = cfg.ratio(layer)
+        if ratio > 0:
+            total += min(cfg.index_topk, position // ratio) * cfg.head_dim
+            if layer in cfg.index_source_layer_ids:
+                key_ratio = cfg.ratio(cfg.index_key_source(layer))
+                total += (position // key_ratio) * cfg.index_head_dim
+    return float(total * itemsize * batch)
+
+
+def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps: int, bandwidth: float,
+             trace_dir: Path | None = None) -> dict:
+    capacity = position + steps + tokens + 2 + (TRACE_STEPS + 1 if trace_dir else 0)
+    engine = Engine(model, cfg, max_context=capacity, eos_ids=(), mesh=mesh)
+    last = np.random.default_rng(position + batch).integers(0, cfg.vocab_size, batch).astype(np.int32)
+    cache = build.build_cache(cfg, mesh, batch=batch, position=position, rows=capacity - position, dtype="bfloat16")
+    t0 = time.perf_counter()
+    step_s, cache, program = engine.step_seconds(cache, last, steps)
+    kernel_s = None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            cache = engine.step_seconds(cache, last, TRACE_STEPS).cache
+        found = trace.perfetto_file(trace_dir)
+        if found is not None:  # the warm-up call is traced too: TRACE_STEPS + 1 steps
+            ops = trace.op_times(trace.load_events(found), trace.instruction_sources(program.as_text()),
+                                 TRACE_STEPS + 1, mesh.size)
+            kernel_s = sum(o.seconds for o in ops)
+    out = engine.decode_from(cache, last, [Request((0,), tokens)] * batch)
+    wall = time.perf_counter() - t0
+    weights, touched = weight_bytes(model, cfg, batch)
+    kv = cache_bytes(cfg, batch, position)
+    floor_s = (weights + kv) / bandwidth
+    gen_tok_s = out.timings.generated_tokens / out.timings.decode_s
+    return {"batch": batch, "position": position, "step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3,
+            "ratio": step_s / floor_s, "weight_gb": weights / 1e9, "cache_gb": kv / 1e9,
+            "experts_per_layer": touched, "step_tok_s": batch / step_s, "gen_tok_s": gen_tok_s,
+            "gen_over_step": gen_tok_s / (batch / step_s), "tokens": out.timings.generated_tokens,
+            "case_s": wall, "kernel_share": None if kernel_s is None else kernel_s / step_s}
+
+
+HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'step ms':>8} {'floor ms':>8} {'ratio':>6} "
+          f"{'exp/layer':>9} {'step tok/s':>10} {'gen tok/s':>10} {'gen/step':>8} {'kernels':>7}")
+
+
+def fmt_row(r: dict) -> str:
+    return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "
+            f"{r['floor_ms']:>8.4g} {r['ratio']:>6.3g} {r['experts_per_layer']:>9.1f} {r['step_tok_s']:>10.1f} "
+            f"{r['gen_tok_s']:>10.1f} {r['gen_over_step']:>8.1%} "
+            f"{'-' if r['kernel_share'] is None else format(r['kernel_share'], '.0%'):>7}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    if "--trace" in (sys.argv[1:] if argv is None else argv):
+        from dsv41_jax.profile import _one_kernel_per_op  # noqa: PLC0415 - before JAX starts its backend
+        _one_kernel_per_op()
+    a = parse_args(argv)
+    try:
+        cfg = cut_layers(load_named(a.config), a.layers)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"bench_decode: {e}", file=sys.stderr)
+        return 2
+    dev = jax.devices()[0]
+    print(f"bench_decode {time.strftime('%Y-%m-%d')} · {dev.platform} {getattr(dev, 'device_kind', '')} · "
+          f"jax {jax.__version__} · {a.config} cut to {cfg.num_hidden_layers} layers · impl {a.impl} · "
+          f"{a.tokens} tokens, {a.steps} chained steps · floor at {a.bandwidth / 1e12:.1f} TB/s", flush=True)
+    rows = []
+    for world in a.worlds:
+        for fmt in a.formats:
+            options = ModelOptions(dtype="bfloat16", attention_impl=a.impl, moe_impl=a.impl, indexer_impl=a.impl,
+                                   hc_impl=a.impl, expert_format=FORMATS[fmt])
+            t0 = time.perf_counter()
+            model, mesh = build.build_model(cfg, world, options)
+            print(f"world {world} {fmt}: model drawn in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
+            for batch in a.batches:
+                for position in a.positions:
+                    r = {"world": world, "experts": fmt}
+                    try:
+                        folder = Path(a.trace) / f"w{world}_{fmt}_b{batch}_p{position}" if a.trace else None
+                        r.update(run_case(model, mesh, cfg, batch=batch, position=position, tokens=a.tokens,
+                                          steps=a.steps, bandwidth=a.bandwidth, trace_dir=folder))
+                    except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported, the grid goes on
+                        r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                        print(f"world {world} {fmt} batch {batch} position {position}: {r['error']}",
+                              file=sys.stderr, flush=True)
+                        rows.append(r)
+                        continue
+                    rows.append(r)
+                    print(f"{fmt_row(r)}   ({r['case_s']:.1f} s)", file=sys.stderr, flush=True)
+            del model, mesh
+    print(HEADER)
+    for r in rows:
+        print(fmt_row(r) if "error" not in r else f"{r['world']:>5} {r['experts']:>7}  {r['error']}")
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"device": str(dev.device_kind if hasattr(dev, "device_kind") else dev),
+                       "jax": jax.__version__, "config": a.config, "layers": cfg.num_hidden_layers,
+                       "impl": a.impl, "rows": rows}, f, indent=1)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

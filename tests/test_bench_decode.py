@@ -1,0 +1,64 @@
+"""benchmarks/bench_decode.py: a CPU smoke run on the tiny config (the numbers are the H200's business), its floor
+arithmetic against hand counts, and bad flags refused with exit code 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from dsv41_jax.config import load_named
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
+_spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_distinct_experts_limits():
+    """One token touches exactly k experts; many tokens approach all E; two tokens: 2k minus the expected
+    overlap k·k/E."""
+    assert bench.distinct_experts(384, 6, 1) == pytest.approx(6)
+    assert bench.distinct_experts(384, 6, 10_000) == pytest.approx(384)
+    assert bench.distinct_experts(384, 6, 2) == pytest.approx(12 - 36 / 384)
+
+
+def test_cache_bytes_counts_windows_picks_and_index_keys():
+    cfg = load_named("tiny")
+    at0 = bench.cache_bytes(cfg, 1, 0)
+    assert at0 == 2 * cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim
+    # Position 4096: every layer with a ratio adds its top-k picks; every indexer all keys of its key source.
+    want = at0
+    for layer in range(cfg.num_hidden_layers):
+        r = cfg.ratio(layer)
+        if r > 0:
+            want += 2 * min(cfg.index_topk, 4096 // r) * cfg.head_dim
+            if layer in cfg.index_source_layer_ids:
+                want += 2 * (4096 // cfg.ratio(cfg.index_key_source(layer))) * cfg.index_head_dim
+    assert bench.cache_bytes(cfg, 3, 4096) == 3 * want
+
+
+def test_quick_smoke_run_on_cpu(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "decode.json"
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --trace adds a (GPU-only) flag: restored
+    assert bench.main(["--config", "tiny", "--quick", "--tokens", "6", "--steps", "3", "--json-out", str(out),
+                       "--trace", str(tmp_path / "trace")]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert (row["world"], row["experts"], row["batch"], row["position"], row["tokens"]) == (1, "bf16", 1, 0, 6)
+    assert row["step_ms"] > 0 and row["floor_ms"] > 0 and row["gen_tok_s"] > 0
+    assert math.isclose(row["ratio"], row["step_ms"] / row["floor_ms"], rel_tol=1e-9)
+    assert row["kernel_share"] > 0  # the traced steps' XLA ops were found and attributed
+    assert "step tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--batches", "0"], ["--worlds", "64"],
+                                  ["--positions", "x"]])
+def test_bad_flags_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2 and "bench_decode:" in capsys.readouterr().err

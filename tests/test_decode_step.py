@@ -1,0 +1,189 @@
+"""The decode step: one program per token, logits only for the rows that need them (issues #14, #22).
+
+Model: the 5-layer cut of the tiny config that keeps every layer role (as tests/test_engine.py), float32 with the
+§C.2 rounding points off. The reference for "outputs unchanged" is the engine's recording path (``record_logits``:
+the head over every row, checked against one plain forward in tests/test_engine.py); the paths under test (head on
+one row per sequence, steps chained on the device, several queued) must give the same tokens, and their logits
+the same values up to f32 GEMM summation order (``LOGIT_ATOL`` as tests/test_engine.py: 2e-4 on logits ~5).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv41_jax import make_tiny
+from dsv41_jax.config import load_named
+from dsv41_jax.engine import Engine, Request, build_model, fixed_segments
+from dsv41_jax.model.cache import init_cache
+from dsv41_jax.model.transformer import ModelOptions
+from dsv41_jax.sampling import SamplingParams
+
+LOGIT_ATOL = 2e-4
+MAX_CONTEXT = 48  # not tests/test_engine.py's 64: this file's programs (and their counts) are its own
+
+
+def mini_config():
+    return load_named("tiny").replace(
+        num_hidden_layers=5, compress_ratios=(0, 2, 1, 1, 1), kv_source_layer_ids=(1, 2),
+        index_source_layer_ids=(1, 2, 3), candidate_source_layer_id=2, num_nextn_predict_layers=0,
+        dspark_target_layer_ids=())
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = mini_config()
+    model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))
+    rng = np.random.default_rng(2)
+    prompts = [tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n)) for n in (21, 6)]
+    return cfg, model, prompts
+
+
+def make_engine(setup):
+    cfg, model, _ = setup
+    return Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
+                  segment_plan=lambda n: fixed_segments(n, 16), short_rows=8)
+
+
+def test_head_on_selected_rows_equals_full_logits():
+    """``logit_rows`` [B]: the head over one row per sequence gives those rows of the full [B,T,V] logits (a
+    one-layer window model: the head and the row pick are what is tested, the layers only feed them)."""
+    cfg = load_named("tiny").replace(
+        num_hidden_layers=1, compress_ratios=(0,), kv_source_layer_ids=(), index_source_layer_ids=(),
+        candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=(), engram_layer_ids=())
+    model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))
+    graphdef, state = nnx.split(model)
+    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, (2, 12)).astype(np.int32)
+    lengths, rows = np.array([12, 7], np.int32), np.array([11, 6], np.int32)
+
+    @jax.jit
+    def both(state, ids, lengths, rows):
+        m = nnx.merge(graphdef, state)
+        cache = init_cache(cfg, 2, MAX_CONTEXT, "float32")
+        full, _ = m(ids, cache, lengths=lengths)
+        picked, _ = m(ids, cache, lengths=lengths, logit_rows=rows)
+        return full, picked
+
+    full, picked = both(state, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(rows))
+    assert picked.shape == (2, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(picked), np.asarray(full)[np.arange(2), rows], atol=LOGIT_ATOL)
+
+
+class _Counted:
+    """A compiled program that counts its calls."""
+
+    def __init__(self, fn, calls, name):
+        self.fn, self.calls, self.name = fn, calls, name
+
+    def __call__(self, *args):
+        self.calls.append(self.name)
+        return self.fn(*args)
+
+
+def _count_calls(engine) -> list[str]:
+    """Wrap every compiled program of the engine's table; returns the list their calls append names to."""
+    calls: list[str] = []
+    for key, fn in list(engine._programs.compiled.items()):
+        if not isinstance(fn, _Counted):
+            engine._programs.compiled[key] = _Counted(fn, calls, key[0])
+    return calls
+
+
+def _backend_compiles(fn):
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        return fn(), compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_one_program_per_decode_step(setup):
+    """A short prompt compiles two programs (the empty cache and the one-row step, which prefill row by row
+    reuses); after that each new token is one call of the step program (no sampling program), and a second
+    request compiles nothing (counted by JAX's backend-compile events, as tests/test_engine.py does)."""
+    _, _, prompts = setup
+    engine = make_engine(setup)
+    before = set(engine._programs.compiled)  # engines of one model (other test files too) share a table
+    first = engine.generate([Request(prompts[1], 3)])  # batch 1: shapes no other test here compiles
+    new = {key: exe for key, exe in engine._programs.compiled.items() if key not in before}
+    assert first.timings.programs_compiled == 2 and sorted(key[0] for key in new) == ["init", "step"]
+    # The cache and the logits are updated in place: the step's outputs alias its inputs (no cache copy).
+    (step,) = [exe for key, exe in new.items() if key[0] == "step"]
+    cache = jax.eval_shape(lambda: init_cache(engine.cfg, 1, MAX_CONTEXT, "float32"))
+    donated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) + 4 * engine.vocab_size
+    assert step.memory_analysis().alias_size_in_bytes >= donated
+    calls = _count_calls(engine)
+    steps = 9
+    out, compiles = _backend_compiles(lambda: engine.generate(
+        [Request(prompts[1][1:], steps, SamplingParams(temperature=0.7, top_p=0.9, seed=1))]))
+    assert compiles == [] and out.timings.programs_compiled == 0
+    prefill_calls = len(prompts[1]) - 1  # a 5-row prompt: a short segment, one call per row
+    assert calls == ["init"] + ["step"] * (prefill_calls + steps - 1)
+    assert out.timings.decode_steps == steps == len(out.generations[0].token_ids)
+
+
+def test_head_on_last_rows_and_chained_steps_keep_the_tokens(setup):
+    """Greedy and seeded sampling, a ragged batch over a long and a short segment, a streamed and a queued
+    decode loop: the same tokens as the recording path (head over every row), and the recorded decode logits
+    equal the step's own (streamed) ones."""
+    _, _, prompts = setup
+    engine = make_engine(setup)
+    requests = [Request(prompts[0], 7), Request(prompts[1], 5, SamplingParams(temperature=0.9, top_k=30, seed=4))]
+    recorded = engine.generate(requests, record_logits=True)
+    queued = engine.generate(requests)
+    streamed_tokens = []
+    streamed = engine.generate(requests, on_tokens=lambda step, tokens, alive: streamed_tokens.append(
+        (step, tokens.copy(), alive.copy())))
+    for out in (queued, streamed):
+        assert [g.token_ids for g in out.generations] == [g.token_ids for g in recorded.generations]
+        assert [g.finish_reason for g in out.generations] == ["length", "length"]
+    assert [len(g.token_ids) for g in recorded.generations] == [7, 5]
+    assert [s for s, _, _ in streamed_tokens] == list(range(7))
+    assert [int(t[0]) for _, t, _ in streamed_tokens] == list(recorded.generations[0].token_ids)
+    assert [bool(a[1]) for _, _, a in streamed_tokens] == [True] * 5 + [False] * 2
+    # Greedy sequence 0: every token is the argmax of the distribution it was recorded with.
+    assert list(np.argmax(recorded.decode_logits, axis=-1)) == list(recorded.generations[0].token_ids)
+    np.testing.assert_allclose(recorded.decode_logits[0], recorded.prefill_logits[-1], atol=0)
+
+
+def test_end_id_stops_a_queued_loop(setup):
+    """An end id sampled while later steps are already queued: the queued steps change nothing (tokens and
+    finish reasons as the streamed, one-step-ahead loop), and the next request starts clean."""
+    _, _, prompts = setup
+    engine = make_engine(setup)
+    requests = [Request(prompts[0], 8), Request(prompts[1], 8)]
+    free = engine.generate(requests).generations
+    engine.eos_ids = (free[1].token_ids[1],)  # sequence 1 stops at its second token
+    stopped = engine.generate(requests).generations
+    streamed = engine.generate(requests, on_tokens=lambda *a: None).generations
+    assert stopped == streamed
+    assert stopped[1].token_ids == free[1].token_ids[:2] and stopped[1].finish_reason == "eos"
+    engine.eos_ids = ()
+    assert engine.generate(requests).generations == free
+
+
+@pytest.mark.slow
+def test_programs_do_not_grow_with_layers():
+    """A 1-layer and a 4-layer model (window layers repeated) compile the same programs for a request. Their
+    compile seconds are printed, not bounded: layers are still a Python loop, so compile time grows with depth
+    until they are scanned (docs/DESIGN.md "Scanned layers")."""
+    counts, seconds = {}, {}
+    for layers in (1, 4):
+        cfg = load_named("tiny").replace(
+            num_hidden_layers=layers, compress_ratios=(0,) * layers, kv_source_layer_ids=(), index_source_layer_ids=(),
+            candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=(), engram_layer_ids=())
+        model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))
+        engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=())
+        seconds[layers] = engine.precompile(1, 4)
+        counts[layers] = sorted(key[0] for key in engine._programs.compiled)
+    print(f"compile seconds: 1 layer {seconds[1]:.1f}, 4 layers {seconds[4]:.1f}")
+    assert counts[1] == counts[4] == ["init", "step"]
