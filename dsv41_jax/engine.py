@@ -56,10 +56,10 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
+from .planner import SHORT_ROWS
 from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
 
 FALLBACK_SEGMENT_ROWS = 2048  # until the planner says otherwise (PLANNER.md §A "Segment")
-SHORT_SEGMENT_ROWS = 16  # PLANNER.md §A: rows <= 16 form a short segment (decode row paths)
 DECODE_AHEAD = 4  # decode steps queued on the device while the host reads a token (no streaming callback)
 
 
@@ -342,7 +342,7 @@ class Engine:
 
     def __init__(self, model: nnx.Module, cfg: ModelConfig, *, max_context: int, cache_dtype: str = "bfloat16",
                  eos_ids: Sequence[int] | None = None, segment_plan: SegmentPlan | None = None,
-                 short_rows: int = SHORT_SEGMENT_ROWS, init_cache: Callable | None = None, mesh=None,
+                 short_rows: int = SHORT_ROWS, init_cache: Callable | None = None, mesh=None,
                  hasher=None, host_tables=None):
         if init_cache is None:
             from .model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light

@@ -31,6 +31,7 @@ from pallas_kernels.indexer.tiling import workspace_bytes as index_kernel_worksp
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
+WORLDS = (1, 2, 4, 8)  # the tensor-parallel worlds the engine runs (MODEL.md §F.1)
 SHORT_ROWS = 16  # rows ≤ 16: short segment, decode-kernel row paths (§A)
 CAP_2K, CAP_4K = 2048, 4096  # R1 caps
 MIN_BLOCK = 32  # the smallest split block: the quantisation group (§C)
