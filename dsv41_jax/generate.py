@@ -574,7 +574,7 @@ def model_options(args, expert_format: str, vision: bool = False, engram_tables:
 
 def build(inputs: ModelInputs, args):
     """(model, mesh | None) for --world; the weights are placed tensor by tensor."""
-    from .engine import build_model  # noqa: PLC0415
+    from .loading import build_model  # noqa: PLC0415
 
     options = model_options(args, inputs.expert_format, inputs.vision, inputs.engram_tables)
     if args.world == 1:

@@ -116,9 +116,9 @@ class ShardPlan:
     def from_admission(cfg, world: int, admission, layout: str = "tp") -> "ShardPlan":
         """From the planner's ``Admission`` (per-rank ``vocab_rows`` and ``expert_widths``)."""
         check_layout(layout)
-        vocab = Split(tuple(int(n) for n in admission.vocab_rows))
+        vocab = admission.vocab_split
         if layout == "tp":
-            width = Split(tuple(int(n) for n in admission.expert_widths))
+            width = admission.expert_split
         else:
             if cfg.n_routed_experts % world:
                 raise ShardingError(
