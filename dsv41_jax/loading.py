@@ -96,13 +96,15 @@ def build_sharded(run_cfg: ModelConfig, options, flat: Mapping[str, Any] | Itera
                   plan) -> Transformer:
     """The ``Transformer`` of the padded ``run_cfg`` (``ShardPlan.run_config``) with every parameter placed
     from ``flat`` (real checkpoint shapes) straight into its shards over ``mesh`` (``plan``: the world's
-    ``sharding.ShardPlan``). An iterator is consumed one tensor at a time; names are checked once it is done."""
+    ``sharding.ShardPlan``). An iterator is consumed one tensor at a time."""
     construct, graphdef, flat_params, _ = abstract_params(run_cfg, options)
     targets = {param_name(path): var for path, var in flat_params}
-    items = flat.items() if isinstance(flat, Mapping) else flat
+    if isinstance(flat, Mapping):
+        check_names(targets, flat)  # before any tensor is read; an iterator is checked once consumed
+        flat = flat.items()
     placed: dict[str, jax.Array] = {}
     unexpected = []
-    for name, host in items:
+    for name, host in flat:
         if name not in targets:
             unexpected.append(name)
             continue

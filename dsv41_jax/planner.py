@@ -42,6 +42,7 @@ ROUTER_ROWS = 2048  # router launch size (§E)
 ROPE_EXTRA = 2048  # rope table rows past the limit (R2)
 STREAM_SPLIT_KEYS = 16384  # streamed selection: keys per split (§B-3)
 STREAM_BUDGET = 256 * MiB  # streamed selection scratch per launch (§B-3)
+INDEX_BUDGET = 256 * MiB  # B_idx: indexer scratch for one block of query rows (the model's row blocks obey it)
 RESCORE_BYTES_PER_KEY = 16  # candidate rescoring (§B-3)
 TBO_MIN_ROWS = 512  # R9
 
@@ -277,7 +278,7 @@ class PlanOptions:
     split_kv: bool = False  # compressed rows split over ranks (§F)
     tbo: bool = False  # two-batch overlap (R9)
     moe: str = "auto"  # "auto" | "bounded" | "whole" | "halving" (§E)
-    index_budget: int = 256 * MiB  # B_idx
+    index_budget: int = INDEX_BUDGET  # B_idx
     indexer_impl: str = "reference"  # "pallas": every index layer takes the fused kernel's path ("fused")
     context_limit: int | None = None  # None: the model's max_position_embeddings
     slots: int = 1  # concurrent requests (window rings, default KV pool)

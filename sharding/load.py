@@ -9,13 +9,13 @@ split tensor, and no array of the padded shape is built on the host.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from dsv41_jax.checkpoint import PROGRESS_BYTES  # table reads (the release: ~25 GB a rank) show a bar above it
 from dsv41_jax.param_specs import is_engram_table
 from sharding.layout import ShardPlan, Split
 from sharding.rules import param_spec, split_axis
@@ -104,7 +104,6 @@ class CheckpointTensor:
         self._whole = None
 
 
-PROGRESS_BYTES = 256 << 20  # table reads above this show a progress bar on stderr (the release: ~25 GB a rank)
 
 
 def read_table_rows(ckpt: Any, name: str, rows: slice, chunk_rows: int = 1 << 20) -> np.ndarray:

@@ -10,6 +10,7 @@ from pallas_kernels.indexer.tiling import launch_rows
 from sharding.kernels import index_topk as sharded_index_topk  # replicated shard_map when sharded
 
 from ..config import ModelConfig
+from ..planner import INDEX_BUDGET
 from .norms import Linear, RMSNorm
 from .quant import round_index
 from .rope import apply_rope
@@ -71,7 +72,7 @@ class Indexer(nnx.Module):
 # H200 (docs/BENCHMARKS.md, issue 15) one row took 0.62 ms on the XLA path vs 0.87 ms in the kernel at 300 K keys
 # (0.18 vs 0.20 ms at 0); both select the same entries (one tie rule), so the choice is speed only.
 XLA_DECODE_ROWS = 1
-SCORE_BUDGET_BYTES = 256 << 20  # scratch for one block of query rows (score matrices, gathered keys)
+SCORE_BUDGET_BYTES = INDEX_BUDGET  # scratch for one block of query rows (score matrices, gathered keys)
 
 
 def rows_per_block(t: int, bytes_per_row: int, budget: int | None = None) -> int:
