@@ -11,7 +11,8 @@
 ``flat``: model name (docs/DESIGN.md "Parameter names") → host array, or a lazily read tensor (``shape``,
 ``tensor[()]`` / slicing reads it, optional ``release()``; ``sharding.load.checkpoint_source``), or for the
 sharded builder an iterator of (name, tensor) pairs: one tensor is read at a time, so a checkpoint never exists
-whole on the host. Every builder refuses a missing, unexpected or mis-shaped tensor by name (``WeightsError``).
+whole on the host. Every builder refuses a missing or unexpected tensor by name (``WeightsError``) and a mis-shaped
+one too (``WeightsError``; in the sharded builder ``place``'s ``ValueError``, which names the checkpoint shape).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from sharding.load import place
+from sharding.mesh import replicated
 
 from .config import ModelConfig
 from .model.transformer import Transformer, WeightsError
@@ -63,8 +65,6 @@ def abstract_params(cfg: ModelConfig, options) -> tuple[Callable[[], Transformer
 def non_params(construct: Callable[[], Transformer], mesh=None) -> nnx.State:
     """The buffers that are not parameters (RoPE tables the constructor computes) from one small program,
     replicated over ``mesh`` when given. The random parameter init inside is dead code to XLA (not an output)."""
-    from sharding.mesh import replicated  # noqa: PLC0415
-
     def make():
         return nnx.split(construct(), nnx.Param, ...)[2]
 
