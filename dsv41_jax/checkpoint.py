@@ -42,7 +42,7 @@ _FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16"
 _DTYPES = {**_FLOAT_DTYPES, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
            "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 _SCALE_DTYPES = ("F8_E8M0", "U8", "F32", "BF16", "F16")
-_PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for loads larger than this
+PROGRESS_BYTES = 256 << 20  # reads at least this large show a progress bar on stderr (here and sharding.load)
 
 
 class CheckpointError(ValueError):
@@ -263,7 +263,7 @@ class Checkpoint:
     def iter_tensors(self, *, dtype: str = "float32", progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
         """Yield ``(model name, array)`` for every model tensor, one at a time, in inventory order."""
         names = list(self.model_shapes)
-        show = progress and self.nbytes >= _PROGRESS_MIN_BYTES
+        show = progress and self.nbytes >= PROGRESS_BYTES
         if not show:
             for name in names:
                 yield name, self.read(name, dtype=dtype)

@@ -56,10 +56,10 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
+from .planner import SHORT_ROWS
 from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
 
 FALLBACK_SEGMENT_ROWS = 2048  # until the planner says otherwise (PLANNER.md §A "Segment")
-SHORT_SEGMENT_ROWS = 16  # PLANNER.md §A: rows <= 16 form a short segment (decode row paths)
 DECODE_AHEAD = 4  # decode steps queued on the device while the host reads a token (no streaming callback)
 
 
@@ -342,7 +342,7 @@ class Engine:
 
     def __init__(self, model: nnx.Module, cfg: ModelConfig, *, max_context: int, cache_dtype: str = "bfloat16",
                  eos_ids: Sequence[int] | None = None, segment_plan: SegmentPlan | None = None,
-                 short_rows: int = SHORT_SEGMENT_ROWS, init_cache: Callable | None = None, mesh=None,
+                 short_rows: int = SHORT_ROWS, init_cache: Callable | None = None, mesh=None,
                  hasher=None, host_tables=None):
         if init_cache is None:
             from .model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light
@@ -704,44 +704,3 @@ def _segment_images(images, start: int, size: int, rows: int):
     seg_row[:, :size], seg_roles[:, :size] = row[:, start:start + size], roles[:, start:start + size]
     return table, seg_row, seg_roles
 
-
-# --------------------------------------------------------------------------------------------- model building
-def build_model(cfg: ModelConfig, options, flat) -> nnx.Module:
-    """A ``Transformer`` holding ``flat``'s weights (model names), built without running its random init.
-
-    ``flat``: model name → host array, or a lazily read tensor (``shape``, ``tensor[()]`` reads it, optional
-    ``release()``; e.g. ``sharding.load.checkpoint_source``): one tensor is read, cast and placed at a time, so
-    a checkpoint never exists whole on the host.
-
-    The module tree is traced abstractly (``nnx.eval_shape``); parameters are cast on the host and placed;
-    the few non-parameter buffers (RoPE tables) come from one small program. Raises the model's
-    ``WeightsError`` naming the first missing, unexpected or mis-shaped tensor.
-    """
-    from .model.transformer import Transformer, WeightsError  # noqa: PLC0415
-
-    def construct():
-        return Transformer(cfg, options, rngs=nnx.Rngs(0))
-
-    graphdef, params, rest = nnx.split(nnx.eval_shape(construct), nnx.Param, ...)
-    flat_params = list(nnx.to_flat_state(params))
-    names = {".".join(map(str, path)): var for path, var in flat_params}
-    missing, extra = sorted(set(names) - set(flat)), sorted(set(flat) - set(names))
-    if missing:
-        raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    if extra:
-        raise WeightsError(f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
-    placed = []
-    for path, var in flat_params:
-        name = ".".join(map(str, path))
-        host = flat[name]
-        if tuple(host.shape) != tuple(var.shape):
-            raise WeightsError(f"tensor {name!r} has shape {tuple(host.shape)}, the model expects "
-                               f"{tuple(var.shape)}")
-        value = np.asarray(host if isinstance(host, np.ndarray) else host[()])
-        placed.append((path, var.replace(jax.device_put(value.astype(var.dtype, copy=False)))))
-        del value
-        if hasattr(host, "release"):
-            host.release()
-    if jax.tree.leaves(rest):
-        rest = jax.jit(lambda: nnx.split(construct(), nnx.Param, ...)[2])()
-    return nnx.merge(graphdef, nnx.from_flat_state(placed), rest)

@@ -574,26 +574,20 @@ def model_options(args, expert_format: str, vision: bool = False, engram_tables:
 
 def build(inputs: ModelInputs, args):
     """(model, mesh | None) for --world; the weights are placed tensor by tensor."""
-    from .engine import build_model  # noqa: PLC0415
+    from .loading import build_model  # noqa: PLC0415
 
     options = model_options(args, inputs.expert_format, inputs.vision, inputs.engram_tables)
     if args.world == 1:
         return build_model(inputs.cfg, options, inputs.weights), None
-    try:
-        import sharding  # noqa: PLC0415
-    except ImportError:
-        raise UsageError(f"--world {args.world}: sharding over several devices is not available yet") from None
+    import sharding  # noqa: PLC0415
+
     return sharding.prepare(inputs.cfg, inputs.weights, args.world, options)
 
 
 def segment_plan(cfg, world: int):
-    """The planner's segment sizes (PLANNER.md §A), or fixed 2,048-row segments without a planner."""
-    from .engine import fixed_segments  # noqa: PLC0415
+    """The planner's segment sizes (PLANNER.md §A)."""
+    from . import planner  # noqa: PLC0415
 
-    try:
-        from . import planner  # noqa: PLC0415
-    except ImportError:
-        return fixed_segments
     return lambda prompt_len: planner.segment_sizes(cfg, world, prompt_len, 0)
 
 

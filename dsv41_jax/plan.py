@@ -23,7 +23,7 @@ import math
 import sys
 
 from dsv41_jax.config import ConfigError, load_named
-from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, VisionPlan, admit,
+from dsv41_jax.planner import (WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, VisionPlan, admit,
                                buffer_plan, engram_bytes_per_rank, engram_placement, plan_segment,
                                plan_vision, prefill_rows)
 
@@ -65,7 +65,7 @@ def _positive(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m dsv41_jax.plan", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="tiny, dsv41_flash, or a config.json / checkpoint directory")
-    p.add_argument("--world", type=_at_least(1), required=True, help="tensor-parallel world size (1, 2, 4, 8)")
+    p.add_argument("--world", type=_at_least(1), required=True, help=f"tensor-parallel world size ({', '.join(map(str, WORLDS))})")
     p.add_argument("--rank", type=_at_least(0), default=0)
     p.add_argument("--rows", type=_at_least(1), required=True, help="rows in the segment")
     p.add_argument("--position", type=_at_least(0), required=True, help="position of the segment's first row")

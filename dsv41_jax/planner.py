@@ -31,6 +31,7 @@ from pallas_kernels.indexer.tiling import workspace_bytes as index_kernel_worksp
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
+WORLDS = (1, 2, 4, 8)  # the tensor-parallel worlds the engine runs (MODEL.md §F.1)
 SHORT_ROWS = 16  # rows ≤ 16: short segment, decode-kernel row paths (§A)
 CAP_2K, CAP_4K = 2048, 4096  # R1 caps
 MIN_BLOCK = 32  # the smallest split block: the quantisation group (§C)
@@ -41,6 +42,7 @@ ROUTER_ROWS = 2048  # router launch size (§E)
 ROPE_EXTRA = 2048  # rope table rows past the limit (R2)
 STREAM_SPLIT_KEYS = 16384  # streamed selection: keys per split (§B-3)
 STREAM_BUDGET = 256 * MiB  # streamed selection scratch per launch (§B-3)
+INDEX_BUDGET = 256 * MiB  # B_idx: indexer scratch for one block of query rows (the model's row blocks obey it)
 RESCORE_BYTES_PER_KEY = 16  # candidate rescoring (§B-3)
 TBO_MIN_ROWS = 512  # R9
 
@@ -58,57 +60,112 @@ class PlanRefused(Exception):
 # ================================================================================================ admission
 @dataclass(frozen=True)
 class Split:
-    """``total`` columns cut into ``block``-wide blocks over ranks (§C uneven rule).
+    """One dimension of ``sum(sizes)`` entries cut over ranks (§C): rank r owns ``sizes[r]`` contiguous entries,
+    in ``block``-wide blocks (1: any width).
 
-    Real layout: rank r owns columns ``[offsets[r], offsets[r] + widths[r])``. Padded layout (JAX even
-    sharding): every shard is ``padded`` wide (the widest rank's width), rank r's real columns come first in
-    its shard and the rest is zero padding; the padded total is ``world × padded``.
+    Real layout: rank r owns entries ``[start(r), start(r) + sizes[r])``. Padded layout (JAX even sharding):
+    every shard is ``shard`` wide (the widest rank's size), rank r's real entries come first in its shard and the
+    rest is zero padding; the padded total is ``world × shard``. The planner cuts the admission's splits
+    (`split_blocks`); ``sharding.layout`` places tensors with them (``shard_of``: numpy, imported on call, so
+    the planner stays free of array libraries at import).
     """
 
-    total: int
-    block: int
-    widths: tuple[int, ...]
+    sizes: tuple[int, ...]
+    block: int = 1
+
+    @staticmethod
+    def even(total: int, world: int) -> "Split":
+        if total % world:
+            raise ValueError(f"{total} does not split evenly over {world} ranks")
+        return Split((total // world,) * world)
+
+    @staticmethod
+    def padded(total: int, world: int) -> "Split":
+        """``total`` entries over ``world`` ranks, ⌈total / world⌉ a rank in order (the last ones may hold fewer,
+        or none): zero-padded where the world does not divide ``total``."""
+        each = -(-total // world)
+        return Split(tuple(min(each, max(total - r * each, 0)) for r in range(world)))
 
     @property
     def world(self) -> int:
-        return len(self.widths)
+        return len(self.sizes)
 
     @property
-    def offsets(self) -> tuple[int, ...]:
-        return tuple(sum(self.widths[:r]) for r in range(self.world))
+    def total(self) -> int:
+        return sum(self.sizes)
 
     @property
-    def padded(self) -> int:
-        return max(self.widths)
+    def shard(self) -> int:
+        """Every rank's padded shard width (the widest rank's)."""
+        return max(self.sizes)
 
     @property
     def padded_total(self) -> int:
-        return self.padded * self.world
+        return self.shard * self.world
 
     @property
-    def even(self) -> bool:
-        return len(set(self.widths)) == 1
+    def is_padded(self) -> bool:
+        return self.padded_total != self.total
+
+    def start(self, rank: int) -> int:
+        return sum(self.sizes[:rank])
+
+    def grouped(self, group: int) -> "Split":
+        """The same split counted in groups of ``group`` entries (fp4 bytes: 2 codes, or 32 inputs a scale)."""
+        if any(n % group for n in self.sizes):
+            raise ValueError(f"per-rank widths {self.sizes} do not split into whole groups of {group}")
+        return Split(tuple(n // group for n in self.sizes), max(self.block // group, 1))
 
     def real_range(self, rank: int) -> tuple[int, int]:
-        """Rank's columns in the unpadded (checkpoint) layout: [start, stop)."""
-        start = self.offsets[rank]
-        return start, start + self.widths[rank]
+        """Rank's entries in the unpadded (checkpoint) layout: [start, stop)."""
+        start = self.start(rank)
+        return start, start + self.sizes[rank]
 
     def padded_range(self, rank: int) -> tuple[int, int]:
-        """Where rank's real columns sit in the padded layout: [start, stop); [stop, (rank+1)·padded) is padding."""
-        start = rank * self.padded
-        return start, start + self.widths[rank]
+        """Where rank's real entries sit in the padded layout: [start, stop); [stop, (rank+1)·shard) is padding."""
+        start = rank * self.shard
+        return start, start + self.sizes[rank]
 
     def padded_index(self) -> list[int]:
-        """For each of the ``padded_total`` positions, the real column it holds, or -1 for padding.
+        """For each of the ``padded_total`` positions, the real entry it holds, or -1 for padding.
 
         Gathering a checkpoint tensor with it (and zeroing the -1 positions) gives the padded layout.
         """
         out: list[int] = []
         for r in range(self.world):
             lo, hi = self.real_range(r)
-            out += list(range(lo, hi)) + [-1] * (self.padded - (hi - lo))
+            out += list(range(lo, hi)) + [-1] * (self.shard - (hi - lo))
         return out
+
+    def real_index(self):
+        """For each real entry (in order), its position in the padded dimension: numpy int32 ``[total]``."""
+        import numpy as np  # noqa: PLC0415 - host arrays for the sharded loader only
+
+        return np.concatenate([r * self.shard + np.arange(n) for r, n in enumerate(self.sizes)]).astype(np.int32)
+
+    def shard_of(self, array, axis: int, rank: int):
+        """Rank ``rank``'s real slice of ``array`` along ``axis``, zero-padded (on the host) to ``shard`` entries.
+
+        ``array``: anything with basic slicing (numpy, a memory map, a lazily read ``load.CheckpointTensor``):
+        only the rank's real range is asked for, so a lazy source reads just those rows; the padding is added to
+        what came back.
+        """
+        import numpy as np  # noqa: PLC0415 - host arrays for the sharded loader only
+
+        lo, hi = self.real_range(rank)
+        take = np.asarray(array[(slice(None),) * axis + (slice(lo, hi),)])
+        missing = self.shard - self.sizes[rank]
+        if not missing:
+            return take
+        pad = [(0, 0)] * take.ndim
+        pad[axis] = (0, missing)
+        return np.pad(take, pad)
+
+    def pad_full(self, array, axis: int):
+        """The whole padded array (host memory; for tests and small tensors)."""
+        import numpy as np  # noqa: PLC0415 - host arrays for the sharded loader only
+
+        return np.concatenate([self.shard_of(array, axis, r) for r in range(self.world)], axis=axis)
 
 
 def split_blocks(total: int, world: int, *, block: int = 128, uneven: bool = True,
@@ -128,7 +185,7 @@ def split_blocks(total: int, world: int, *, block: int = 128, uneven: bool = Tru
                           f"which {world} ranks cannot share evenly, and block splitting is off. Turn it on "
                           f"({_describe_widths(_uneven_widths(blocks, world, g))}) or use a world dividing "
                           f"{blocks}.")
-    return Split(total, g, _uneven_widths(blocks, world, g))
+    return Split(_uneven_widths(blocks, world, g), g)
 
 
 def _uneven_widths(blocks: int, world: int, g: int) -> tuple[int, ...]:
@@ -153,19 +210,19 @@ class Admission:
 
     @property
     def expert_widths(self) -> tuple[int, ...]:
-        return self.expert_split.widths
+        return self.expert_split.sizes
 
     @property
     def vocab_rows(self) -> tuple[int, ...]:
-        return self.vocab_split.widths
+        return self.vocab_split.sizes
 
     @property
     def expert_width_padded(self) -> int:
-        return self.expert_split.padded
+        return self.expert_split.shard
 
     @property
     def vocab_padded(self) -> int:
-        return self.vocab_split.padded
+        return self.vocab_split.shard
 
     @property
     def attention_grid(self) -> int:
@@ -221,7 +278,7 @@ class PlanOptions:
     split_kv: bool = False  # compressed rows split over ranks (§F)
     tbo: bool = False  # two-batch overlap (R9)
     moe: str = "auto"  # "auto" | "bounded" | "whole" | "halving" (§E)
-    index_budget: int = 256 * MiB  # B_idx
+    index_budget: int = INDEX_BUDGET  # B_idx
     indexer_impl: str = "reference"  # "pallas": every index layer takes the fused kernel's path ("fused")
     context_limit: int | None = None  # None: the model's max_position_embeddings
     slots: int = 1  # concurrent requests (window rings, default KV pool)

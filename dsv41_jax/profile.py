@@ -28,12 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
-from dsv41_jax.planner import (GiB, MemoryBudget, PlanOptions, PlanRefused, admit, cache_pool_bytes,
+from dsv41_jax.planner import (WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, admit, cache_pool_bytes,
                                param_bytes_per_rank, plan_segment)
 from dsv41_jax.profiling.cut import cut_layers, kept_layers
 from dsv41_jax.profiling.flops import step_flops
-
-WORLDS = (1, 2, 4, 8)
 
 
 class UsageError(ValueError):

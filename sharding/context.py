@@ -1,6 +1,6 @@
 """The active mesh while a sharded model is traced, and ``constrain`` for activation layouts.
 
-``constrain(x, "q")`` pins activation ``x`` to its rule in ``rules.ACTIVATION_RULES`` when a mesh is active
+``constrain(x, "logits")`` pins activation ``x`` to its rule in ``rules.ACTIVATION_RULES`` when a mesh is active
 (inside ``activate``) and returns ``x`` unchanged otherwise, so model code may call it unconditionally.
 """
 

@@ -2,8 +2,8 @@
 
 The partitioner cannot split a Pallas call, so under a mesh the kernels run per device inside ``shard_map``:
 
-* ``sparse_attention``: q and sinks split on heads (``rules`` "q" / attn_sink); the KV latent, window, top-k
-  and positions are replicated (shared by every head); o comes back split on heads. No collective.
+* ``sparse_attention``: q and sinks split on heads (``rules``: wq_b rows and attn_sink by head); the KV latent,
+  window, top-k and positions are replicated (shared by every head); o comes back split on heads. No collective.
 * ``routed_experts``: x, top-k ids and weights replicated (every rank routes identically); layout "tp": each
   device's expert weights hold its F columns (padding columns are zero); layout "ep": its whole experts, the
   other ranks' picks passed as id -1 (outside [0, E): no work, no contribution) with weight 0. Each device's y is a partial sum; one ``psum`` in f32 (§F.4).

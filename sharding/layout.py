@@ -19,85 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv41_jax.planner import Split
 from sharding.mesh import ShardingError
 from sharding.rules import (ALIGNER_HIDDEN, ENGRAM_ROWS, EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES,
                             SHARED_MLP, VISION_GATE_UP, VISION_HEADS, VISION_MLP, VISION_QKV, VOCAB,
                             check_layout)
-
-
-@dataclass(frozen=True)
-class Split:
-    """One dimension of ``sum(sizes)`` entries, rank r owning ``sizes[r]`` of them, padded to ``max(sizes)``."""
-
-    sizes: tuple[int, ...]
-
-    @staticmethod
-    def even(total: int, world: int) -> "Split":
-        if total % world:
-            raise ValueError(f"{total} does not split evenly over {world} ranks")
-        return Split((total // world,) * world)
-
-    @property
-    def world(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def total(self) -> int:
-        return sum(self.sizes)
-
-    @property
-    def shard(self) -> int:
-        """Every rank's padded shard width (the widest rank's)."""
-        return max(self.sizes)
-
-    @property
-    def padded_total(self) -> int:
-        return self.shard * self.world
-
-    @property
-    def is_padded(self) -> bool:
-        return self.padded_total != self.total
-
-    def grouped(self, group: int) -> "Split":
-        """The same split counted in groups of ``group`` entries (fp4 bytes: 2 codes, or 32 inputs a scale)."""
-        if any(n % group for n in self.sizes):
-            raise ShardingError(f"per-rank widths {self.sizes} do not split into whole groups of {group}")
-        return Split(tuple(n // group for n in self.sizes))
-
-    @staticmethod
-    def padded(total: int, world: int) -> "Split":
-        """``total`` entries over ``world`` ranks, ⌈total / world⌉ a rank in order (the last ones may hold fewer,
-        or none): zero-padded where the world does not divide ``total``."""
-        each = -(-total // world)
-        return Split(tuple(min(each, max(total - r * each, 0)) for r in range(world)))
-
-    def start(self, rank: int) -> int:
-        return sum(self.sizes[:rank])
-
-    def real_index(self) -> np.ndarray:
-        """For each real entry (in order), its position in the padded dimension: int32 ``[total]``."""
-        return np.concatenate([r * self.shard + np.arange(n) for r, n in enumerate(self.sizes)]).astype(np.int32)
-
-    def shard_of(self, array, axis: int, rank: int) -> np.ndarray:
-        """Rank ``rank``'s real slice of ``array`` along ``axis``, zero-padded (on the host) to ``shard`` entries.
-
-        ``array``: anything with basic slicing (numpy, a memory map, a lazily read ``load.CheckpointTensor``):
-        only the rank's real range is asked for, so a lazy source reads just those rows; the padding is added to
-        what came back.
-        """
-        lo = self.start(rank)
-        index = (slice(None),) * axis + (slice(lo, lo + self.sizes[rank]),)
-        take = np.asarray(array[index])
-        missing = self.shard - self.sizes[rank]
-        if not missing:
-            return take
-        pad = [(0, 0)] * take.ndim
-        pad[axis] = (0, missing)
-        return np.pad(take, pad)
-
-    def pad_full(self, array: np.ndarray, axis: int) -> np.ndarray:
-        """The whole padded array (host memory; for tests and small tensors)."""
-        return np.concatenate([self.shard_of(array, axis, r) for r in range(self.world)], axis=axis)
 
 
 @dataclass(frozen=True)
@@ -190,9 +116,9 @@ class ShardPlan:
     def from_admission(cfg, world: int, admission, layout: str = "tp") -> "ShardPlan":
         """From the planner's ``Admission`` (per-rank ``vocab_rows`` and ``expert_widths``)."""
         check_layout(layout)
-        vocab = Split(tuple(int(n) for n in admission.vocab_rows))
+        vocab = admission.vocab_split
         if layout == "tp":
-            width = Split(tuple(int(n) for n in admission.expert_widths))
+            width = admission.expert_split
         else:
             if cfg.n_routed_experts % world:
                 raise ShardingError(
@@ -228,7 +154,10 @@ class ShardPlan:
         if logical in (EXPERT_MLP, SHARED_MLP):
             return self.expert_width
         if logical in (EXPERT_MLP_CODES, EXPERT_MLP_SCALES):  # fp4 w2 packed on F: 2 or 32 inputs a byte
-            return self.expert_width.grouped(2 if logical == EXPERT_MLP_CODES else 32)
+            try:
+                return self.expert_width.grouped(2 if logical == EXPERT_MLP_CODES else 32)
+            except ValueError as e:
+                raise ShardingError(str(e)) from None
         return Split.even(size, self.world)
 
     def run_config(self, cfg):

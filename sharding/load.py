@@ -9,13 +9,13 @@ split tensor, and no array of the padded shape is built on the host.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from dsv41_jax.checkpoint import PROGRESS_BYTES  # table reads (the release: ~25 GB a rank) show a bar above it
 from dsv41_jax.param_specs import is_engram_table
 from sharding.layout import ShardPlan, Split
 from sharding.rules import param_spec, split_axis
@@ -36,7 +36,8 @@ def place(name: str, host: Any, padded_shape: tuple[int, ...], dtype: Any, mesh:
           plan: ShardPlan) -> jax.Array:
     """One parameter as a global ``jax.Array`` of ``padded_shape`` sharded by the rule table.
 
-    ``host``: array-like of the real shape (numpy, memory-mapped, anything with ``shape`` and basic slicing).
+    ``host``: array-like of the real shape (numpy, memory-mapped, anything with ``shape`` and basic slicing);
+    a mis-shaped one is refused by name. ``dsv41_jax.loading.build_sharded`` places a whole model with it.
     """
     expected = real_shape(name, padded_shape, plan)
     if tuple(host.shape) != expected:
@@ -53,31 +54,6 @@ def place(name: str, host: Any, padded_shape: tuple[int, ...], dtype: Any, mesh:
         return split.shard_of(host, axis, rank).astype(dtype, copy=False)
 
     return jax.make_array_from_callback(tuple(padded_shape), sharding, shard_data, dtype=dtype)
-
-
-def place_all(source: Mapping[str, Any] | Iterable[tuple[str, Any]],
-              targets: Mapping[str, jax.ShapeDtypeStruct], mesh: Mesh, plan: ShardPlan) -> dict[str, jax.Array]:
-    """Every target parameter placed from ``source``; refuses missing and unexpected names.
-
-    ``targets``: model name → padded shape and dtype (the abstract model's parameters).
-    An iterator source is consumed one tensor at a time (only one host tensor alive at once).
-    """
-    items = source.items() if isinstance(source, Mapping) else source
-    placed: dict[str, jax.Array] = {}
-    unexpected = []
-    for name, host in items:
-        if name not in targets:
-            unexpected.append(name)
-            continue
-        target = targets[name]
-        placed[name] = place(name, host, tuple(target.shape), target.dtype, mesh, plan)
-        if hasattr(host, "release"):
-            host.release()  # a lazily read tensor drops its host copy once every shard is placed
-    missing = sorted(set(targets) - set(placed))
-    if missing or unexpected:
-        raise ValueError(f"weights do not match the model: missing {missing[:5]}{'…' if len(missing) > 5 else ''}"
-                         f", unexpected {sorted(unexpected)[:5]}{'…' if len(unexpected) > 5 else ''}")
-    return placed
 
 
 class CheckpointTensor:
@@ -128,7 +104,6 @@ class CheckpointTensor:
         self._whole = None
 
 
-PROGRESS_BYTES = 256 << 20  # table reads above this show a progress bar on stderr (the release: ~25 GB a rank)
 
 
 def read_table_rows(ckpt: Any, name: str, rows: slice, chunk_rows: int = 1 << 20) -> np.ndarray:

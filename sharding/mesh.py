@@ -18,8 +18,9 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from dsv41_jax.planner import WORLDS
+
 TP = "tp"
-WORLDS = (1, 2, 4, 8)
 
 
 class ShardingError(ValueError):

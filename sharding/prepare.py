@@ -25,7 +25,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from sharding import context
 from sharding.layout import ShardPlan
-from sharding.load import place_all
 from sharding.mesh import make_mesh, replicated
 
 
@@ -87,41 +86,13 @@ def prepare(cfg: Any, flat: Any, world: int, options: Any, *, layout: str = "tp"
     ``options``: the model's ``ModelOptions``. ``layout``: "tp" (experts split on F) or "ep" (whole experts).
     Admission runs first, before any weight is touched; a refused world raises the planner's ``PlanRefused``.
     """
+    from dsv41_jax.loading import build_sharded  # noqa: PLC0415 - the loading module imports the model
+
     plan = ShardPlan.from_admission(cfg, world, admission(cfg, world), layout)
     mesh = make_mesh(world, devices)
     run_cfg = plan.run_config(cfg)
-    inner = _build(run_cfg, options, flat, mesh, plan)
+    inner = build_sharded(run_cfg, options, flat, mesh, plan)
     return ShardedTransformer(inner, mesh, plan, cfg, run_cfg), mesh
-
-
-def _build(run_cfg: Any, options: Any, flat: Any, mesh: Mesh, plan: ShardPlan) -> nnx.Module:
-    from dsv41_jax.model.transformer import Transformer
-
-    def construct():
-        return Transformer(run_cfg, options, rngs=nnx.Rngs(0))
-
-    graphdef, params, rest = nnx.split(nnx.eval_shape(construct), nnx.Param, ...)
-    flat_params = list(nnx.to_flat_state(params))
-    targets = {_name(path): var.get_value() for path, var in flat_params}
-    placed = place_all(flat, targets, mesh, plan)
-    params = nnx.from_flat_state([(path, var.replace(placed[_name(path)])) for path, var in flat_params])
-    return nnx.merge(graphdef, params, _non_params(construct, mesh))
-
-
-def _non_params(construct, mesh: Mesh) -> nnx.State:
-    """Buffers that are not parameters (tables the constructor computes), built replicated on the mesh.
-
-    The random parameter init inside is dead code for XLA (not an output) and is never run.
-    """
-    def make():
-        _, _, rest = nnx.split(construct(), nnx.Param, ...)
-        return rest
-
-    return jax.jit(make, out_shardings=replicated(mesh))()
-
-
-def _name(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def state_sharding(model: nnx.Module):

@@ -147,15 +147,10 @@ LOGICAL_TO_MESH: dict[str, dict[str, str | None]] = {
            EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, ENGRAM_ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
 }
 
-# Activations: logical axes of the *trailing* dims (leading batch / token dims are never split).
+# Activations: logical axes of the *trailing* dims (leading batch / token dims are never split). Only the ones
+# some code pins (``context.constrain``, the kernels' shard_map specs) are listed; the others follow the
+# parameters' splits through XLA's propagation (the parameter rules' reasons say where the all-reduces fall).
 ACTIVATION_RULES: dict[str, tuple[tuple[str | None, ...], str]] = {
-    "q": ((HEADS, None), "q [.., H, d] after wq_b: each rank holds its heads; attention is per head"),
-    "attn_out": ((HEADS, None), "o [.., H, d] before wo_a: stays on the rank that computed its heads"),
-    "o_groups": ((O_GROUPS, None), "wo_a output [.., G, R_o]: each rank's groups, the input of row-parallel wo_b"),
-    "attn_proj": ((None,), "wo_b output [.., D] after the all-reduce: replicated, feeds the replicated HC mix"),
-    "expert_hidden": ((EXPERT_MLP,), "SwiGLU activations [.., F]: each rank its own intermediate columns"),
-    "moe_out": ((None,), "MoE output [.., D] after the all-reduce of routed + shared partial sums"),
-    "embed_out": ((None,), "embedding [.., D] after the vocabulary-parallel look-up's all-reduce"),
     "logits_shards": ((VOCAB,), "head output [.., V_pad]: each rank its own vocabulary slice"),
     "logits": ((None,), "gathered logits [.., V] handed to the sampler: replicated"),
     "vision_heads": ((VISION_HEADS, None), "ViT q, k, v, o [.., H, d]: each rank its heads; attention is per head"),

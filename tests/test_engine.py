@@ -17,7 +17,8 @@ from flax import nnx
 
 from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
-from dsv41_jax.engine import Engine, EngineInputError, Request, build_model, fixed_segments
+from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
+from dsv41_jax.loading import build_model
 from dsv41_jax.model.cache import init_cache
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.sampling import SamplingParams, filtered_logits, sample, sampling_arrays

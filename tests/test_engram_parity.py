@@ -30,7 +30,8 @@ from dsv41_jax import engram
 from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
-from dsv41_jax.model import EngramInput, ModelOptions, Transformer, init_cache, load_weights
+from dsv41_jax.loading import load_weights
+from dsv41_jax.model import EngramInput, ModelOptions, Transformer, init_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 mlx_vlm_oracle = pytest.importorskip("mlx_vlm_oracle")

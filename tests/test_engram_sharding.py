@@ -24,7 +24,7 @@ import sharding
 from dsv41_jax import engram
 from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
-from dsv41_jax.engine import build_model
+from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model import EngramInput, init_cache
 from dsv41_jax.model.transformer import ModelOptions
@@ -97,7 +97,7 @@ def greedy(model, cfg, ids0: np.ndarray, mesh, hasher, gathered=None):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """(checkpoint dir, cfg, prompts, world-1 logits and tokens), world 1 = ``engine.build_model`` (unsharded)."""
+    """(checkpoint dir, cfg, prompts, world-1 logits and tokens), world 1 = ``loading.build_model`` (unsharded)."""
     cfg = small_engram_config()
     path = tmp_path_factory.mktemp("engram_split")
     write_checkpoint(path, cfg, random_weights(cfg, seed=6), "fp8")

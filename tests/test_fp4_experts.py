@@ -19,7 +19,8 @@ from dsv41_jax import formats, param_specs, planner
 from dsv41_jax.checkpoint import CheckpointError, load_checkpoint, open_checkpoint
 from dsv41_jax.generate import main as generate
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
-from dsv41_jax.model.transformer import ModelOptions, Transformer, WeightsError, load_weights
+from dsv41_jax.loading import load_weights
+from dsv41_jax.model.transformer import ModelOptions, Transformer, WeightsError
 from test_checkpoint import _copy_and_edit
 from test_sharding_model import mirror_config
 from test_sharding_pallas_model import BATCH, ROWS, prefill, small_config

@@ -181,3 +181,40 @@ def test_wrappers_run_the_kernel_ops_per_device():
     expected = attention_op(*args, **kwargs)
     got = sharded_sparse_attention(*args, mesh=mesh, **kwargs)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+
+
+def test_every_activation_rule_is_used():
+    """Issue #13: the table holds no dead activation rules: each name is pinned somewhere in the package code."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = "\n".join(p.read_text() for d in ("dsv41_jax", "sharding") for p in (root / d).rglob("*.py")
+                       if p.name != "rules.py")
+    unused = [name for name in rules.ACTIVATION_RULES if f'"{name}"' not in source]
+    assert not unused, f"activation rules nothing uses: {unused}"
+
+
+@pytest.mark.devices(2)
+@pytest.mark.parametrize("change, message", [
+    ("drop", "missing tensor 'layers.3.attn.wq_a.weight' (1 missing in all)"),
+    ("extra", "unexpected tensor 'layers.3.attn.bogus.weight' (1 unexpected in all)"),
+])
+def test_one_and_two_devices_refuse_the_same_weights_by_name(change, message):
+    """Issue #13: one loading path (dsv41_jax.loading), so one device and a sharded world refuse alike."""
+    import re
+
+    import sharding
+    from dsv41_jax.loading import build_model
+    from dsv41_jax.make_tiny import random_weights
+    from dsv41_jax.model import ModelOptions, WeightsError
+
+    cfg, options = load_named("tiny"), ModelOptions(dtype="float32")
+    flat = random_weights(cfg, seed=0)
+    if change == "drop":
+        del flat["layers.3.attn.wq_a.weight"]
+    else:
+        flat["layers.3.attn.bogus.weight"] = np.zeros((2, 2), np.float32)
+    with pytest.raises(WeightsError, match=re.escape(message)):
+        build_model(cfg, options, flat)
+    with pytest.raises(WeightsError, match=re.escape(message)):
+        sharding.prepare(cfg, flat, 2, options)

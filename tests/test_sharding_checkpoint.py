@@ -17,7 +17,7 @@ devices of ``conftest.py``):
 * ``experts288``: expert width 288 = 9 blocks of 32 (160/128 at world 2, 96/64/64/64 at world 4, 64/32×7 at
   world 8); dense fp8, routed experts fp4 packed (w2's packed codes and scales split in 2- and 32-groups).
 
-Reference: world 1, built by ``engine.build_model`` from the same files (the unsharded ``generate`` path).
+Reference: world 1, built by ``loading.build_model`` from the same files (the unsharded ``generate`` path).
 World 1 of the matrix is ``sharding.prepare`` at world 1 (one-device mesh). Float32 with the §C.2 rounding
 points off (MODEL.md §C.4, the tight comparison): the only differences are the order of f32 sums (per-rank
 partial products all-reduced), ~1e-7 relative, amplified by three layers to ≤ a few 1e-6 on logits of size ~3;
@@ -42,8 +42,9 @@ import pytest
 import sharding
 from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
-from dsv41_jax.engine import build_model
+from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
+from dsv41_jax.planner import WORLDS
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.profiling.cut import cut_layers
 from sharding.load import checkpoint_source
@@ -52,7 +53,6 @@ from test_sharding_model import greedy as greedy_run  # tests/ is on sys.path (c
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT, NEW = 12, 3
 LOGITS_ATOL = 1e-4
-WORLDS = (1, 2, 4, 8)
 
 
 def _small(**change):

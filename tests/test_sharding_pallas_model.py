@@ -19,7 +19,8 @@ import sharding
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model.cache import init_cache
-from dsv41_jax.model.transformer import ModelOptions, Transformer, load_weights
+from dsv41_jax.loading import load_weights
+from dsv41_jax.model.transformer import ModelOptions, Transformer
 from test_sharding_model import collectives
 
 pytest.importorskip("pallas_kernels.moe.ops")

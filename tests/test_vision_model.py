@@ -30,7 +30,8 @@ from mlx_vlm_vision_oracle import fake_quant_off, load_vlm, vlm_encode, vlm_pref
 
 from dsv41_jax.checkpoint import load_checkpoint  # noqa: E402
 from dsv41_jax.config import load_named  # noqa: E402
-from dsv41_jax.engine import Engine, Request, build_model  # noqa: E402
+from dsv41_jax.engine import Engine, Request  # noqa: E402
+from dsv41_jax.loading import build_model  # noqa: E402
 from dsv41_jax.make_tiny import random_weights, write_checkpoint  # noqa: E402
 from dsv41_jax.model.transformer import ModelOptions  # noqa: E402
 from dsv41_jax.vision.batch import build_batch  # noqa: E402

@@ -87,8 +87,9 @@ def test_workspace_bounds_xla_temporaries():
     """The tower compiled for one image at TINY-V's largest bucket (1,024 patches, 64 rows): XLA's temporaries
     fit the planner's workspace (observed 17.8 of 24.2 MB: the [2, 1,024, 1,024] f32 scores dominate both)."""
     import jax
+    from dsv41_jax.engine import _encode_images
 
-    from dsv41_jax.engine import _encode_images, build_model
+    from dsv41_jax.loading import build_model
     from dsv41_jax.vision.batch import build_batch
     from dsv41_jax.vision.preprocess import prepare_image
     from PIL import Image

@@ -28,7 +28,8 @@ from PIL import Image
 import sharding
 from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
-from dsv41_jax.engine import Engine, Request, build_model
+from dsv41_jax.engine import Engine, Request
+from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.vision.batch import build_batch

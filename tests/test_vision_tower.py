@@ -14,7 +14,7 @@ from flax import nnx
 from PIL import Image
 
 from dsv41_jax.config import load_named
-from dsv41_jax.engine import build_model
+from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.vision import tower

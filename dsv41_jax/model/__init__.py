@@ -2,7 +2,7 @@
 
 from .cache import Cache, LayerCache, init_cache
 from .engram import EngramInput
-from .transformer import ModelOptions, Transformer, WeightsError, load_weights, param_shapes
+from .transformer import ModelOptions, Transformer, WeightsError, param_shapes
 
-__all__ = ["Cache", "EngramInput", "LayerCache", "ModelOptions", "Transformer", "WeightsError", "init_cache", "load_weights",
+__all__ = ["Cache", "EngramInput", "LayerCache", "ModelOptions", "Transformer", "WeightsError", "init_cache",
            "param_shapes"]

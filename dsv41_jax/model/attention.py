@@ -8,6 +8,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from sharding.kernels import sparse_attention as sharded_attention  # shard_map'd on heads when sharded
+
 from ..config import ModelConfig
 from .cache import LayerCache
 from .compressor import Compressor, write_rows
@@ -167,19 +169,13 @@ class Attention(nnx.Module):
         kwargs = dict(window_size=self.window_size, scale=self.head_dim**-0.5)
         args = (q, kv_pool, topk, window, seg.offset - self.window_size, seg.positions, self.attn_sink[...])
         if self.impl == "pallas":
-            try:
-                import pallas_kernels.sparse_attention.ops  # noqa: F401  (the wrapper's op)
-                from sharding.kernels import sparse_attention as kernel  # shard_map'd on heads when sharded
-            except ImportError as e:
-                raise RuntimeError(f"attention_impl='pallas' needs pallas_kernels.sparse_attention.ops and "
-                                   f"sharding ({e})") from None
             if kv_pool is None:  # window-only layer: the kernel takes one empty pick of a one-row pool
                 kv_pool = jnp.zeros((q.shape[0], 1, q.shape[-1]), q.dtype)
                 topk = jnp.full((*q.shape[:2], 1), -1, jnp.int32)
             # The kernel takes keys in q's dtype. Lossless with the rounding points on (fp8 / fp4 grid values
             # are exact in bf16); with them off, f32 compressed entries are rounded to bf16 here.
             args = (q, kv_pool.astype(q.dtype), topk, args[3].astype(q.dtype), *args[4:])
-            return kernel(*args, **kwargs, impl="pallas")
+            return sharded_attention(*args, **kwargs, impl="pallas")
         return sparse_attention(*args, **kwargs)
 
     def _output(self, o):

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from sharding.kernels import engram_gather  # split by hash column when sharded
+
 from ..config import ModelConfig
 from ..formats import BLOCK as SCALE_GROUP  # one ue8m0 scale per 32 dims of a table row (§B.12)
 from .norms import Linear
@@ -76,10 +78,6 @@ class EngramTable(nnx.Module):
 
     def gather(self, idx: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
         """idx int [..., C] absolute rows → (codes e4m3 [..., C, d], scale bytes [..., C, d/32]), replicated."""
-        try:
-            from sharding.kernels import engram_gather  # noqa: PLC0415 - split by hash column when sharded
-        except ImportError:
-            return jnp.take(self.weight[...], idx, axis=0), jnp.take(self.scale[...], idx, axis=0)
         return engram_gather(self.weight[...], self.scale[...], idx, cfg=self.cfg, layer=self.layer)
 
     def __call__(self, idx: jnp.ndarray, dtype) -> jnp.ndarray:

@@ -7,8 +7,10 @@ from flax import nnx
 
 from pallas_kernels.indexer.ops import index_topk, map_row_blocks  # noqa: F401  (map_row_blocks: attention's)
 from pallas_kernels.indexer.tiling import launch_rows
+from sharding.kernels import index_topk as sharded_index_topk  # replicated shard_map when sharded
 
 from ..config import ModelConfig
+from ..planner import INDEX_BUDGET
 from .norms import Linear, RMSNorm
 from .quant import round_index
 from .rope import apply_rope
@@ -58,16 +60,10 @@ class Indexer(nnx.Module):
                   keep_blocks=self.keep_blocks if self.is_candidate_source else 0)
         kept_blocks = kept_blocks if self.uses_candidates else None
         if self.impl == "pallas" and t > XLA_DECODE_ROWS:
-            try:
-                import pallas_kernels.indexer.ops  # noqa: F401  (the wrapper's op)
-                from sharding.kernels import index_topk as kernel  # replicated shard_map when sharded
-            except ImportError as e:
-                raise RuntimeError(f"indexer_impl='pallas' needs pallas_kernels.indexer.ops and sharding ({e})"
-                                   ) from None
             block = launch_rows(b, t, keys.shape[1], self.index_topk, budget=SCORE_BUDGET_BYTES,
                                 heads=self.n_heads, head_dim=self.head_dim, keep_blocks=kw["keep_blocks"],
                                 block_size=self.block, masked=kept_blocks is not None)
-            return kernel(q, w, keys, positions, kept_blocks, **kw, impl="pallas", rows_per_block=block)
+            return sharded_index_topk(q, w, keys, positions, kept_blocks, **kw, impl="pallas", rows_per_block=block)
         block = rows_per_block(t, 4 * keys.shape[1] * (self.n_heads + 2))
         return index_topk(q, w, keys, positions, kept_blocks, **kw, impl="reference", rows_per_block=block)
 
@@ -76,7 +72,7 @@ class Indexer(nnx.Module):
 # H200 (docs/BENCHMARKS.md, issue 15) one row took 0.62 ms on the XLA path vs 0.87 ms in the kernel at 300 K keys
 # (0.18 vs 0.20 ms at 0); both select the same entries (one tie rule), so the choice is speed only.
 XLA_DECODE_ROWS = 1
-SCORE_BUDGET_BYTES = 256 << 20  # scratch for one block of query rows (score matrices, gathered keys)
+SCORE_BUDGET_BYTES = INDEX_BUDGET  # scratch for one block of query rows (score matrices, gathered keys)
 
 
 def rows_per_block(t: int, bytes_per_row: int, budget: int | None = None) -> int:

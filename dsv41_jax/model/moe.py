@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sharding.kernels import routed_experts as sharded_experts
+
 from ..config import ModelConfig
 from .norms import HIGHEST, Linear, random_normal
 
@@ -202,12 +204,7 @@ class MoE(nnx.Module):
 
     def _routed(self, x, ids, w) -> jnp.ndarray:
         if self.moe_impl == "pallas":
-            try:
-                import pallas_kernels.moe.ops  # noqa: F401  (the wrapper's op)
-                from sharding.kernels import routed_experts as kernel
-            except ImportError as e:
-                raise RuntimeError(f"moe_impl='pallas' needs pallas_kernels.moe.ops and sharding ({e})") from None
             # The sharding wrapper: inside shard_map under a sharded model (one f32 psum of y [N, D]),
             # the plain kernel op otherwise.
-            return kernel(x, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit, impl="pallas")
+            return sharded_experts(x, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit, impl="pallas")
         return routed_experts(x, ids, w, self.experts.arrays(), swiglu_limit=self.limit)

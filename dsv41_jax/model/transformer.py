@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ..config import ModelConfig
@@ -243,24 +242,3 @@ def param_shapes(model: Transformer) -> dict[str, tuple[tuple[int, ...], jnp.dty
     """Model name -> (shape, dtype) of every parameter."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     return {".".join(map(str, path)): (tuple(var.shape), var.dtype) for path, var in flat}
-
-
-def load_weights(model: Transformer, flat: dict[str, np.ndarray]) -> None:
-    """Set every parameter from ``flat`` (model names, docs/DESIGN.md), cast to the parameter's dtype.
-
-    Raises WeightsError naming the first missing, unexpected or mis-shaped tensor (nothing is changed then).
-    """
-    flat_state = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    names = {".".join(map(str, path)): var for path, var in flat_state}
-    missing = sorted(set(names) - set(flat))
-    extra = sorted(set(flat) - set(names))
-    if missing:
-        raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    if extra:
-        raise WeightsError(f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
-    for name, var in names.items():
-        if tuple(flat[name].shape) != tuple(var.shape):
-            raise WeightsError(f"tensor {name!r} has shape {tuple(flat[name].shape)}, "
-                               f"the model expects {tuple(var.shape)}")
-    for name, var in names.items():  # the Variables of the state are the model's own
-        var.set_value(jnp.asarray(flat[name]).astype(var.dtype))

@@ -24,7 +24,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import ModelOptions, Transformer, init_cache
+from dsv41_jax.loading import abstract_params, non_params, param_name
+from dsv41_jax.model import ModelOptions, init_cache
 from dsv41_jax.planner import admit
 from sharding import ShardedTransformer, make_mesh, replicated
 from sharding.layout import ShardPlan
@@ -41,23 +42,17 @@ def build_model(cfg: ModelConfig, world: int, options: ModelOptions, *, seed: in
     plan = ShardPlan.from_admission(cfg, world, admit(cfg, world), layout)
     mesh = make_mesh(world)
     run_cfg = plan.run_config(cfg)
-
-    def construct():
-        return Transformer(run_cfg, options, rngs=nnx.Rngs(0))
-
-    graphdef, params, _ = nnx.split(nnx.eval_shape(construct), nnx.Param, ...)
-    flat = list(nnx.to_flat_state(params))
-    names = [".".join(str(p) for p in path) for path, _ in flat]
+    construct, graphdef, flat, rest = abstract_params(run_cfg, options)
+    names = [param_name(path) for path, _ in flat]
     shardings = [NamedSharding(mesh, param_spec(n, len(v.shape), layout)) for n, (_, v) in zip(names, flat)]
     specs = [(zlib.crc32(n.encode()) ^ seed, tuple(v.shape), jnp.dtype(v.dtype), *_scale(n, v.shape))
              for n, (_, v) in zip(names, flat)]
     if abstract:
         arrays = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for (_, v), sh in zip(flat, shardings)]
-        rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)),
-                            jax.eval_shape(lambda: nnx.split(construct(), nnx.Param, ...)[2]))
+        rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)), rest)
     else:
         arrays = jax.jit(functools.partial(_draw_all, specs), out_shardings=shardings)()
-        rest = _non_params(construct, mesh)
+        rest = non_params(construct, mesh)
     drawn = nnx.from_flat_state([(path, var.replace(a)) for (path, var), a in zip(flat, arrays)])
     inner = nnx.merge(graphdef, drawn, rest)
     return ShardedTransformer(inner, mesh, plan, cfg, run_cfg), mesh
@@ -125,14 +120,6 @@ def _hash_uniform(shape: tuple[int, ...], salt: int) -> jax.Array:
         h = (h ^ (h >> shift)) * jnp.uint32(mult)
     h = h ^ (h >> 16)
     return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
-
-
-def _non_params(construct, mesh: Mesh) -> nnx.State:
-    """Non-parameter state (RoPE frequency tables), replicated; the random init inside is dead code to XLA."""
-    def make():
-        return nnx.split(construct(), nnx.Param, ...)[2]
-
-    return jax.jit(make, out_shardings=replicated(mesh))()
 
 
 def build_cache(cfg: ModelConfig, mesh: Mesh, *, batch: int, position: int, rows: int, dtype: str,

@@ -11,7 +11,8 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import ModelOptions, Transformer, init_cache, load_weights
+from dsv41_jax.loading import load_weights
+from dsv41_jax.model import ModelOptions, Transformer, init_cache
 
 
 @functools.lru_cache(maxsize=None)
