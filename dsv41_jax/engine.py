@@ -392,7 +392,8 @@ class Engine:
         i32 = jnp.int32
         logits, vec = arg((batch, self.vocab_size), jnp.float32), arg((batch,), i32)
         sampling = _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
-        stop = (arg((batch,), jnp.bool_), arg((batch,) if slot_steps else (), i32), arg((len(self.eos_ids or (-1,)),), i32), vec, sampling)
+        step = arg((batch,) if slot_steps else (), i32)
+        stop = (arg((batch,), jnp.bool_), step, arg((len(self.eos_ids or (-1,)),), i32), vec, sampling)
         specs = [("init", _fresh_cache, self._init_static(batch), (), ())]
         for t in sorted({1, *program_rows}) if not images else ():
             ids = arg((batch, t), i32)

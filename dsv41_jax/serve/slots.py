@@ -292,6 +292,8 @@ class SlotEngine:
         e = self.engine
         if self._host_feed:
             self._read(0)  # the host hashes the ids: every token read first
+            if all(j is None for j in self.running):
+                return  # every request ended with the tokens just read
         mask = self._halt.copy()
         values = _host_chain(self.slots)
         ids, lengths, running, steps = values
