@@ -167,8 +167,7 @@ def check_requests(requests: Sequence[Request], vocab_size: int, max_context: in
 
 # ------------------------------------------------------------------------------------------------ programs
 def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, keep_first_row: bool):
-    """The model part of ``_step``; on its own the ``forward`` program of the server's slot loop
-    (`serve.slots`, which samples apart with ``_sample_step``).
+    """The model part of ``_step``.
 
     ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32, engram rows (EngramInput | None) ->
     (cache, last_logits, first [T,V] f32 | None).
@@ -220,13 +219,16 @@ def _step(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_
     """One forward call and the sampling after it, as one program (prefill segments and decode steps alike).
 
     ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32 (see ``_forward``), running [B] bool, step i32 (the
-    index of the token drawn now), eos_ids [E] i32, max_new [B] i32. Every sequence draws a token from its
-    ``last_logits``; it keeps going unless that token is an end id or its ``max_new``-th. The host uses the tokens
-    of a prompt's last call and of decode steps; earlier prefill calls' draws are don't-care (cheap: [B,V]).
+    index of the token drawn now: a scalar, or [B] when each sequence counts its own, as the server's slots do),
+    eos_ids [E] i32, max_new [B] i32. Every sequence draws a token from its ``last_logits``; it keeps going unless
+    that token is an end id or its ``max_new``-th. The host uses the tokens of a prompt's last call and of decode
+    steps; earlier prefill calls' draws are don't-care (cheap: [B,V]).
     """
     cache, last_logits, first = _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram,
                                          keep_first_row)
-    tokens, keep_going = _sample_step(graphdef, last_logits, running, eos_ids, max_new, sampling, step)
+    tokens = sample(last_logits, sampling, step)
+    is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
+    keep_going = running & ~is_eos & (step + 1 < max_new)
     return StepOut(cache, last_logits, first, tokens[:, None], keep_going.astype(jnp.int32), keep_going,
                    step + 1)
 
@@ -239,17 +241,7 @@ class StepTiming(NamedTuple):
     program: object
 
 
-def _sample_step(graphdef, logits, running, eos_ids, max_new, sampling: SamplingArrays, step):
-    """logits [B,V] f32, running [B] bool, eos_ids [E] i32, max_new [B] i32, step i32 (scalar or [B]: tokens
-    produced so far) -> (tokens [B] i32, keep_going [B] bool): keep going unless the token ends the sequence or
-    it is full. Inside ``_step``; on its own the server's ``sample`` program."""
-    del graphdef
-    tokens = sample(logits, sampling, step)
-    is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
-    return tokens, running & ~is_eos & (step + 1 < max_new)
-
-
-_MODEL_PROGRAMS = (_step, _forward, _encode_images)  # programs whose first argument is the model state
+_MODEL_PROGRAMS = (_step, _encode_images)  # programs whose first argument is the model state
 _STEP_DONATE = (1, 4)  # the cache and last_logits are updated in place
 
 
@@ -386,9 +378,11 @@ class Engine:
         rows = [1 if n <= self.short_rows else bucket_rows(n, cap) for n in sizes]
         return sizes, rows
 
-    def _specs(self, batch: int, program_rows: Sequence[int], record: bool, images: bool = False) -> list[tuple]:
+    def _specs(self, batch: int, program_rows: Sequence[int], record: bool, images: bool = False,
+               slot_steps: bool = False) -> list[tuple]:
         """Everything a batch of ``batch`` with these prefill program sizes runs (``images``: the forward
-        programs take image rows, whose shapes are known after encoding: they compile on first use)."""
+        programs take image rows, whose shapes are known after encoding: they compile on first use;
+        ``slot_steps``: the step index is [batch], one count per sequence, as `serve.slots` runs it)."""
         cache = _abstract(jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context,
                                                                   self.cache_dtype)), self._replicated)
 
@@ -398,34 +392,14 @@ class Engine:
         i32 = jnp.int32
         logits, vec = arg((batch, self.vocab_size), jnp.float32), arg((batch,), i32)
         sampling = _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
-        stop = (arg((batch,), jnp.bool_), arg((), i32), arg((len(self.eos_ids or (-1,)),), i32), vec, sampling)
+        step = arg((batch,) if slot_steps else (), i32)
+        stop = (arg((batch,), jnp.bool_), step, arg((len(self.eos_ids or (-1,)),), i32), vec, sampling)
         specs = [("init", _fresh_cache, self._init_static(batch), (), ())]
         for t in sorted({1, *program_rows}) if not images else ():
             ids = arg((batch, t), i32)
             specs.append(("step", _step, {"keep_first_row": record},
                           (self.state, cache, ids, vec, logits, *stop, None, self._engram_abstract(batch, t, arg)),
                           _STEP_DONATE))
-        return specs
-
-    def _split_specs(self, batch: int, program_rows: Sequence[int], record: bool) -> list[tuple]:
-        """The server's programs (`serve.slots`): ``init``, ``sample[B]`` (per-sequence steps) and the model-only
-        ``forward[B, T]``, since its slot loop samples before it feeds (``generate`` runs ``step`` instead)."""
-        cache = _abstract(jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context,
-                                                                  self.cache_dtype)), self._replicated)
-
-        def arg(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
-
-        i32 = jnp.int32
-        logits, vec = arg((batch, self.vocab_size), jnp.float32), arg((batch,), i32)
-        sampling = _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
-        specs = [("init", _fresh_cache, self._init_static(batch), (), ()),
-                 ("sample", _sample_step, {}, (logits, arg((batch,), jnp.bool_),
-                                               arg((len(self.eos_ids or (-1,)),), i32), vec, sampling, vec), ())]
-        for t in sorted({1, *program_rows}):
-            specs.append(("forward", _forward, {"keep_first_row": record},
-                          (self.state, cache, arg((batch, t), i32), vec, logits, None,
-                           self._engram_abstract(batch, t, arg)), (1, 4)))
         return specs
 
     def _engram_abstract(self, batch, t, arg):
@@ -556,16 +530,6 @@ class Engine:
         if out is not None:
             cache, logits = out.cache, out.last_logits
         return (self.state, cache, ids, lengths, logits, running, step, *stop, images, engram), history
-
-    def _forward(self, cache, ids, lengths, logits, record, history, images=None):
-        """One model-only ``forward`` call (the server's slot loop); returns (cache, logits, first rows, engram
-        history after the call)."""
-        is_image = None if images is None else images[2] >= 0
-        engram, history = self._engram_rows(ids, lengths, history, is_image)
-        cache, logits, first = self._programs.run("forward", _forward, {"keep_first_row": record},
-                                                  (self.state, cache, ids, lengths, logits, images, engram),
-                                                  donate=(1, 4), sharding=self._replicated)
-        return cache, logits, first, history
 
     def _call(self, record: bool, args) -> StepOut:
         return self._programs.run("step", _step, {"keep_first_row": record}, args, donate=_STEP_DONATE,

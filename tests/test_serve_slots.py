@@ -30,15 +30,22 @@ SLOTS = 3
 
 @pytest.fixture(scope="module")
 def engine():
+    """The engine, with the programs of a SLOTS-slot engine and of the reference (``Engine.generate`` of one
+    request) compiled: every test here reuses them (the program table is per model), so the module compiles
+    each program once."""
     cfg = mini_config()
     model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))
-    return Engine(model, cfg, max_context=64, cache_dtype="float32", eos_ids=(),
-                  segment_plan=lambda n: fixed_segments(n, 16), short_rows=8)
+    engine = Engine(model, cfg, max_context=64, cache_dtype="float32", eos_ids=(),
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=8)
+    SlotEngine(engine, SLOTS).precompile()
+    engine.precompile(1, 40)
+    return engine
 
 
 def _requests():
     rng = np.random.default_rng(0)
-    shapes = [(5, 7), (30, 4), (17, 9), (3, 11), (40, 5), (8, 3), (12, 6)]
+    # 16: one long segment (a 12 would run in a 12-row program alone, a compile of its own)
+    shapes = [(5, 7), (30, 4), (17, 9), (3, 11), (40, 5), (8, 3), (16, 6)]
     return [Request(tuple(int(x) for x in rng.integers(3, 512, n)), m,
                     SamplingParams() if i % 2 == 0 else SamplingParams(temperature=1.0, top_k=40, seed=i))
             for i, (n, m) in enumerate(shapes)]
@@ -90,31 +97,45 @@ def test_slots_equal_alone_reuse_slots_and_compile_nothing(engine):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
-    assert slots.prefill_calls == 2 + 2 + 3 + 1  # the 17-, 30-, 40- and 12-token prompts, 16-row segments
+    assert slots.prefill_calls == 2 + 2 + 3 + 1  # the 17-, 30-, 40- and 16-token prompts, 16-row segments
     for i, r in enumerate(requests):
         alone = engine.generate([r]).generations[0]
         assert tuple(got[i]) == alone.token_ids and done[i] == "length", i
 
 
 def test_cancel_frees_the_slot_at_once(engine):
-    slots = SlotEngine(engine, 1)
+    """Three running requests fill the slots; a cancel frees one at once for the waiting fourth, whose tokens
+    (in the slot the cancelled request left mid-stream) are those it gets alone."""
+    slots = SlotEngine(engine, SLOTS)
     events = []
-    slots.add(Job(1, Request((5, 6, 7), 50), lambda kind, value: events.append((1, kind, value))))
-    slots.add(Job(2, Request((8, 9), 2), lambda kind, value: events.append((2, kind, value))))
+
+    def sink(i):
+        return lambda kind, value: events.append((i, kind, value))
+
+    for i in range(SLOTS):
+        slots.add(Job(i, Request((5 + i, 6, 7), 50), sink(i)))
+    slots.add(Job(SLOTS, Request((8, 9), 4), sink(SLOTS)))
     for _ in range(6):
         slots.step()
-    slots.cancel(1)
-    slots.step()  # request 1 leaves, request 2 takes the one slot in the same step
-    assert (1, "done", "cancelled") in events and slots.running[0].id == 2
+    slots.cancel(0)
+    slots.step()  # request 0 leaves, the waiting one takes its slot in the same step
+    assert (0, "done", "cancelled") in events and slots.running[0].id == SLOTS
+    # 3 steps feed the prompt rows (the last one draws token 0), 3 more draw; the host reads a step behind.
+    assert sum(1 for e in events if e[:2] == (0, "token")) == 6 - 3
+    for i in range(1, SLOTS):
+        slots.cancel(i)
     while slots.busy:
         slots.step()
-    assert [e for e in events if e[0] == 2][-1] == (2, "done", "length")
-    assert sum(1 for e in events if e[:2] == (1, "token")) == 6 - 3  # 3 steps feed the prompt rows, 3 sample
+    mine = [e for e in events if e[0] == SLOTS]
+    assert mine[-1] == (SLOTS, "done", "length")
+    assert tuple(v for _, kind, v in mine if kind == "token") == \
+        engine.generate([Request((8, 9), 4)]).generations[0].token_ids
 
 
 def test_a_failing_step_fails_its_request_and_the_engine_thread_goes_on(engine, monkeypatch):
     """The engine thread (serve.worker): a step that raises fails the requests it held (the server's 500) and
-    the next request runs; one slot and no queue: a second request in flight is refused at once (the 503)."""
+    the next request runs; every slot taken and no queue: one more request in flight is refused at once (the
+    503)."""
     from dsv41_jax.serve.worker import QueueFull, Worker
 
     real, failures = SlotEngine._decode_step, []
@@ -126,15 +147,15 @@ def test_a_failing_step_fails_its_request_and_the_engine_thread_goes_on(engine, 
         return real(self)
 
     monkeypatch.setattr(SlotEngine, "_decode_step", flaky)
-    worker = Worker(SlotEngine(engine, 1), max_queue=0)
-    worker.start()
+    worker = Worker(SlotEngine(engine, SLOTS), max_queue=0)
 
     async def run():
         loop = asyncio.get_running_loop()
-        _, first = worker.submit(Request((5, 6), 3), loop)
+        held = [worker.submit(Request((5, 6), 3), loop)[1] for _ in range(SLOTS)]
         with pytest.raises(QueueFull):
             worker.submit(Request((5,), 2), loop)
-        failed = await asyncio.wait_for(first.get(), 120)
+        worker.start()  # after the submits: its first step holds all of them
+        failed = [await asyncio.wait_for(events.get(), 120) for events in held]
         _, second = worker.submit(Request((5, 6), 3), loop)
         return failed, [await asyncio.wait_for(second.get(), 120) for _ in range(4)]
 
@@ -142,6 +163,6 @@ def test_a_failing_step_fails_its_request_and_the_engine_thread_goes_on(engine, 
         failed, events = asyncio.run(run())
     finally:
         worker.stop()
-    assert failed[0] == "error"
+    assert [kind for kind, _ in failed] == ["error"] * SLOTS
     assert [kind for kind, _ in events] == ["token", "token", "token", "done"] and events[-1] == ("done", "length")
     assert [v for _, v in events[:3]] == list(engine.generate([Request((5, 6), 3)]).generations[0].token_ids)

@@ -4,20 +4,32 @@ Each slot holds one sequence: its rows of the S-slot cache (with its own ``offse
 the last-logits buffer, its sampling settings and seed key, and its own step counter (``sampling.sample`` folds
 each sequence's *own* step into its key, so a request draws the same tokens in any slot next to any others).
 
+Every decode step is the engine's one program, ``step[S, 1]`` (`engine._step`: the model over one row per slot,
+then sampling), with a step index per slot. Its outputs include the next step's inputs (each slot's token as
+``ids``, ``lengths = keep_going``, ``running``, ``step + 1``: the *chain*), so steps follow each other on the
+device as `Engine._decode` chains them, and the host reads each step's tokens one step behind, while the next
+step runs: it reports them to the requests, and frees the slots of finished ones.
+
 One `SlotEngine.step` (called in a loop by the one thread that owns the devices):
 
 1. admit waiting requests while a slot is free (FIFO), reserving the slot;
 2. prefill a *long* prompt (a segment of more than ``short_rows`` rows, PLANNER.md §A): one planner-sized
-   segment of the request at the head of the prefill line, through the engine's own ``forward[1, T]`` program
-   into a *one-row* cache (T: the segment rounded up to a power-of-two bucket); after its last segment a small
-   donating program (``_insert_slot``) copies that cache row and its last logits into the reserved slot. A
-   prompt of several segments thus takes several steps, and the running streams decode in between;
-3. decode: the engine's ``sample[S]`` (per-slot steps) then ``forward[S, 1]``, fed each decoding slot's new
-   token and each *short* prompt's next row (short prompts — every segment at most ``short_rows`` rows — are
-   prefilled row by row inside the decode steps, as the engine runs short segments through its decode program,
-   so they cost no call of their own and no program beyond the decode one); ``lengths`` is 0 for the other
-   slots (free, finished, cancelled, or prefilling apart), whose cache rows and logits stay untouched
-   (`engine._forward`).
+   segment of the request at the head of the prefill line, through the engine's own ``step[1, T]`` program
+   (the one ``Engine.generate`` runs for one prompt) into a *one-row* cache (T: the segment rounded up to a
+   power-of-two bucket); its last segment draws the request's first token. A small program (``_insert_slot``)
+   then copies that cache row, its last logits and its chain row (that token, its keep-going flag, step 1) into
+   the reserved slot. A prompt of several segments thus takes several steps, and the running streams decode in
+   between;
+3. decode: one ``step[S, 1]`` on the chain of the previous step; where the host has something to say (the next
+   row of a *short* prompt, a slot whose request was cancelled), a small program (``_override``) first replaces
+   those slots' rows of the chain. Short prompts (every segment at most ``short_rows`` rows) are prefilled row by
+   row inside the decode steps, as the engine runs short segments through its decode program, so they cost no
+   call of their own; the step that feeds a prompt's last row draws its first token. A slot with ``lengths`` 0
+   (free, finished, cancelled, or prefilling apart) keeps its cache rows and logits untouched;
+4. read the tokens of every step but the one just dispatched.
+
+Engram models (`MODEL.md` §B.12) hash each step's ids on the host, so there the host reads every token before it
+dispatches the next step and feeds every slot's row itself (as `Engine._decode` does for them).
 
 Why a long prompt prefills into one row and is copied, rather than by a forward over all S slots with
 ``lengths`` 0 for the others: the S-slot forward computes S x T rows for one prompt's T (every row of a static
@@ -25,13 +37,13 @@ batch is computed, padding or not), so its cost grows with the slot count; the o
 whatever S is, and the copy is one dynamic-update-slice per cache leaf (`docs/DESIGN.md` "Serving" has the
 CPU measurement). It also makes a request's prefill independent of what else runs.
 
-A finished request (end id, ``max_new_tokens``, or `cancel`: a stop string, a client gone) frees its slot at
-once: the next decode step feeds it length 0 and the next admission overwrites its row whole (the insert of a
-fresh one-row cache for a short prompt).
+A finished request (end id, ``max_new_tokens``: its slot's chain already stopped on the device; or `cancel`: a
+stop string, a client gone) frees its slot when the host reads it (at once for a cancel); the next admission
+overwrites the slot's row whole (the insert of a fresh one-row cache for a short prompt).
 
-Programs: ``init[1]``, ``init[S]``, ``forward[S, 1]``, ``sample[S]``, ``insert`` and ``forward[1, T]`` per
-bucket above ``short_rows`` — all compiled by `precompile` through the engine's program table; slots are reused
-without compiling anything (tests/test_serve.py counts JAX's compile events in the server).
+Programs: ``init[1]``, ``init[S]``, ``step[S, 1]`` (per-slot steps), ``insert``, ``override`` and ``step[1, T]``
+per bucket above ``short_rows`` — all compiled by `precompile` through the engine's program table; slots are
+reused without compiling anything (tests/test_serve.py counts JAX's compile events in the server).
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import Engine, EngineInputError, Request, _fresh_cache, _sample_step, bucket_rows
+from ..engine import (_STEP_DONATE, Engine, EngineInputError, Request, _fresh_cache, _step, bucket_rows)
 from ..sampling import sampling_arrays
 
 # (kind, value): ("token", id) for each generated token, then ("done", finish_reason) once:
@@ -52,20 +64,36 @@ from ..sampling import sampling_arrays
 EventSink = Callable[[str, object], None]
 
 
-def _insert_slot(graphdef, cache, logits, one_cache, one_logits, slot):
-    """Copy a one-row cache and its last logits into row ``slot`` of the S-slot cache / logits [S, V] (both
-    donated): every leaf's rows [slot] (offsets included) are replaced, so nothing of the slot's last user stays."""
+def _insert_slot(graphdef, cache, logits, chain, one_cache, one_logits, one_chain, slot):
+    """Copy a one-row cache, its last logits [1, V] and its chain row into row ``slot`` of the S-slot cache,
+    logits [S, V] (both donated) and chain (ids [S, 1], lengths [S], running [S], step [S]): every leaf's rows
+    [slot] (offsets included) are replaced, so nothing of the slot's last user stays."""
     del graphdef
 
     def put(big, small):
         return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
 
-    return jax.tree.map(put, cache, one_cache), put(logits, one_logits)
+    return jax.tree.map(put, cache, one_cache), put(logits, one_logits), jax.tree.map(put, chain, one_chain)
+
+
+def _override(graphdef, chain, mask, values):
+    """The chain (ids [S, 1], lengths [S], running [S], step [S]) with the rows where ``mask [S]`` is set taken
+    from ``values`` (same shapes, from the host)."""
+    del graphdef
+    return jax.tree.map(lambda old, new: jnp.where(mask.reshape((-1,) + (1,) * (old.ndim - 1)), new, old),
+                        chain, values)
+
+
+def _host_chain(batch: int) -> tuple:
+    """Idle chain rows on the host: (ids [B, 1], lengths [B], running [B], step [B])."""
+    return (np.zeros((batch, 1), np.int32), np.zeros(batch, np.int32), np.zeros(batch, bool),
+            np.zeros(batch, np.int32))
 
 
 @dataclass
 class Job:
-    """One request in the slot engine. ``sink`` gets its events on the engine thread."""
+    """One request in the slot engine. ``sink`` gets its events on the engine thread. ``steps``, ``last`` and
+    ``keep``: the tokens read so far, the last one and whether it goes on (the host's view, a step behind)."""
 
     id: int
     request: Request
@@ -74,6 +102,10 @@ class Job:
     segments: list = field(default_factory=list)  # remaining prefill segment sizes
     slot: int = -1
     cancelled: bool = False
+    finished: bool = False
+    steps: int = 0
+    last: int = 0
+    keep: bool = True
 
 
 class SlotEngine:
@@ -93,14 +125,19 @@ class SlotEngine:
         self.prefilling: collections.deque[Job] = collections.deque()  # long prompts: slot reserved, not done
         self.running: list[Job | None] = [None] * slots  # by slot: feeding a short prompt, or decoding
         self._reserved = [False] * slots
+        self._host_feed = engine.hasher is not None  # engram: the host hashes (so reads) every step's ids
         self._eos = np.array(engine.eos_ids or (-1,), np.int32)
         self._sampling = sampling_arrays([Request(()).sampling] * slots)
         self._max_new = np.ones(slots, np.int32)
-        self._steps = np.zeros(slots, np.int32)
+        self._stop = None  # (eos, max_new, sampling) on the device; None: changed since placed
         self._history = engine._empty_history(slots)
-        self._one = None  # (one-row cache, logits [1, V], engram history) of the long prefill in progress
+        self._one = None  # (one-row cache, logits [1, V], engram history, stop inputs) of the long prefill
         self._cache = self._run_init(slots)
-        self._logits = jnp.zeros((slots, engine.vocab_size), jnp.float32)
+        self._logits = np.zeros((slots, engine.vocab_size), np.float32)
+        self._chain = _host_chain(slots)  # the next step's (ids, lengths, running, step): device or host arrays
+        self._halt = np.zeros(slots, bool)  # slots whose request the host dropped while the chain runs it
+        self._pending: collections.deque = collections.deque()  # (tokens, keep, [(row, job)]) not read yet
+        self._step_program = None  # the compiled step[S, 1], looked up once
         self.decode_steps = 0
         self.prefill_calls = 0
 
@@ -116,13 +153,11 @@ class SlotEngine:
         """Compile every program serving can need (module docstring); returns compile seconds."""
         e = self.engine
         before = e._programs.compile_s
-        specs = [s for s in e._split_specs(self.slots, [1], False) if s[0] != "sample"]
-        rows = self._prefill_rows()
-        specs += [s for s in e._split_specs(1, rows, False) if s[0] == "init" or (s[0] == "forward" and rows
-                                                                             and s[3][2].shape[1] != 1)]
+        specs = e._specs(self.slots, [], False, slot_steps=True)  # init[S], step[S, 1]
+        specs += [s for s in e._specs(1, self._prefill_rows(), False) if s[0] == "init" or s[3][2].shape[1] != 1]
         e._programs.ensure(specs)
-        self._run_sample(np.zeros(self.slots, bool))  # sample[S] with per-slot steps and insert: on a dry run
-        self._run_insert(self._run_init(1), jnp.zeros((1, e.vocab_size), jnp.float32), 0)
+        self._run_insert(self._run_init(1), np.zeros((1, e.vocab_size), np.float32), _host_chain(1), 0)
+        self._chain = self._run_override(np.zeros(self.slots, bool), _host_chain(self.slots))  # dry runs
         sampling_arrays([Request(()).sampling])  # its one-request key op, so the first request compiles nothing
         return e._programs.compile_s - before
 
@@ -130,21 +165,27 @@ class SlotEngine:
         e = self.engine
         return e._programs.run("init", _fresh_cache, e._init_static(batch), ())
 
-    def _run_insert(self, one_cache, one_logits, slot: int) -> None:
-        self._cache, self._logits = self.engine._programs.run(
-            "insert", _insert_slot, {}, (self._cache, self._logits, one_cache, one_logits, np.int32(slot)),
+    def _run_insert(self, one_cache, one_logits, one_chain, slot: int) -> None:
+        self._cache, self._logits, self._chain = self.engine._programs.run(
+            "insert", _insert_slot, {},
+            (self._cache, self._logits, self._chain, one_cache, one_logits, one_chain, np.int32(slot)),
             donate=(0, 1), sharding=self.engine._replicated)
 
-    def _run_sample(self, decoding: np.ndarray):
-        return self.engine._programs.run(
-            "sample", _sample_step, {},
-            (self._logits, decoding, self._eos, self._max_new, self._sampling, self._steps),
-            sharding=self.engine._replicated)
+    def _run_override(self, mask: np.ndarray, values: tuple) -> tuple:
+        return self.engine._programs.run("override", _override, {}, (self._chain, mask, values),
+                                         sharding=self.engine._replicated)
+
+    def _stop_inputs(self) -> tuple:
+        """The step's (eos ids, max new [S], sampling arrays) on the device, placed again after an admission."""
+        if self._stop is None:
+            host = jax.tree.map(np.copy, (self._eos, self._max_new, self._sampling))  # never aliased, then changed
+            self._stop = jax.device_put(host, self.engine._replicated)
+        return self._stop
 
     # ------------------------------------------------------------------------------------------ requests
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or any(j is not None for j in self.running))
+        return bool(self.waiting or self.prefilling or self._pending or any(j is not None for j in self.running))
 
     @property
     def active(self) -> int:
@@ -165,13 +206,16 @@ class SlotEngine:
 
     # ------------------------------------------------------------------------------------------ stepping
     def step(self) -> None:
-        """One scheduling step: admit, one long-prefill segment, one decode step (module docstring)."""
+        """One scheduling step: admit, one long-prefill segment, one decode step, read what is done (module
+        docstring)."""
         self._drop_cancelled()
         self._admit()
         if self.prefilling:
             self._prefill_segment()
-        if any(j is not None for j in self.running):
+        decoding = any(j is not None for j in self.running)
+        if decoding:
             self._decode_step()
+        self._read(1 if decoding and not self._host_feed else 0)
 
     def _drop_cancelled(self) -> None:
         for queue in (self.waiting, self.prefilling):
@@ -181,10 +225,12 @@ class SlotEngine:
                 queue.remove(job)
                 if job.slot >= 0:
                     self._reserved[job.slot] = False
+                job.finished = True
                 job.sink("done", "cancelled")
         for b, job in enumerate(self.running):
             if job is not None and job.cancelled:
-                self._free(b, "cancelled")
+                self._halt[b] = True  # its chain may still run: the next step feeds the slot nothing
+                self._finish(job, "cancelled")
 
     def _admit(self) -> None:
         while self.waiting and not all(self._reserved):
@@ -192,75 +238,118 @@ class SlotEngine:
             job.slot = self._reserved.index(False)
             self._reserved[job.slot] = True
             if max(job.segments) <= self.short_rows:
-                self._join(job, self._run_init(1), jnp.zeros((1, self.engine.vocab_size), jnp.float32),
-                           self.engine._empty_history(1))
+                self._join(job, self._run_init(1), np.zeros((1, self.engine.vocab_size), np.float32),
+                           _host_chain(1), self.engine._empty_history(1))
             else:
                 self.prefilling.append(job)
 
-    def _join(self, job: Job, one_cache, one_logits, history) -> None:
-        """``job`` takes its slot: the slot's cache row and logits become the one-row ones (its prefill, or a
-        fresh cache for a short prompt that feeds in the decode steps), with its settings and step 0."""
+    def _join(self, job: Job, one_cache, one_logits, one_chain, history) -> None:
+        """``job`` takes its slot: the slot's cache row, logits and chain row become the one-row ones (its
+        prefill, or a fresh cache and an idle chain row for a short prompt that feeds in the decode steps), with
+        its settings."""
         b, r = job.slot, job.request
-        self._run_insert(one_cache, one_logits, b)
+        self._run_insert(one_cache, one_logits, one_chain, b)
+        self._halt[b] = False
         if self._history is not None:
             self._history[b] = history[0]
         one = sampling_arrays([r.sampling])
         for name in ("temperature", "top_k", "top_p", "keys"):
             getattr(self._sampling, name)[b] = getattr(one, name)[0]
-        self._max_new[b], self._steps[b] = r.max_new_tokens, 0
+        self._max_new[b] = r.max_new_tokens
+        self._stop = None
         self.running[b] = job
 
     def _prefill_segment(self) -> None:
-        """The next segment of the head long prefill; after the last, the request joins its slot."""
+        """The next segment of the head long prefill; the last one draws the first token, and the request joins
+        its slot."""
         e, job = self.engine, self.prefilling[0]
         if self._one is None:
-            self._one = (self._run_init(1), jnp.zeros((1, e.vocab_size), jnp.float32), e._empty_history(1))
-        cache, logits, history = self._one
+            self._one = (self._run_init(1), np.zeros((1, e.vocab_size), np.float32), e._empty_history(1),
+                         e._stop_inputs([job.request]))
+        cache, logits, history, stop = self._one
         size = job.segments.pop(0)
         # A short tail segment runs in the smallest long bucket (padding rows are ignored).
         ids = np.zeros((1, min(t for t in self._prefill_rows() if t >= size)), np.int32)
         ids[0, :size] = job.request.prompt_ids[job.prompt_done:job.prompt_done + size]
-        cache, logits, _, history = e._forward(cache, ids, np.array([size], np.int32), logits, False, history)
+        args, history = e._step_args(None, cache, ids, np.array([size], np.int32), logits, np.ones(1, bool),
+                                     np.int32(0), stop, history)
+        out = e._call(False, args)
         job.prompt_done += size
         self.prefill_calls += 1
         if job.segments:
-            self._one = (cache, logits, history)
+            self._one = (out.cache, out.last_logits, history, stop)
             return
         self._one = None
         self.prefilling.popleft()
-        self._join(job, cache, logits, history)
+        # Token 0 was drawn with step 0: the slot's chain goes on at step 1.
+        self._join(job, out.cache, out.last_logits, (out.tokens, out.lengths, out.keep_going, np.ones(1, np.int32)),
+                   history)
+        self._pending.append((out.tokens, out.keep_going, [(0, job)]))
 
     def _decode_step(self) -> None:
-        """Sample every decoding slot's next token and report it; feed the ones that go on, and the next row of
-        each short prompt still feeding."""
-        ids = np.zeros(self.slots, np.int32)
-        lengths = np.zeros(self.slots, np.int32)
-        decoding = np.array([j is not None and j.prompt_done == len(j.request.prompt_ids) for j in self.running])
-        if decoding.any():
-            tokens, keep = self._run_sample(decoding)
-            tokens, keep = np.asarray(tokens), np.asarray(keep)
-            self.decode_steps += 1
-            for b in np.flatnonzero(decoding):
-                job, token = self.running[b], int(tokens[b])
-                self._steps[b] += 1
+        """One ``step[S, 1]``: on the previous step's chain, with the host's rows where it has any (a short
+        prompt's next row, a cancelled slot; every slot for engram models)."""
+        e = self.engine
+        if self._host_feed:
+            self._read(0)  # the host hashes the ids: every token read first
+            if all(j is None for j in self.running):
+                return  # every request ended with the tokens just read
+        mask = self._halt.copy()
+        values = _host_chain(self.slots)
+        ids, lengths, running, steps = values
+        emit = []  # (slot, job): slots whose draw this step is a generated token
+        for b, job in enumerate(self.running):
+            if job is None:
+                continue
+            prompt = job.request.prompt_ids
+            if job.prompt_done < len(prompt):  # a short prompt's next row; its last draws token 0
+                mask[b] = True
+                ids[b, 0], lengths[b], running[b] = prompt[job.prompt_done], 1, True
+                job.prompt_done += 1
+                if job.prompt_done < len(prompt):
+                    continue
+            elif self._host_feed:
+                mask[b] = True
+                ids[b, 0], lengths[b], running[b], steps[b] = job.last, 1, True, job.steps
+            emit.append((b, job))
+        self._halt[:] = False
+        if self._host_feed:
+            chain = values
+        elif mask.any():
+            chain = self._run_override(mask, values)
+        else:
+            chain = self._chain
+        args, self._history = e._step_args(None, self._cache, *chain[:2], self._logits, *chain[2:],
+                                           self._stop_inputs(), self._history)
+        if self._step_program is None:
+            self._step_program = e._programs.get("step", _step, {"keep_first_row": False}, args, _STEP_DONATE,
+                                                 e._replicated)
+        out = self._step_program(*args)
+        self._cache, self._logits = out.cache, out.last_logits
+        self._chain = (out.tokens, out.lengths, out.keep_going, out.next_step)
+        self._pending.append((out.tokens, out.keep_going, emit))
+        self.decode_steps += 1
+
+    def _read(self, in_flight: int) -> None:
+        """Read the tokens of all but the newest ``in_flight`` dispatched calls: report them, free the slots
+        of requests that end (an end id: 'stop', not reported; the last new token: 'length')."""
+        while len(self._pending) > in_flight:
+            tokens, keep, emit = self._pending.popleft()
+            tokens, keep = np.asarray(tokens)[:, 0], np.asarray(keep)
+            for row, job in emit:
+                if job.finished or job.cancelled:
+                    continue  # its slot was freed while this call ran
+                token = int(tokens[row])
+                job.steps, job.last, job.keep = job.steps + 1, token, bool(keep[row])
                 if token in self.engine.eos_ids:
-                    self._free(b, "stop")
+                    self._finish(job, "stop")
                     continue
                 job.sink("token", token)
-                if not keep[b]:
-                    self._free(b, "length")
-                elif not job.cancelled:
-                    ids[b], lengths[b] = token, 1
-        for b, job in enumerate(self.running):
-            if job is not None and not decoding[b] and not job.cancelled:
-                ids[b], lengths[b] = job.request.prompt_ids[job.prompt_done], 1
-                job.prompt_done += 1
-        if lengths.any():
-            self._cache, self._logits, _, self._history = self.engine._forward(
-                self._cache, ids[:, None], lengths, self._logits, False, self._history)
+                if not keep[row]:
+                    self._finish(job, "length")
 
-    def _free(self, b: int, reason: str) -> None:
-        job = self.running[b]
-        self.running[b] = None
-        self._reserved[b] = False
+    def _finish(self, job: Job, reason: str) -> None:
+        job.finished = True
+        self.running[job.slot] = None
+        self._reserved[job.slot] = False
         job.sink("done", reason)
