@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ has no __init__.py: make mlx_oracle importable
 
-from dsv41_jax import checkpoint, formats, make_tiny, param_specs  # noqa: E402
+from dsv41_jax import checkpoint, make_tiny, param_specs  # noqa: E402
 from dsv41_jax.checkpoint import CheckpointError, load_checkpoint, open_checkpoint  # noqa: E402
 from dsv41_jax.config import load_named  # noqa: E402
 

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from compile_events import backend_compiles
+from test_engine import mini_config
 from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, Request, fixed_segments
@@ -25,13 +27,6 @@ from dsv41_jax.sampling import SamplingParams
 
 LOGIT_ATOL = 2e-4
 MAX_CONTEXT = 48  # not tests/test_engine.py's 64: this file's programs (and their counts) are its own
-
-
-def mini_config():
-    return load_named("tiny").replace(
-        num_hidden_layers=5, compress_ratios=(0, 2, 1, 1, 1), kv_source_layer_ids=(1, 2),
-        index_source_layer_ids=(1, 2, 3), candidate_source_layer_id=2, num_nextn_predict_layers=0,
-        dspark_target_layer_ids=())
 
 
 @pytest.fixture(scope="module")
@@ -94,17 +89,9 @@ def _count_calls(engine) -> list[str]:
 
 
 def _backend_compiles(fn):
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        return fn(), compiles
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    with backend_compiles() as compiles:
+        out = fn()
+    return out, compiles
 
 
 def test_one_program_per_decode_step(setup):

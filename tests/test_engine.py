@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from compile_events import backend_compiles
 from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
@@ -127,20 +128,11 @@ def test_no_recompiles_while_generating(setup, engine):
     compile nothing: counted by JAX's own backend-compile events, not by the engine's table."""
     _, _, prompts = setup
     engine.generate([Request(prompts[0], 2)], record_logits=True)  # warm (a no-op after the tests above)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         count = engine.compile_count
         engine.generate([Request(prompts[0][:30], 12, SamplingParams(temperature=0.8, top_k=20, top_p=0.9))],
                         record_logits=True)
         engine.generate([Request(prompts[1][:11], 9, SamplingParams(temperature=1.3, seed=5))], record_logits=True)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and engine.compile_count == count
 
 

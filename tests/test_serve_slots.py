@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compile_events import backend_compiles
 from dsv41_jax import make_tiny
 from dsv41_jax.engine import Engine, Request, fixed_segments
 from dsv41_jax.loading import build_model
@@ -77,14 +78,7 @@ def test_slots_equal_alone_reuse_slots_and_compile_nothing(engine):
                 done[i] = value
         return put
 
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         # Staggered arrival: two now, the rest one per step; 7 requests through 3 slots.
         for i in (0, 1):
             slots.add(Job(i, requests[i], sink(i)))
@@ -94,8 +88,6 @@ def test_slots_equal_alone_reuse_slots_and_compile_nothing(engine):
                 i = pending.pop(0)
                 slots.add(Job(i, requests[i], sink(i)))
             slots.step()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert slots.prefill_calls == 2 + 2 + 3 + 1  # the 17-, 30-, 40- and 16-token prompts, 16-row segments
     for i, r in enumerate(requests):
