@@ -15,7 +15,8 @@ import pytest
 
 from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
-from dsv41_jax.engine import Engine, Request, build_model, fixed_segments
+from dsv41_jax.engine import Engine, Request, fixed_segments
+from dsv41_jax.loading import build_model
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.sampling import SamplingParams
 from dsv41_jax.serve.slots import Job, SlotEngine
