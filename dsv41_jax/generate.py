@@ -807,10 +807,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 for bad input, with one line on stderr)."""
+def cli_main(parser, run_args, argv: Sequence[str] | None, interrupted: str | None = "interrupted") -> int:
+    """A command's entry (generate, serve): parse ``argv``, ask for ``--world`` simulated devices, ``run_args(args)``;
+    returns the exit status (2 for bad input, with one line on stderr; 130 on Ctrl-C, saying ``interrupted``)."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or an argument error (2, one line already printed)
         return int(e.code or 0)
     if args.world > 1:  # CPU: simulated devices, only effective before JAX initialises (sharding.mesh)
@@ -818,13 +819,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         request_host_devices(args.world)
     try:
-        return run(args)
+        return run_args(args)
     except user_errors() as e:
         _say(f"error: {e}")
         return 2
     except KeyboardInterrupt:
-        _say("interrupted")
+        if interrupted:
+            _say(interrupted)
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for bad input, with one line on stderr)."""
+    return cli_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

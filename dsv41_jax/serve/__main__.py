@@ -186,23 +186,9 @@ def run(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..generate import user_errors  # noqa: PLC0415
+    from ..generate import cli_main  # noqa: PLC0415
 
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    if args.world > 1:
-        from sharding.mesh import request_host_devices  # noqa: PLC0415
-
-        request_host_devices(args.world)
-    try:
-        return run(args)
-    except user_errors() as e:
-        _say(f"error: {e}")
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return cli_main(build_parser(), run, argv, interrupted=None)
 
 
 if __name__ == "__main__":
