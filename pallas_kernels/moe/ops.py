@@ -141,6 +141,27 @@ def _check_shapes(x, topk_ids, topk_weights, weights: ExpertWeights) -> None:
             raise ValueError(f"{name} has shape {getattr(weights, name).shape}, expected {shape}")
 
 
+# The Pallas Triton lowering addresses an operand with 32-bit signed element offsets unless the operand is larger
+# than 2**32 bytes, so an operand of one-byte elements (fp4 codes) between 2**31 and 2**32 bytes wraps its offsets
+# and reads outside itself (CUDA_ERROR_ILLEGAL_ADDRESS; found on the H200, docs/BENCHMARKS.md). bf16 and scale
+# operands cannot hit it (2-byte elements switch to 64-bit first; the scales are 16x smaller).
+_INT32_WRAP_BYTES = (2**31, 2**32)
+
+
+def check_offsets(weights: ExpertWeights) -> None:
+    """Refuse expert operands the Triton lowering would address past their end (see ``_INT32_WRAP_BYTES``)."""
+    lo, hi = _INT32_WRAP_BYTES
+    for name in ("w1", "w3", "w2"):
+        array = getattr(weights, name)
+        size = array.size * array.dtype.itemsize
+        if array.dtype.itemsize == 1 and lo <= size <= hi:
+            raise ValueError(
+                f"the Pallas MoE kernel cannot address fp4 {name} of {size / 2**30:.2f} GiB on this rank "
+                f"{tuple(array.shape)}: the Triton lowering's 32-bit offsets wrap between 2 and 4 GiB of one-byte "
+                "elements. Split the experts over more devices (--world 2 halves each rank's share) or use "
+                "--impl reference")
+
+
 def routed_experts(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -167,6 +188,8 @@ def routed_experts(
         raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if not interpret:
+        check_offsets(weights)
     num_pairs = topk_ids.size
     cfg = config or default_config(num_pairs, weights)
 

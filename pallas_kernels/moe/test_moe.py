@@ -223,3 +223,24 @@ def test_expert_weights_is_a_pytree():
     leaves, treedef = jax.tree.flatten(wts)
     assert len(leaves) == 6
     assert jax.tree.unflatten(treedef, leaves).is_fp4
+
+
+def test_offset_guard_refuses_one_byte_operands_between_2_and_4_gib():
+    """The Triton lowering's 32-bit offsets wrap for 1-byte operands of 2-4 GiB (world-1 full-width fp4 experts,
+    384 x 2,304 x 2,560 codes = 2.11 GiB); smaller ones, and bf16 operands of any size, pass."""
+    from pallas_kernels.moe.ops import ExpertWeights, check_offsets
+
+    def weights(e, f, d, dtype=jnp.uint8):
+        pack = 2 if dtype == jnp.uint8 else 1
+        shapes = [(e, f, d // pack), (e, f, d // pack), (e, d, f // pack)]
+        arrays = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+        if dtype != jnp.uint8:
+            return ExpertWeights(*arrays)
+        scales = [jax.ShapeDtypeStruct((e, f, d // 32), jnp.uint8)] * 2 + [
+            jax.ShapeDtypeStruct((e, d, f // 32), jnp.uint8)]
+        return ExpertWeights(arrays[0], arrays[1], arrays[2], *scales)
+
+    with pytest.raises(ValueError, match="--world 2"):
+        check_offsets(weights(384, 2304, 5120))
+    check_offsets(weights(384, 1152, 5120))  # world 2's share: 1.05 GiB
+    check_offsets(weights(384, 2304, 5120, jnp.bfloat16))
