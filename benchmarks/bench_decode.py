@@ -16,7 +16,8 @@ Per case it prints:
   compressed entries, and every index key an indexer scores: ⌊position / r⌋ rows);
 * ``ratio`` = step / floor;
 * ``gen tok/s``: ``Engine.decode_from`` over ``--tokens`` new tokens per sequence (the host loop included: token
-  reads, queueing, stop bookkeeping), next to ``step tok/s`` = batch / step, and their quotient.
+  reads, queueing, stop bookkeeping), next to ``step tok/s`` = batch / step, and their quotient; one row per
+  ``--decode-chunks`` value k (``Engine(decode_chunk=k)``: k steps per program call, ``chunk`` column).
 
 With ``--trace DIR`` also ``kernels``: the share of the step inside kernels, from a ``jax.profiler`` trace of a
 few chained steps per case (`dsv41_jax.profiling.trace`); XLA's command buffers are then off for the whole run,
@@ -57,6 +58,8 @@ def parse_args(argv):
     p.add_argument("--positions", default="0,300000", help="comma-separated cache positions")
     p.add_argument("--formats", default="bf16,fp4", help="routed expert formats: bf16, fp4")
     p.add_argument("--tokens", type=int, default=256, help="new tokens per sequence in the generate loop")
+    p.add_argument("--decode-chunks", default="1", help="comma-separated decode steps per program call for the "
+                   "generate loop (Engine decode_chunk), one row each")
     p.add_argument("--steps", type=int, default=64, help="chained steps timed for the step-only rate")
     p.add_argument("--impl", choices=("reference", "pallas"), default=None,
                    help="kernels (default: pallas on GPU, reference elsewhere)")
@@ -69,6 +72,7 @@ def parse_args(argv):
     try:
         a.batches = _ints(a.batches, "--batches")
         a.positions = _ints(a.positions, "--positions", minimum=0)
+        a.decode_chunks = _ints(a.decode_chunks, "--decode-chunks")
         a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         bad = [f for f in a.formats if f not in FORMATS]
         if bad or not a.formats:
@@ -136,11 +140,17 @@ def cache_bytes(cfg, batch: int, position: int, itemsize: int = 2) -> float:
 
 
 def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps: int, bandwidth: float,
-             trace_dir: Path | None = None) -> dict:
-    capacity = position + steps + tokens + 2 + (TRACE_STEPS + 1 if trace_dir else 0)
+             trace_dir: Path | None = None, chunks: tuple[int, ...] = (1,)) -> list[dict]:
+    """One row per decode chunk: the step-only figures (measured once) and that chunk's generate-loop rate."""
+    capacity = position + steps + tokens + 2 + (TRACE_STEPS + 1 if trace_dir else 0) + max(chunks)
     engine = Engine(model, cfg, max_context=capacity, eos_ids=(), mesh=mesh)
     last = np.random.default_rng(position + batch).integers(0, cfg.vocab_size, batch).astype(np.int32)
-    cache = build.build_cache(cfg, mesh, batch=batch, position=position, rows=capacity - position, dtype="bfloat16")
+
+    def fresh_cache():
+        return build.build_cache(cfg, mesh, batch=batch, position=position, rows=capacity - position,
+                                 dtype="bfloat16")
+
+    cache = fresh_cache()
     t0 = time.perf_counter()
     step_s, cache, program = engine.step_seconds(cache, last, steps)
     kernel_s = None
@@ -153,25 +163,35 @@ def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps:
             ops = trace.op_times(trace.load_events(found), trace.instruction_sources(program.as_text()),
                                  TRACE_STEPS + 1, mesh.size)
             kernel_s = sum(o.seconds for o in ops)
-    out = engine.decode_from(cache, last, [Request((0,), tokens)] * batch)
-    wall = time.perf_counter() - t0
     weights, touched = weight_bytes(model, cfg, batch)
     kv = cache_bytes(cfg, batch, position)
     floor_s = (weights + kv) / bandwidth
-    gen_tok_s = out.timings.generated_tokens / out.timings.decode_s
-    return {"batch": batch, "position": position, "step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3,
-            "ratio": step_s / floor_s, "weight_gb": weights / 1e9, "cache_gb": kv / 1e9,
-            "experts_per_layer": touched, "step_tok_s": batch / step_s, "gen_tok_s": gen_tok_s,
-            "gen_over_step": gen_tok_s / (batch / step_s), "tokens": out.timings.generated_tokens,
-            "case_s": wall, "kernel_share": None if kernel_s is None else kernel_s / step_s}
+    rows = []
+    for i, chunk in enumerate(chunks):
+        if i:
+            engine, cache = Engine(model, cfg, max_context=capacity, eos_ids=(), mesh=mesh,
+                                   decode_chunk=chunk), fresh_cache()
+        elif chunk != 1:
+            engine = Engine(model, cfg, max_context=capacity, eos_ids=(), mesh=mesh, decode_chunk=chunk)
+        engine.decode_from(cache, last, [Request((0,), 2 * chunk + 1)] * batch)  # compiles the chunk program
+        out = engine.decode_from(fresh_cache(), last, [Request((0,), tokens)] * batch)
+        gen_tok_s = out.timings.generated_tokens / out.timings.decode_s
+        rows.append({"batch": batch, "position": position, "chunk": chunk, "step_ms": step_s * 1e3,
+                     "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s, "weight_gb": weights / 1e9,
+                     "cache_gb": kv / 1e9, "experts_per_layer": touched, "step_tok_s": batch / step_s,
+                     "gen_tok_s": gen_tok_s, "gen_over_step": gen_tok_s / (batch / step_s),
+                     "tokens": out.timings.generated_tokens, "case_s": time.perf_counter() - t0,
+                     "kernel_share": None if kernel_s is None else kernel_s / step_s})
+    return rows
 
 
-HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'step ms':>8} {'floor ms':>8} {'ratio':>6} "
+HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'chunk':>5} {'step ms':>8} {'floor ms':>8} {'ratio':>6} "
           f"{'exp/layer':>9} {'step tok/s':>10} {'gen tok/s':>10} {'gen/step':>8} {'kernels':>7}")
 
 
 def fmt_row(r: dict) -> str:
-    return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "
+    return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['chunk']:>5} "
+            f"{r['step_ms']:>8.4g} "
             f"{r['floor_ms']:>8.4g} {r['ratio']:>6.3g} {r['experts_per_layer']:>9.1f} {r['step_tok_s']:>10.1f} "
             f"{r['gen_tok_s']:>10.1f} {r['gen_over_step']:>8.1%} "
             f"{'-' if r['kernel_share'] is None else format(r['kernel_share'], '.0%'):>7}")
@@ -205,16 +225,18 @@ def main(argv: list[str] | None = None) -> int:
                     r = {"world": world, "experts": fmt}
                     try:
                         folder = Path(a.trace) / f"w{world}_{fmt}_b{batch}_p{position}" if a.trace else None
-                        r.update(run_case(model, mesh, cfg, batch=batch, position=position, tokens=a.tokens,
-                                          steps=a.steps, bandwidth=a.bandwidth, trace_dir=folder))
+                        case = run_case(model, mesh, cfg, batch=batch, position=position, tokens=a.tokens,
+                                        steps=a.steps, bandwidth=a.bandwidth, trace_dir=folder,
+                                        chunks=tuple(a.decode_chunks))
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported, the grid goes on
                         r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                         print(f"world {world} {fmt} batch {batch} position {position}: {r['error']}",
                               file=sys.stderr, flush=True)
                         rows.append(r)
                         continue
-                    rows.append(r)
-                    print(f"{fmt_row(r)}   ({r['case_s']:.1f} s)", file=sys.stderr, flush=True)
+                    for c in case:
+                        rows.append({**r, **c})
+                        print(f"{fmt_row(rows[-1])}   ({c['case_s']:.1f} s)", file=sys.stderr, flush=True)
             del model, mesh
     print(HEADER)
     for r in rows:

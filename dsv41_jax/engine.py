@@ -233,6 +233,37 @@ def _step(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_
                    step + 1)
 
 
+class Chunk(NamedTuple):
+    """What ``_steps`` returns: ``last``, the last step's ``StepOut`` (the next call chains on it as on a step's);
+    ``tokens`` [B, k] i32 and ``keep_going`` [B, k] bool, the token of each of the k steps and whether the sequence
+    went on after it."""
+
+    last: StepOut
+    tokens: jax.Array
+    keep_going: jax.Array
+
+
+def _steps(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_ids, max_new,
+           sampling: SamplingArrays, images, engram, keep_first_row: bool, k: int) -> Chunk:
+    """``k`` decode steps in one program (``Engine(decode_chunk=k)``): ``_step`` under a ``lax.scan`` whose carry is
+    what one step hands the next (cache, logits, tokens as ids, lengths, running, step), so the host dispatches and
+    reads once per k tokens. Sequences that stop inside the chunk feed lengths 0 afterwards (no cache writes), as
+    queued single steps do. Decode only: no engram rows (hashed on the host per step), no recorded rows."""
+    if engram is not None or keep_first_row:
+        raise ValueError("a decode chunk takes no engram rows and records no logits")
+
+    def one(carry, _):
+        cache, logits, ids, lengths, running, step = carry
+        out = _step(graphdef, state, cache, ids, lengths, logits, running, step, eos_ids, max_new, sampling,
+                    images, None, False)
+        return ((out.cache, out.last_logits, out.tokens, out.lengths, out.keep_going, out.next_step),
+                (out.tokens[:, 0], out.keep_going))
+
+    carry, (tokens, keep) = jax.lax.scan(one, (cache, last_logits, ids, lengths, running, step), length=k)
+    cache, logits, ids, lengths, running, step = carry
+    return Chunk(StepOut(cache, logits, None, ids, lengths, running, step), tokens.T, keep.T)
+
+
 class StepTiming(NamedTuple):
     """``Engine.step_seconds``: seconds per step, the cache after the steps, the compiled step program."""
 
@@ -241,7 +272,7 @@ class StepTiming(NamedTuple):
     program: object
 
 
-_MODEL_PROGRAMS = (_step, _encode_images)  # programs whose first argument is the model state
+_MODEL_PROGRAMS = (_step, _steps, _encode_images)  # programs whose first argument is the model state
 _STEP_DONATE = (1, 4)  # the cache and last_logits are updated in place
 
 
@@ -335,7 +366,9 @@ class Engine:
     def __init__(self, model: nnx.Module, cfg: ModelConfig, *, max_context: int, cache_dtype: str = "bfloat16",
                  eos_ids: Sequence[int] | None = None, segment_plan: SegmentPlan | None = None,
                  short_rows: int = SHORT_ROWS, init_cache: Callable | None = None, mesh=None,
-                 hasher=None, host_tables=None):
+                 hasher=None, host_tables=None, decode_chunk: int = 1):
+        if decode_chunk < 1:
+            raise ValueError(f"decode_chunk must be at least 1, got {decode_chunk}")
         if init_cache is None:
             from .model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light
         self.cfg = cfg
@@ -355,6 +388,9 @@ class Engine:
             self.hasher = hasher or Hasher(cfg)
         self._has_vision = hasattr(model, "vision")  # built with the image path (a sharded model's: its inner's)
         self.host_tables = host_tables  # engram tables on the host (`engram.HostTables`): rows gathered per call
+        # decode steps per program call (`_steps`); 1 = one `step[B, 1]` call per token. Engram models and recorded
+        # runs decode one step at a time whatever this says.
+        self.decode_chunk = int(decode_chunk)
         graphdef, self.state = nnx.split(model)
         self._programs = _shared_programs(graphdef, self.state)
 
@@ -400,6 +436,9 @@ class Engine:
             specs.append(("step", _step, {"keep_first_row": record},
                           (self.state, cache, ids, vec, logits, *stop, None, self._engram_abstract(batch, t, arg)),
                           _STEP_DONATE))
+        if self.decode_chunk > 1 and self.hasher is None and not record and not slot_steps and not images:
+            specs.append(("steps", _steps, {"keep_first_row": False, "k": self.decode_chunk},
+                          (self.state, cache, arg((batch, 1), i32), vec, logits, *stop, None, None), _STEP_DONATE))
         return specs
 
     def _engram_abstract(self, batch, t, arg):
@@ -601,15 +640,20 @@ class Engine:
 
     def _decode(self, requests, out: StepOut, first_row, stop, timings: Timings, on_tokens, record, history,
                 images=None):
-        """Read token 0 from the prefill's last call, then run one ``step`` program per token.
+        """Read token 0 from the prefill's last call, then run one ``step`` program per token (or one ``steps``
+        program per ``decode_chunk`` tokens).
 
-        Without engram layers the host chains each step on the previous step's device outputs and keeps up to
-        ``ahead`` steps queued while it reads a token: one step (printing lags a step) with a streaming callback,
-        ``DECODE_AHEAD`` without. Steps queued past the last stop do no cache writes (their lengths are 0) and
+        Without engram layers the host chains each call on the previous call's device outputs and keeps up to
+        ``ahead`` calls queued while it reads tokens: one call (printing lags a call) with a streaming callback,
+        ``DECODE_AHEAD`` steps (two chunks) without. Steps queued past the last stop do no cache writes (their lengths are 0) and
         are dropped. Engram models hash each step's ids on the host first: one step at a time."""
         batch = len(requests)
         longest = max(r.max_new_tokens for r in requests)
-        ahead = 0 if self.hasher is not None else (1 if on_tokens else DECODE_AHEAD)
+        chunk = self.decode_chunk if self.hasher is None and not record else 1
+        if self.hasher is not None:
+            ahead = 0
+        else:  # calls kept queued: a chunk call already holds `chunk` tokens
+            ahead = 1 if on_tokens else (DECODE_AHEAD if chunk == 1 else 2)
         pending = collections.deque([(out.tokens, out.keep_going, first_row)])  # oldest first
         dispatched = 1  # token indices dispatched so far
         alive = np.ones(batch, bool)  # sequences producing the token read next
@@ -617,38 +661,48 @@ class Engine:
         finish = ["length"] * batch
         recorded = []
         step = 0
-        run = None  # the compiled decode step, looked up once
+        run = None  # the compiled decode program, looked up once
 
         def dispatch(ids, lengths, running, index):
             nonlocal out, history, run, dispatched
             args, history = self._step_args(out, None, ids, lengths, None, running, index, stop, history, images)
+            fn, static = (_step, {"keep_first_row": record}) if chunk == 1 else (_steps, {"keep_first_row": False,
+                                                                                          "k": chunk})
             if run is None:
-                run = self._programs.get("step", _step, {"keep_first_row": record}, args, _STEP_DONATE,
+                run = self._programs.get("step" if chunk == 1 else "steps", fn, static, args, _STEP_DONATE,
                                          self._replicated)
-            out = run(*args)
-            pending.append((out.tokens, out.keep_going, out.first))
-            dispatched += 1
+            result = run(*args)
+            if chunk == 1:
+                out = result
+                pending.append((out.tokens, out.keep_going, out.first))
+            else:
+                out = result.last
+                pending.append((result.tokens, result.keep_going, None))
+            dispatched += chunk
 
         t0 = time.perf_counter()
         while pending:
             while ahead and len(pending) <= ahead and dispatched < longest:
                 dispatch(out.tokens, out.lengths, out.keep_going, out.next_step)
             tokens, keep, first = pending.popleft()
-            tokens_np, keep_np = np.asarray(tokens)[:, 0], np.asarray(keep)
-            if record and alive[0]:
-                recorded.append(np.asarray(first)[0])
-            for b in np.flatnonzero(alive):
-                produced[b].append(int(tokens_np[b]))
-                if int(tokens_np[b]) in self.eos_ids:
-                    finish[b] = "eos"
-            if on_tokens:
-                on_tokens(step, tokens_np, alive.copy())
-            alive = keep_np
-            step += 1
+            tokens_np, keep_np = np.asarray(tokens).reshape(batch, -1), np.asarray(keep).reshape(batch, -1)
+            for j in range(tokens_np.shape[1]):
+                if record and alive[0]:
+                    recorded.append(np.asarray(first)[0])
+                for b in np.flatnonzero(alive):
+                    produced[b].append(int(tokens_np[b, j]))
+                    if int(tokens_np[b, j]) in self.eos_ids:
+                        finish[b] = "eos"
+                if on_tokens:
+                    on_tokens(step, tokens_np[:, j], alive.copy())
+                alive = keep_np[:, j]
+                step += 1
+                if not alive.any():
+                    break
             if not alive.any():
                 break
             if not ahead:  # engram: the next ids go through the host hash first
-                dispatch(tokens_np[:, None], keep_np.astype(np.int32), keep_np, np.int32(step))
+                dispatch(tokens_np[:, -1:], alive.astype(np.int32), alive, np.int32(step))
         timings.decode_s = time.perf_counter() - t0
         timings.decode_steps = step
         timings.generated_tokens = sum(len(p) for p in produced)

@@ -45,11 +45,13 @@ def test_cache_bytes_counts_windows_picks_and_index_keys():
 def test_quick_smoke_run_on_cpu(tmp_path, capsys, monkeypatch):
     out = tmp_path / "decode.json"
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --trace adds a (GPU-only) flag: restored
-    assert bench.main(["--config", "tiny", "--quick", "--tokens", "6", "--steps", "3", "--json-out", str(out),
+    assert bench.main(["--config", "tiny", "--quick", "--tokens", "6", "--steps", "3", "--decode-chunks", "1,3",
+                       "--json-out", str(out),
                        "--trace", str(tmp_path / "trace")]) == 0
     report = json.loads(out.read_text())
-    (row,) = report["rows"]
+    row, chunked = report["rows"]  # one row per decode chunk, the step-only figures shared
     assert (row["world"], row["experts"], row["batch"], row["position"], row["tokens"]) == (1, "bf16", 1, 0, 6)
+    assert (row["chunk"], chunked["chunk"], chunked["tokens"], chunked["step_ms"]) == (1, 3, 6, row["step_ms"])
     assert row["step_ms"] > 0 and row["floor_ms"] > 0 and row["gen_tok_s"] > 0
     assert math.isclose(row["ratio"], row["step_ms"] / row["floor_ms"], rel_tol=1e-9)
     assert row["kernel_share"] > 0  # the traced steps' XLA ops were found and attributed
@@ -57,7 +59,7 @@ def test_quick_smoke_run_on_cpu(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--batches", "0"], ["--worlds", "64"],
-                                  ["--positions", "x"]])
+                                  ["--positions", "x"], ["--decode-chunks", "0"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)

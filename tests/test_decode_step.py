@@ -175,3 +175,44 @@ def test_programs_do_not_grow_with_layers():
         counts[layers] = sorted(key[0] for key in engine._programs.compiled)
     print(f"compile seconds: 1 layer {seconds[1]:.1f}, 4 layers {seconds[4]:.1f}")
     assert counts[1] == counts[4] == ["init", "step"]
+
+
+def test_decode_chunks_give_the_step_loops_tokens(setup):
+    """``decode_chunk = k``: k decode steps per program call (one ``lax.scan`` of the step) give exactly the tokens,
+    finish reasons and streamed (step, token, alive) triples of one call per token — for a k that divides the
+    token count and one that does not, a ragged batch (7 and 5 new tokens), seeded sampling, and an end id drawn
+    mid-chunk (the chunk's later steps then write nothing: the next request is unchanged). Decode calls: one per
+    chunk."""
+    cfg, model, prompts = setup
+    requests = [Request(prompts[0], 7), Request(prompts[1], 5, SamplingParams(temperature=0.9, top_k=30, seed=4))]
+
+    def run(engine, reqs):
+        seen = []
+        out = engine.generate(reqs, on_tokens=lambda step, tokens, alive: seen.append(
+            (step, tuple(int(t) for t in tokens), tuple(bool(a) for a in alive))))
+        return [(g.token_ids, g.finish_reason) for g in out.generations], seen, engine.generate(reqs).generations
+
+    one = make_engine(setup)
+    expected = run(one, requests)
+    for k in (3, 7):
+        chunked = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
+                         segment_plan=lambda n: fixed_segments(n, 16), short_rows=8, decode_chunk=k)
+        got = run(chunked, requests)
+        assert got[0] == expected[0] and got[1] == expected[1] and got[2] == expected[2]
+    free = expected[2]
+    stop_at = free[1].token_ids[1]
+    for engine in (one, chunked):  # sequence 1 stops at its second token, inside the first chunk
+        engine.eos_ids = (stop_at,)
+    stopped = chunked.generate(requests).generations
+    assert stopped == one.generate(requests).generations
+    assert stopped[1].token_ids == free[1].token_ids[:2] and stopped[1].finish_reason == "eos"
+    calls = _count_calls(chunked)
+    chunked.eos_ids = ()
+    assert chunked.generate(requests).generations == free
+    assert calls.count("steps") == 1  # 7 tokens: token 0 from the prefill, then one 7-step chunk
+
+
+def test_decode_chunk_must_be_positive(setup):
+    cfg, model, _ = setup
+    with pytest.raises(ValueError, match="decode_chunk"):
+        Engine(model, cfg, max_context=MAX_CONTEXT, decode_chunk=0)
