@@ -80,6 +80,7 @@ CASES = {
     "top-p out of range": (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "negative temperature": (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
     "zero new tokens": (["--prompt", "x", "--max-new-tokens", "0"], "must be at least 1"),
+    "zero decode chunk": (["--prompt", "x", "--decode-chunk", "0"], "must be at least 1"),
     "unknown flag": (["--prompt", "x", "--frobnicate"], "unrecognized arguments"),
     "bad prompts file": (["--prompts-file", "{bad_jsonl}"], "prompts.jsonl:2: not valid JSON"),
     "logits dir missing": (["--prompt", "x", "--logits-out", "{ckpt}/no/dir/x.npz"], "does not exist"),
@@ -112,7 +113,7 @@ def test_help_lists_flags_and_examples(capsys):
     for flag in ("--prompt", "--prompts-file", "--prompt-ids", "--chat", "--thinking", "--checkpoint", "--config",
                  "--max-new-tokens", "--greedy", "--temperature", "--top-k", "--top-p", "--seed", "--dtype",
                  "--world", "--max-context", "--json", "--logits-out", "--expert-format", "--impl", "--skip-engram",
-                 "--quant-rounding", "--no-quant-rounding"):
+                 "--quant-rounding", "--no-quant-rounding", "--decode-chunk"):
         assert flag in out
     assert "examples:" in out
 
@@ -139,6 +140,18 @@ def test_json_run_folds_text_ids_and_saves_consistent_logits(mini_config_file, t
     # Greedy: each token is the argmax of the logits it was drawn from; the first of those is the last prompt row.
     assert list(np.argmax(arrays["decode"], axis=-1)) == generated
     np.testing.assert_array_equal(arrays["decode"][0], arrays["prefill"][-1])
+
+
+def test_decode_chunk_generates_the_same_tokens(mini_config_file, capsys):
+    """--decode-chunk 3 (three decode steps per program call) emits the tokens of one call per step."""
+    runs = []
+    for chunk in ("1", "3"):
+        rc = main(["--config", str(mini_config_file), "--prompt-ids", "0,17,33,250", "--max-new-tokens", "7",
+                   "--dtype", "float32", "--json", "--decode-chunk", chunk])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        runs.append(json.loads(captured.out)["results"][0]["generated_ids"])
+    assert runs[0] == runs[1] and len(runs[0]) == 7
 
 
 def test_streamed_text_and_closing_line(mini_config_file, tmp_path, capsys):
