@@ -10,7 +10,7 @@ sorted picks are identical / rows compared; at most 128 evenly spaced rows are c
 even where it is too slow to time).
 
     PYTHONPATH=. python benchmarks/bench_indexer.py [--quick] [--json out.json]
-        [--block-rows 16|32|64] [--key-tile 32|64|128] [--splits S] [--warps 4|8] [--stages 2|3]
+        [--block-rows 16|32|64] [--key-tile 32|64|128] [--splits S] [--warps 4|8] [--stages 2|3|4]
 """
 
 from __future__ import annotations

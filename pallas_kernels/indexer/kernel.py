@@ -10,17 +10,21 @@ threshold L no larger than the K-th best score, and writes out only the keys at 
    maximum score -> [rows, N/G] (1/G of the score matrix). XLA takes L = the K-th largest group maximum
    (−∞ when fewer than K groups are visible). The candidate source's block scores are these maxima (G = B_c),
    so its candidate blocks (level 1) come from the same pass.
-2. **count** (mode 1, only when the keys are split over programs): per (split, row) the number of keys with
-   score > L and = L, so that every split knows where its candidates go and how many ties it may keep.
-3. **emit** (mode 2): every key with score > L, and the first (lowest-index) keys with score = L up to the
-   row's quota, written as (score, index) in ascending key order; slots come from an exclusive prefix sum done
-   as an MMA with a triangular 0/1 matrix (exact in f32).
+2. **emit** (mode 1): every key with score > L, and the first (lowest-index) keys with score = L up to the
+   split's quota, written as (score, index) in ascending key order from the split's first slot; slots within
+   a tile come from an exclusive prefix sum done as an MMA with a triangular 0/1 matrix (exact in f32).
 
-Fewer than K groups have a maximum > L, so at most (K−1)·G keys beat L, plus ≤ K ties: the candidate buffer of
-min(K·(G+1), N) slots per row never overflows. Ties at L are taken lowest index first and the final ``lax.top_k``
-prefers the lower buffer slot = the lower index: the op's tie rule (equal scores -> lower entry index), the
-same as the XLA path. All three passes run one compiled kernel (the mode is a runtime input), so a key's
-score is bitwise the same in every pass and the threshold test is exact.
+Each split's first slot and tie quota come from the maxima, with no counting pass over the keys. For split s
+let a_s = its groups with maximum > L and e_s = those with maximum = L (E_<s: the e of the splits before s).
+A group with maximum = L holds at least one key = L, so at least E_<s ties precede split s and it needs at
+most q_s = max(0, K − E_<s) of its own. Its keys ≥ L lie in its a_s + e_s groups, those in the e_s groups all
+= L, so split s writes at most r_s = min(G·a_s + min(q_s, G·e_s), keys of the split) slots; its first slot is
+Σ_<s r.
+Since Σ a ≤ K − 1 and the e_s of the splits with q_s > 0 sum to < K plus the last one's, Σ r ≤ 2G(K−1) + K
+(and ≤ the keys): the buffer never overflows. Slots are in key order, and the final ``lax.top_k`` prefers the
+lower slot: among equal scores the lower entry index wins, the op's tie rule and the XLA path's. Both passes
+run one compiled kernel (the mode is a runtime input), so a key's score is bitwise the same in both and the
+threshold test is exact.
 
 Scores per key tile: for each head h (a loop), ReLU(q_h · kᵀ) on the MMA with f32 accumulation, times
 w_h·d_I^(−1/2), summed in f32; q and keys in bf16 (fp4-rounded values are exact in bf16) or e4m3 with a
@@ -29,9 +33,9 @@ Grid (row block, key split, sequence); a program walks only the key tiles its ro
 scale with the cache (rows × N/G), so ``ops`` runs long segments in launches of rows sized to a workspace
 budget (``tiling.launch_rows``; the planner's "fused" path uses the same function).
 
-Cost (to be measured, docs/BENCHMARKS.md): 2 score passes with one key split, 3 with several (decode, and
-launches of few rows), each the full score GEMM over the visible keys; the pass loop, the K-th-maximum
-``lax.top_k`` over N/G maxima and the final ``lax.top_k`` over the candidates run in XLA between passes.
+Cost (docs/BENCHMARKS.md): 2 score passes, each the full score GEMM over the visible keys; the K-th-maximum
+``lax.top_k`` over N/G maxima, the splits' slots and the final ``lax.top_k`` over the candidates run in XLA
+between and after the passes.
 """
 
 from __future__ import annotations
@@ -46,8 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.indexer.tiling import tiling
 
-MAXIMA, COUNT, EMIT = 0, 1, 2
-NO_QUOTA = 2**31 - 1
+MAXIMA, EMIT = 0, 1
 
 
 def _kernel(mode_ref, nvis_ref, thresh_ref, quota_ref, offset_ref, q_ref, w_ref, keys_ref, kscale_ref,
@@ -196,51 +199,57 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
 
     zeros_split = jnp.zeros((b, s_count, t_pad), jnp.int32)
     n_groups = -(-n // g)
+    split_keys = per_split * kt
 
     def after_maxima(outs, state):
-        """L = the K-th largest group maximum (≤ the K-th best score; −∞ when fewer than K groups)."""
+        """L = the K-th largest group maximum (≤ the K-th best score; −∞ when fewer than K groups), and per
+        split its tie quota and first slot (the module docstring's q_s and Σ_<s r)."""
         maxima = outs[0][:, :, :n_groups]
         if n_groups >= kk:
             thresh = lax.top_k(maxima, kk)[0][..., kk - 1]
         else:
             thresh = jnp.full((b, t_pad), -jnp.inf, jnp.float32)
         thresh = jnp.where(jnp.arange(t_pad) < t, thresh, jnp.inf)
-        return (thresh, jnp.full_like(zeros_split, kk if s_count == 1 else NO_QUOTA), zeros_split, maxima,
-                *state[4:])
-
-    def after_count(outs, state):
-        """Per split: its tie quota (ties of earlier splits come first) and its first candidate slot."""
-        n_gt, n_eq = outs[3], outs[4]
-        quota = jnp.maximum(kk - (jnp.cumsum(n_eq, axis=1) - n_eq), 0)
-        taken = n_gt + jnp.minimum(n_eq, quota)
-        return (state[0], quota, jnp.cumsum(taken, axis=1) - taken, *state[3:])
+        per_split = jnp.swapaxes(outs[0].reshape(b, t_pad, s_count, -1), 1, 2)        # [B, S, T_pad, groups]
+        above = jnp.sum(per_split > thresh[:, None, :, None], axis=-1, dtype=jnp.int32)
+        at = jnp.sum(per_split == thresh[:, None, :, None], axis=-1, dtype=jnp.int32)
+        quota = jnp.maximum(kk - (jnp.cumsum(at, axis=1) - at), 0)
+        room = jnp.minimum(g * above + jnp.minimum(quota, g * at), split_keys)
+        return (thresh, quota, jnp.cumsum(room, axis=1) - room, maxima, *state[4:])
 
     def after_emit(outs, state):
         return (*state[:4], *outs[1:])
 
-    def one_pass(i, state):
-        mode = modes[i]
+    def one_pass(mode, state):
         outs = call(jnp.full((1,), mode, jnp.int32), nvis, *state[:3], qs, ws, ks, kscale, kept)
-        return lax.switch(mode, (after_maxima, after_count, after_emit), outs, state)
+        return lax.cond(mode == MAXIMA, after_maxima, after_emit, outs, state)
 
-    # One compiled kernel runs every pass (scores bitwise equal across passes); no count pass with one split.
-    modes = jnp.asarray([MAXIMA, EMIT] if s_count == 1 else [MAXIMA, COUNT, EMIT], jnp.int32)
+    # One compiled kernel runs both passes (a key's score is bitwise the same in both).
     state = (jnp.zeros((b, t_pad), jnp.float32), zeros_split, zeros_split,
              jnp.zeros((b, t_pad, n_groups), jnp.float32),
              jnp.zeros((b, t_pad, capacity + 1), jnp.float32), jnp.zeros((b, t_pad, capacity + 1), jnp.int32),
              zeros_split, zeros_split)
-    _, _, offset, maxima, cand_s, cand_i, n_gt, n_eq = lax.fori_loop(0, len(modes), one_pass, state)
+    _, _, offset, maxima, cand_s, cand_i, n_gt, n_eq = lax.fori_loop(MAXIMA, EMIT + 1, one_pass, state)
     new_kept = None
     if keep_blocks:
         from pallas_kernels.indexer.xla import candidate_mask
         new_kept = candidate_mask(maxima[:, :t], positions, ratio=ratio, block_size=block_size,
                                   keep_blocks=keep_blocks)
-    total = (offset + n_gt + n_eq)[:, -1, :t]                     # candidates per row
     cand_s, cand_i = cand_s[:, :t], cand_i[:, :t]
-    filled = jnp.arange(capacity + 1)[None, None, :] < total[..., None]
+    filled = _written(offset[..., :t], (n_gt + n_eq)[..., :t], capacity)
     best, slot = lax.top_k(jnp.where(filled, cand_s, -jnp.inf), kk)
     picks = jnp.take_along_axis(cand_i, slot, axis=-1)
     return jnp.where(best > -jnp.inf, picks, -1).astype(jnp.int32), new_kept
+
+
+def _written(offset, taken, capacity: int):
+    """bool [B, T, capacity + 1]: the candidate slots the emit pass wrote. offset, taken [B, S, T]: per split,
+    its first slot and the keys it wrote (runs of consecutive slots, in split order)."""
+    b, _, t = offset.shape
+    bi, ti = jnp.arange(b)[:, None, None], jnp.arange(t)[None, None, :]
+    edges = jnp.zeros((b, t, capacity + 2), jnp.int32)              # +1 where a run starts, -1 after it
+    edges = edges.at[bi, ti, offset].add(1).at[bi, ti, offset + taken].add(-1)
+    return jnp.cumsum(edges, axis=-1)[..., :capacity + 1] > 0
 
 
 def _score_operands(q, w, keys, score_dtype: str):

@@ -149,14 +149,13 @@ CASES = {
     # the full head count and dims; ragged positions (one sequence from 0: rows with 1..7 visible keys)
     "ragged_full_dims": Case(batch=2, rows=7, heads=32, head_dim=128, first_pos=(0, 250)),
     # ratio 2, a head count that is not a power of two, empty rows (position 0 sees no entry); K = 24 > 18
-    # groups of 8, so every visible key is a candidate and the second sequence's rows fill the candidate
-    # buffer (min(K·(G+1), N) = 144 slots) exactly
+    # groups of 8, so every visible key is a candidate (the threshold is −∞)
     "ratio2_heads3_full_buffer": Case(batch=2, rows=6, heads=3, head_dim=16, ratio=2, keys=144, k=24,
                                       first_pos=(0, 300)),
     "near_1M_masked": Case(batch=2, rows=4, keys=2048, ratio=512, k=32, block_size=8, masked=True,
                            first_pos=(1_048_572, 1_000_000)),
     # exact scores with ties everywhere; row (0, 2) has w = 0 (all visible scores tie at 0: picks 0 … K−1);
-    # 5 key splits, so ties are counted across splits
+    # 5 key splits, so the tie quota of each split comes from the groups tied at the threshold before it
     "exact_ties": Case(batch=2, rows=6, heads=2, head_dim=16, keys=300, k=24, exact=True, first_pos=(294, 100)),
 }
 
