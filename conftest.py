@@ -2,7 +2,11 @@
 
 * Eight simulated CPU devices, set before JAX initialises: single-device code places on device 0 as
   usual; multi-device tests build meshes over the first N devices.
-* The CLIs' persistent compilation cache off unless a test asks for it (no writes to the user's cache).
+* The CLIs' persistent compilation cache off unless a test asks for it (no writes to the user's cache); instead
+  one XLA cache for the test session, in a temporary directory that the xdist workers and the CLI subprocesses
+  share (env ``JAX_COMPILATION_CACHE_DIR``) and the controller removes at the end. Tests build many models
+  whose programs are the same HLO (a fresh graph each time, so JAX's in-memory cache misses); from the second
+  build on they load from disk. A test that asks for its own directory (``--compile-cache``) still gets it.
 * CPU unless ``JAX_PLATFORMS`` says otherwise: ``make test-gpu`` sets ``JAX_PLATFORMS=cuda``, where as many
   devices exist as GPUs.
 * Markers that skip (with the reason) instead of failing where the machine lacks something:
@@ -14,7 +18,9 @@
 
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,7 +28,13 @@ import pytest
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # an explicit count wins
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("DSV41_JAX_COMPILE_CACHE", "off")  # tests compile afresh; test_compile_cache turns it on
+os.environ.setdefault("DSV41_JAX_COMPILE_CACHE", "off")  # the user's cache; test_compile_cache turns it on
+_SESSION_CACHE = "DSV41_TEST_XLA_CACHE"  # set by the controller before the workers start; they inherit it
+if _SESSION_CACHE not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="dsv41-test-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_SESSION_CACHE]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"  # tiny programs: not worth a file
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 _tests = str(Path(__file__).resolve().parent / "tests")
 if _tests not in sys.path:
@@ -41,6 +53,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "devices(n): needs n devices of the default JAX backend (no argument: the "
                                        "test's `world` parameter); skipped when fewer exist")
     config.addinivalue_line("markers", "requires(*modules): skipped when one of the modules is not importable")
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and _SESSION_CACHE in os.environ:  # the controller (or a plain run)
+        shutil.rmtree(os.environ.pop(_SESSION_CACHE), ignore_errors=True)
 
 
 def pytest_runtest_setup(item):
