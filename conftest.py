@@ -7,6 +7,7 @@
   share (env ``JAX_COMPILATION_CACHE_DIR``) and the controller removes at the end. Tests build many models
   whose programs are the same HLO (a fresh graph each time, so JAX's in-memory cache misses); from the second
   build on they load from disk. A test that asks for its own directory (``--compile-cache``) still gets it.
+* On CPU, XLA's backend at -O0 (compile time is most of the suite's time; an explicit level in XLA_FLAGS wins).
 * CPU unless ``JAX_PLATFORMS`` says otherwise: ``make test-gpu`` sets ``JAX_PLATFORMS=cuda``, where as many
   devices exist as GPUs.
 * Markers that skip (with the reason) instead of failing where the machine lacks something:
@@ -28,6 +29,10 @@ import pytest
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # an explicit count wins
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    # The suite is compile-bound on tiny shapes: LLVM's -O0 halves the CPU backend's compile time (measured on
+    # tests/test_engine.py: 86 -> 28 s of backend compiles) and changes no result (no fast-math either way).
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("DSV41_JAX_COMPILE_CACHE", "off")  # the user's cache; test_compile_cache turns it on
 _SESSION_CACHE = "DSV41_TEST_XLA_CACHE"  # set by the controller before the workers start; they inherit it
 if _SESSION_CACHE not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
