@@ -57,10 +57,9 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .planner import SHORT_ROWS
+from .planner import SHORT_ROWS, segment_sizes
 from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
 
-FALLBACK_SEGMENT_ROWS = 2048  # until the planner says otherwise (PLANNER.md §A "Segment")
 DECODE_AHEAD = 4  # decode steps queued on the device while the host reads a token (no streaming callback)
 
 
@@ -128,7 +127,12 @@ ProgressCallback = Callable[[int, int], None]  # (prompt rows done, total rows)
 SegmentPlan = Callable[[int], Sequence[int]]  # longest prompt length -> segment sizes (sum = that length)
 
 
-def fixed_segments(prompt_len: int, rows: int = FALLBACK_SEGMENT_ROWS) -> list[int]:
+def planned_segments(cfg: ModelConfig, world: int) -> SegmentPlan:
+    """The planner's segment sizes at ``world`` (`planner.segment_sizes`, PLANNER.md §A): the engine's default."""
+    return functools.partial(segment_sizes, cfg, world)
+
+
+def fixed_segments(prompt_len: int, rows: int) -> list[int]:
     """``rows``-row segments and a shorter tail: 5000 -> [2048, 2048, 904]."""
     full, tail = divmod(prompt_len, rows)
     return [rows] * full + ([tail] if tail else [])
@@ -370,7 +374,7 @@ class ProgramTable:
 class Engine:
     """Runs batches of requests through one model. ``max_context``: cache capacity per sequence (positions).
 
-    ``segment_plan(longest prompt) -> sizes`` (default: fixed 2,048-row segments); segments of at most
+    ``segment_plan(longest prompt) -> sizes`` (default: the planner's, ``planned_segments``); segments of at most
     ``short_rows`` rows run row by row through the decode program (0: never). ``hasher``: the engram hasher
     (`dsv41_jax.engram.Hasher`, e.g. with a checkpoint's token map) when the model runs engram layers; default
     ``Hasher(cfg)``. ``host_tables``: `dsv41_jax.engram.HostTables` for a model built with
@@ -390,7 +394,7 @@ class Engine:
         self.max_context = int(max_context)
         self.cache_dtype = cache_dtype
         self.eos_ids = tuple(eos_ids if eos_ids is not None else cfg.eos_token_ids)
-        self.segment_plan = segment_plan or fixed_segments
+        self.segment_plan = segment_plan or planned_segments(cfg, 1 if mesh is None else mesh.size)
         self.short_rows = short_rows
         self._init_cache = init_cache
         # With a mesh (a sharded model) every input but the weights is replicated over it.
