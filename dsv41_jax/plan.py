@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=_at_least(1), required=True, help="rows in the segment")
     p.add_argument("--position", type=_at_least(0), required=True, help="position of the segment's first row")
     p.add_argument("--pf4k", action="store_true", help="4K mode (4,096-row segments; implies the acknowledgement)")
-    p.add_argument("--replay", action="store_true", help="CED bounded replay (plans the encoder segment) [planned only: no engine path replays]")
+    p.add_argument("--replay", action="store_true",
+                   help="CED bounded replay (plans the encoder segment) [planned only: no engine path replays]")
     p.add_argument("--images", action="store_true",
                    help="plan image prompts: image roles (image_rows = -1) and, with a vision tower, its buckets, "
                         "weights and workspace (counted by R10)")
@@ -85,12 +86,12 @@ def _parser() -> argparse.ArgumentParser:
                         "(default 1)")
     p.add_argument("--experts", "--expert-format", dest="experts", choices=EXPERT_FORMATS, default=None,
                    help="how routed experts are held (default: as the config's quantization_config says the "
-                        "checkpoint stores them: fp4 for dsv41_flash, bf16 without a quantization_config) [fp8: planned "
-                        "only, the loader decodes fp8 experts]")
+                        "checkpoint stores them: fp4 for dsv41_flash, bf16 without a quantization_config) "
+                        "[fp8: planned only, the loader decodes fp8 experts]")
     p.add_argument("--dense", choices=DENSE_FORMATS, default=None,
                    help="how the other matrices are held (default: from quantization_config: fp8 for "
-                        "dsv41_flash, bf16 without one) [fp8: planned only, the loader decodes fp8 matrices to the model "
-                        "dtype]")
+                        "dsv41_flash, bf16 without one) [fp8: planned only, the loader decodes fp8 matrices "
+                        "to the model dtype]")
     p.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
                    help="where the engram tables are planned (configs with engram layers): device (split by hash "
                         "column, 24/W columns a rank), host (memory-mapped; only the gathered rows on the "

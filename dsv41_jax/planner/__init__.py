@@ -18,19 +18,32 @@ every name importable from here (``from dsv41_jax.planner import plan_segment``)
 * ``vision``: the tower's patch / token buckets and its plan (VISION.md §V.G).
 """
 
-from .options import (PLANNED_ONLY, planned_only, BMQ_MAX, CAP_2K, CAP_4K, INDEX_BUDGET, KEY_TILE, MIN_BLOCK, MOE_TILE, RESCORE_BYTES_PER_KEY, ROPE_EXTRA,
-                      ROUTER_ROWS, SHORT_ROWS, STREAM_BUDGET, STREAM_SPLIT_KEYS, TBO_MIN_ROWS, WORLDS,
-                      context_limit, GiB, KiB, MemoryBudget, MiB, PlanOptions, PlanRefused, prefill_rows)
-from .admission import (Admission, admit, Split, split_blocks)
-from .rules import (decoder_start)
-from .segment import (KernelTiles, kernel_tiles, DECODE_HEAD_TILE, DECODE_SMALL_ROWS, activation_row_bytes, DecodePlan, index_paths, IndexPath,
-                      moe_bound_floats, plan_decode_window, plan_segment, ReplayPart, ring_rows,
-                      segment_sizes, SegmentPlan, stash_row_bytes)
-from .memory import (buffer_plan, BufferPlan, cache_pool_bytes, check_memory, engram_bytes_per_rank, engram_placement, fits_4k,
-                     index_key_bytes, kv_bytes, kv_row_bytes, max_context, memory_need, param_bytes_per_rank,
+from .options import (BMQ_MAX, CAP_2K, CAP_4K, INDEX_BUDGET, KEY_TILE, MIN_BLOCK, MOE_TILE, PLANNED_ONLY,
+                      RESCORE_BYTES_PER_KEY, ROPE_EXTRA, ROUTER_ROWS, SHORT_ROWS, STREAM_BUDGET, STREAM_SPLIT_KEYS,
+                      TBO_MIN_ROWS, WORLDS, GiB, KiB, MemoryBudget, MiB, PlanOptions, PlanRefused, context_limit,
+                      planned_only, prefill_rows)
+from .admission import Admission, Split, admit, split_blocks
+from .rules import decoder_start
+from .segment import (DECODE_HEAD_TILE, DECODE_SMALL_ROWS, DecodePlan, IndexPath, KernelTiles, ReplayPart,
+                      SegmentPlan, activation_row_bytes, index_paths, kernel_tiles, moe_bound_floats,
+                      plan_decode_window, plan_segment, ring_rows, segment_sizes, stash_row_bytes)
+from .memory import (BufferPlan, buffer_plan, cache_pool_bytes, check_memory, engram_bytes_per_rank, engram_placement,
+                     fits_4k, index_key_bytes, kv_bytes, kv_row_bytes, max_context, memory_need, param_bytes_per_rank,
                      tensor_bytes_per_param, tensor_rank_shape, window_bytes)
-from .vision import (MIN_PATCH_BUCKET, MIN_TOKEN_BUCKET, PATCH_BUCKET_ROUND, VISION_QUERY_CHUNK, max_patches, patch_bucket,
-                     patch_buckets, plan_vision, token_bucket, token_buckets, vision_param_bytes_per_rank,
-                     vision_tensor_rank_shape, vision_workspace, VisionPlan)
+from .vision import (MIN_PATCH_BUCKET, MIN_TOKEN_BUCKET, PATCH_BUCKET_ROUND, VISION_QUERY_CHUNK, VisionPlan,
+                     max_patches, patch_bucket, patch_buckets, plan_vision, token_bucket, token_buckets,
+                     vision_param_bytes_per_rank, vision_tensor_rank_shape, vision_workspace)
 
-__all__ = ['KernelTiles', 'kernel_tiles', 'PLANNED_ONLY', 'planned_only', 'Admission', 'BMQ_MAX', 'BufferPlan', 'CAP_2K', 'CAP_4K', 'DECODE_HEAD_TILE', 'DECODE_SMALL_ROWS', 'DecodePlan', 'GiB', 'INDEX_BUDGET', 'IndexPath', 'KEY_TILE', 'KiB', 'MIN_BLOCK', 'MIN_PATCH_BUCKET', 'MIN_TOKEN_BUCKET', 'MOE_TILE', 'MemoryBudget', 'MiB', 'PATCH_BUCKET_ROUND', 'PlanOptions', 'PlanRefused', 'RESCORE_BYTES_PER_KEY', 'ROPE_EXTRA', 'ROUTER_ROWS', 'ReplayPart', 'SHORT_ROWS', 'STREAM_BUDGET', 'STREAM_SPLIT_KEYS', 'SegmentPlan', 'Split', 'TBO_MIN_ROWS', 'VISION_QUERY_CHUNK', 'VisionPlan', 'WORLDS', 'activation_row_bytes', 'admit', 'buffer_plan', 'cache_pool_bytes', 'check_memory', 'context_limit', 'decoder_start', 'engram_bytes_per_rank', 'engram_placement', 'fits_4k', 'index_key_bytes', 'index_paths', 'kv_bytes', 'kv_row_bytes', 'max_context', 'max_patches', 'memory_need', 'moe_bound_floats', 'param_bytes_per_rank', 'patch_bucket', 'patch_buckets', 'plan_decode_window', 'plan_segment', 'plan_vision', 'prefill_rows', 'ring_rows', 'segment_sizes', 'split_blocks', 'stash_row_bytes', 'tensor_bytes_per_param', 'tensor_rank_shape', 'token_bucket', 'token_buckets', 'vision_param_bytes_per_rank', 'vision_tensor_rank_shape', 'vision_workspace', 'window_bytes']
+__all__ = ["BMQ_MAX", "CAP_2K", "CAP_4K", "DECODE_HEAD_TILE", "DECODE_SMALL_ROWS", "INDEX_BUDGET", "KEY_TILE",
+           "MIN_BLOCK", "MIN_PATCH_BUCKET", "MIN_TOKEN_BUCKET", "MOE_TILE", "PATCH_BUCKET_ROUND", "PLANNED_ONLY",
+           "RESCORE_BYTES_PER_KEY", "ROPE_EXTRA", "ROUTER_ROWS", "SHORT_ROWS", "STREAM_BUDGET", "STREAM_SPLIT_KEYS",
+           "TBO_MIN_ROWS", "VISION_QUERY_CHUNK", "WORLDS", "Admission", "BufferPlan", "DecodePlan", "GiB",
+           "IndexPath", "KernelTiles", "KiB", "MemoryBudget", "MiB", "PlanOptions", "PlanRefused", "ReplayPart",
+           "SegmentPlan", "Split", "VisionPlan", "activation_row_bytes", "admit", "buffer_plan", "cache_pool_bytes",
+           "check_memory", "context_limit", "decoder_start", "engram_bytes_per_rank", "engram_placement", "fits_4k",
+           "index_key_bytes", "index_paths", "kernel_tiles", "kv_bytes", "kv_row_bytes", "max_context", "max_patches",
+           "memory_need", "moe_bound_floats", "param_bytes_per_rank", "patch_bucket", "patch_buckets",
+           "plan_decode_window", "plan_segment", "plan_vision", "planned_only", "prefill_rows", "ring_rows",
+           "segment_sizes", "split_blocks", "stash_row_bytes", "tensor_bytes_per_param", "tensor_rank_shape",
+           "token_bucket", "token_buckets", "vision_param_bytes_per_rank", "vision_tensor_rank_shape",
+           "vision_workspace", "window_bytes"]
