@@ -3,8 +3,9 @@
 The model is split once (``nnx.split``) into a graph definition and a state pytree; the programs take the state
 as an argument and ``nnx.merge`` it inside, so weights are inputs, not constants baked into programs. Programs
 are compiled ahead of time (``jit(...).lower(...).compile()``), all the shapes a request needs at once and in
-parallel, and kept in a table keyed by input shapes: a shape seen before never compiles again, and compile
-seconds are measured apart from run time.
+parallel, and kept in the engine's ``ProgramTable`` (one per engine, built with it): each ``Program`` (name,
+function, donated and static arguments) is compiled once per static arguments and input shapes, a shape seen
+before never compiles again, and compile seconds are measured apart from run time.
 
 The programs:
 
@@ -47,7 +48,7 @@ import concurrent.futures
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -56,10 +57,9 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .planner import SHORT_ROWS
+from .planner import SHORT_ROWS, segment_sizes
 from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
 
-FALLBACK_SEGMENT_ROWS = 2048  # until the planner says otherwise (PLANNER.md §A "Segment")
 DECODE_AHEAD = 4  # decode steps queued on the device while the host reads a token (no streaming callback)
 
 
@@ -127,7 +127,12 @@ ProgressCallback = Callable[[int, int], None]  # (prompt rows done, total rows)
 SegmentPlan = Callable[[int], Sequence[int]]  # longest prompt length -> segment sizes (sum = that length)
 
 
-def fixed_segments(prompt_len: int, rows: int = FALLBACK_SEGMENT_ROWS) -> list[int]:
+def planned_segments(cfg: ModelConfig, world: int) -> SegmentPlan:
+    """The planner's segment sizes at ``world`` (`planner.segment_sizes`, PLANNER.md §A): the engine's default."""
+    return functools.partial(segment_sizes, cfg, world)
+
+
+def fixed_segments(prompt_len: int, rows: int) -> list[int]:
     """``rows``-row segments and a shorter tail: 5000 -> [2048, 2048, 904]."""
     full, tail = divmod(prompt_len, rows)
     return [rows] * full + ([tail] if tail else [])
@@ -272,14 +277,9 @@ class StepTiming(NamedTuple):
     program: object
 
 
-_MODEL_PROGRAMS = (_step, _steps, _encode_images)  # programs whose first argument is the model state
-_STEP_DONATE = (1, 4)  # the cache and last_logits are updated in place
-
-
-def _fresh_cache(graphdef, *, init, cfg, batch, max_context, dtype, sharding):
+def _fresh_cache(*, init, cfg, batch, max_context, dtype, sharding):
     """An empty cache made by a program, so every leaf is its own buffer (donation needs that); replicated over
     the mesh when ``sharding`` is given (caches are replicated, `MODEL.md` §F.1)."""
-    del graphdef
     cache = init(cfg, batch, max_context, dtype)
     return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
 
@@ -288,75 +288,93 @@ def _abstract(tree, sharding=None):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding), tree)
 
 
-def _key(name: str, static: dict, abstract_args: tuple) -> tuple:
-    leaves, treedef = jax.tree.flatten(abstract_args)
-    return name, tuple(sorted(static.items())), treedef, tuple((x.shape, str(x.dtype)) for x in leaves)
+# ------------------------------------------------------------------------------------------- program table
+@dataclass(frozen=True)
+class Program:
+    """A program of the engine's table: ``fn`` jitted with the arguments named in ``static`` static and the
+    positions in ``donate`` donated. ``model``: ``fn(graphdef, state, ...)`` runs the model; the table binds the
+    graph definition, the caller passes the state first, and the state is left out of the key (it is the same
+    for the engine's lifetime)."""
+
+    name: str
+    fn: Callable
+    donate: tuple[int, ...] = ()
+    static: tuple[str, ...] = ()
+    model: bool = True
 
 
-@dataclass
-class _Programs:
-    """Compiled executables keyed by (name, static arguments, input shapes); times every compile.
+# The engine's programs. ``step`` serves prefill segments (one per program row count T) and the decode step
+# (T = 1); ``steps`` is the decode chunk (k steps under a lax.scan); the cache and last_logits are donated.
+INIT = Program("init", _fresh_cache, static=("init", "cfg", "batch", "max_context", "dtype", "sharding"), model=False)
+STEP = Program("step", _step, donate=(1, 4), static=("keep_first_row",))
+STEPS = Program("steps", _steps, donate=(1, 4), static=("keep_first_row", "k"))
+ENCODE = Program("encode", _encode_images)
 
-    The model state is the first argument of model programs; it is the same for the engine's lifetime, so it is
-    left out of the key.
-    """
 
-    graphdef: object
-    compiled: dict = field(default_factory=dict)
-    compile_s: float = 0.0
+class Call(NamedTuple):
+    """One entry to compile: the program, its static arguments, its arguments (abstract or real)."""
 
-    def _compile(self, name, fn, static, args, donate):
-        # The graph definition is bound, not passed: it is static and need not be hashable.
-        jitted = jax.jit(functools.partial(fn, self.graphdef), static_argnames=tuple(static),
-                         donate_argnums=donate)
-        return jitted.lower(*args, **static).compile()
+    program: Program
+    static: dict
+    args: tuple
 
-    def ensure(self, specs: list[tuple]) -> None:
-        """Compile every (name, fn, static, abstract args, donate) not compiled yet, in parallel threads."""
+
+class ProgramTable:
+    """The compiled programs of one engine, keyed by (program name, static arguments, input shapes); times every
+    compile. ``compiled``: key → executable (key[0] is the program's name)."""
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self.compiled: dict = {}
+        self.compile_s = 0.0
+
+    @staticmethod
+    def key(call: Call) -> tuple:
+        args = call.args[1:] if call.program.model else call.args
+        leaves, treedef = jax.tree.flatten(_abstract(args))
+        return (call.program.name, tuple(sorted(call.static.items())), treedef,
+                tuple((x.shape, str(x.dtype)) for x in leaves))
+
+    def _compile(self, call: Call):
+        program = call.program
+        fn = functools.partial(program.fn, self.graphdef) if program.model else program.fn
+        jitted = jax.jit(fn, static_argnames=program.static, donate_argnums=program.donate)
+        return jitted.lower(*call.args, **call.static).compile()
+
+    def ensure(self, calls: Sequence[Call]) -> None:
+        """Compile every call not compiled yet, in parallel threads."""
         todo = {}
-        for name, fn, static, args, donate in specs:
-            key = _key(name, static, args[1:] if fn in _MODEL_PROGRAMS else args)
-            if key not in self.compiled and key not in todo:
-                todo[key] = (name, fn, static, args, donate)
+        for call in calls:
+            key = self.key(call)
+            if key not in self.compiled:
+                todo.setdefault(key, call)
         if not todo:
             return
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(todo)) as pool:
-            futures = {key: pool.submit(self._compile, *spec) for key, spec in todo.items()}
+            futures = {key: pool.submit(self._compile, call) for key, call in todo.items()}
             for key, fut in futures.items():
                 self.compiled[key] = fut.result()
         self.compile_s += time.perf_counter() - start
 
-    def get(self, name, fn, static, args, donate=(), sharding=None):
-        """The compiled program for these arguments, compiled first if this shape is new."""
-        abstract = _abstract(args[1:] if fn in _MODEL_PROGRAMS else args, sharding)
-        key = _key(name, static, abstract)
+    def get(self, program: Program, static: dict, args: tuple, sharding=None):
+        """The executable for these arguments (placed with ``sharding``), compiled first if their shapes are new."""
+        head, rest = (args[:1], args[1:]) if program.model else ((), args)
+        call = Call(program, static, (*head, *_abstract(rest, sharding)))
+        key = self.key(call)
         if key not in self.compiled:
-            self.ensure([(name, fn, static, (args[0], *abstract) if fn in _MODEL_PROGRAMS else abstract, donate)])
+            self.ensure([call])
         return self.compiled[key]
 
-    def run(self, name, fn, static, args, donate=(), sharding=None):
-        """Call the program for these arguments, compiling it first if this shape is new."""
-        return self.get(name, fn, static, args, donate, sharding)(*args)
-
-
-_PROGRAMS: dict[str, _Programs] = {}
-
-
-def _shared_programs(graphdef, state) -> _Programs:
-    """One program table per model structure: engines over models with the same graph definition and state
-    shapes (e.g. the same config loaded twice in one process) share compiled programs, which take the weights
-    as an argument. The graph definition's text is the fingerprint (it holds no arrays)."""
-    fingerprint = repr(graphdef) + repr(_key("state", {}, _abstract(state)))
-    if fingerprint not in _PROGRAMS:
-        _PROGRAMS[fingerprint] = _Programs(graphdef=graphdef)
-    return _PROGRAMS[fingerprint]
+    def run(self, program: Program, static: dict, args: tuple, sharding=None):
+        """Call the program on these arguments, compiling it first if their shapes are new."""
+        return self.get(program, static, args, sharding)(*args)
 
 
 class Engine:
     """Runs batches of requests through one model. ``max_context``: cache capacity per sequence (positions).
 
-    ``segment_plan(longest prompt) -> sizes`` (default: fixed 2,048-row segments); segments of at most
+    ``segment_plan(longest prompt) -> sizes`` (default: the planner's, ``planned_segments``); segments of at most
     ``short_rows`` rows run row by row through the decode program (0: never). ``hasher``: the engram hasher
     (`dsv41_jax.engram.Hasher`, e.g. with a checkpoint's token map) when the model runs engram layers; default
     ``Hasher(cfg)``. ``host_tables``: `dsv41_jax.engram.HostTables` for a model built with
@@ -376,7 +394,7 @@ class Engine:
         self.max_context = int(max_context)
         self.cache_dtype = cache_dtype
         self.eos_ids = tuple(eos_ids if eos_ids is not None else cfg.eos_token_ids)
-        self.segment_plan = segment_plan or fixed_segments
+        self.segment_plan = segment_plan or planned_segments(cfg, 1 if mesh is None else mesh.size)
         self.short_rows = short_rows
         self._init_cache = init_cache
         # With a mesh (a sharded model) every input but the weights is replicated over it.
@@ -392,7 +410,7 @@ class Engine:
         # runs decode one step at a time whatever this says.
         self.decode_chunk = int(decode_chunk)
         graphdef, self.state = nnx.split(model)
-        self._programs = _shared_programs(graphdef, self.state)
+        self._programs = ProgramTable(graphdef)  # built once per engine
 
     def check(self, requests: Sequence[Request]) -> None:
         """Raise EngineInputError for a request the engine cannot run."""
@@ -401,7 +419,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------ compiling
     @property
     def compile_count(self) -> int:
-        """Programs compiled so far for this model structure (one per distinct shape)."""
+        """Programs compiled so far by this engine (one per program, static arguments and input shapes)."""
         return len(self._programs.compiled)
 
     def _plan(self, requests) -> tuple[list[int], list[int]]:
@@ -415,7 +433,7 @@ class Engine:
         return sizes, rows
 
     def _specs(self, batch: int, program_rows: Sequence[int], record: bool, images: bool = False,
-               slot_steps: bool = False) -> list[tuple]:
+               slot_steps: bool = False) -> list[Call]:
         """Everything a batch of ``batch`` with these prefill program sizes runs (``images``: the forward
         programs take image rows, whose shapes are known after encoding: they compile on first use;
         ``slot_steps``: the step index is [batch], one count per sequence, as `serve.slots` runs it)."""
@@ -430,15 +448,14 @@ class Engine:
         sampling = _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
         step = arg((batch,) if slot_steps else (), i32)
         stop = (arg((batch,), jnp.bool_), step, arg((len(self.eos_ids or (-1,)),), i32), vec, sampling)
-        specs = [("init", _fresh_cache, self._init_static(batch), (), ())]
+        specs = [Call(INIT, self._init_static(batch), ())]
         for t in sorted({1, *program_rows}) if not images else ():
             ids = arg((batch, t), i32)
-            specs.append(("step", _step, {"keep_first_row": record},
-                          (self.state, cache, ids, vec, logits, *stop, None, self._engram_abstract(batch, t, arg)),
-                          _STEP_DONATE))
+            specs.append(Call(STEP, {"keep_first_row": record},
+                              (self.state, cache, ids, vec, logits, *stop, None, self._engram_abstract(batch, t, arg))))
         if self.decode_chunk > 1 and self.hasher is None and not record and not slot_steps and not images:
-            specs.append(("steps", _steps, {"keep_first_row": False, "k": self.decode_chunk},
-                          (self.state, cache, arg((batch, 1), i32), vec, logits, *stop, None, None), _STEP_DONATE))
+            specs.append(Call(STEPS, {"keep_first_row": False, "k": self.decode_chunk},
+                              (self.state, cache, arg((batch, 1), i32), vec, logits, *stop, None, None)))
         return specs
 
     def _engram_abstract(self, batch, t, arg):
@@ -496,7 +513,7 @@ class Engine:
         compile_before, count_before = self._programs.compile_s, self.compile_count
         has_images = any(r.images is not None for r in requests)
         self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images))
-        cache = self._programs.run("init", _fresh_cache, self._init_static(len(requests)), ())
+        cache = self._programs.run(INIT, self._init_static(len(requests)), ())
         images = self._encode(requests)
         stop = self._stop_inputs(requests)
         out, prefill_logits, history = self._prefill(requests, cache, stop, sizes, rows, timings, on_prefill,
@@ -542,7 +559,7 @@ class Engine:
         args, _ = self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
                                   np.ones(batch, np.int32), np.zeros((batch, self.vocab_size), np.float32),
                                   np.ones(batch, bool), np.int32(0), stop, None)
-        run = self._programs.get("step", _step, {"keep_first_row": False}, args, _STEP_DONATE, self._replicated)
+        run = self._programs.get(STEP, {"keep_first_row": False}, args, self._replicated)
         out = run(*args)
         jax.block_until_ready(out.tokens)
         t0 = time.perf_counter()
@@ -571,8 +588,7 @@ class Engine:
         return (self.state, cache, ids, lengths, logits, running, step, *stop, images, engram), history
 
     def _call(self, record: bool, args) -> StepOut:
-        return self._programs.run("step", _step, {"keep_first_row": record}, args, donate=_STEP_DONATE,
-                                  sharding=self._replicated)
+        return self._programs.run(STEP, {"keep_first_row": record}, args, self._replicated)
 
     def _encode(self, requests):
         """Encode every image of the batch once (one tower call, VISION.md §V.G) -> None (no images) or
@@ -600,7 +616,7 @@ class Engine:
                                                           r.images.starts)
             roles[b, : len(r.prompt_ids)] = r.images.roles
             first += n
-        encoded = self._programs.run("encode", _encode_images, {}, (self.state, batch), sharding=self._replicated)
+        encoded = self._programs.run(ENCODE, {}, (self.state, batch), self._replicated)
         return encoded.reshape(-1, encoded.shape[-1]), row, roles
 
     def _prefill(self, requests, cache, stop, sizes, rows, timings: Timings, on_prefill, record, images=None):
@@ -666,11 +682,10 @@ class Engine:
         def dispatch(ids, lengths, running, index):
             nonlocal out, history, run, dispatched
             args, history = self._step_args(out, None, ids, lengths, None, running, index, stop, history, images)
-            fn, static = (_step, {"keep_first_row": record}) if chunk == 1 else (_steps, {"keep_first_row": False,
-                                                                                          "k": chunk})
+            program, static = (STEP, {"keep_first_row": record}) if chunk == 1 else (
+                STEPS, {"keep_first_row": False, "k": chunk})
             if run is None:
-                run = self._programs.get("step" if chunk == 1 else "steps", fn, static, args, _STEP_DONATE,
-                                         self._replicated)
+                run = self._programs.get(program, static, args, self._replicated)
             result = run(*args)
             if chunk == 1:
                 out = result

@@ -13,6 +13,10 @@ per-rank weights and its workspace for ``--vision-images`` images at the largest
 A config with engram layers also shows the engram term R10 counts: where the tables are (``--engram-tables``;
 auto: device when R10 holds with them split by hash column at this world, else host) and the bytes on the
 device (the rank's table slabs, the gathered rows, the projection).
+
+Some options are planned but run by no engine path yet (``planner.PLANNED_ONLY``: replay, two-batch overlap,
+multi-span, split KV, staging rings, decode windows, the bounded / halving MoE blocks, fp8-resident weights and
+caches); ``--help`` marks their flags and the printed plan lists the ones it relies on, with the reason.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ import math
 import sys
 
 from dsv41_jax.config import ConfigError, load_named
-from dsv41_jax.planner import (WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan, VisionPlan, admit,
-                               buffer_plan, engram_bytes_per_rank, engram_placement, plan_segment,
-                               plan_vision, prefill_rows)
+from dsv41_jax.planner import (PLANNED_ONLY, WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan,
+                               VisionPlan, admit, buffer_plan, engram_bytes_per_rank, engram_placement, kernel_tiles,
+                               plan_segment, plan_vision, planned_only, prefill_rows)
 
 EXPERT_FORMATS = ("f32", "bf16", "fp8", "fp4")
 DENSE_FORMATS = ("f32", "bf16", "fp8")
@@ -63,14 +67,17 @@ def _positive(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m dsv41_jax.plan", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m dsv41_jax.plan", description=__doc__.splitlines()[0],
+                epilog="planned only (sized by the planner, run by no engine path yet): "
+                       + "; ".join(f"{key}: {why}" for key, why in PLANNED_ONLY.items()))
     p.add_argument("--config", required=True, help="tiny, dsv41_flash, or a config.json / checkpoint directory")
     p.add_argument("--world", type=_at_least(1), required=True, help=f"tensor-parallel world size ({', '.join(map(str, WORLDS))})")
     p.add_argument("--rank", type=_at_least(0), default=0)
     p.add_argument("--rows", type=_at_least(1), required=True, help="rows in the segment")
     p.add_argument("--position", type=_at_least(0), required=True, help="position of the segment's first row")
     p.add_argument("--pf4k", action="store_true", help="4K mode (4,096-row segments; implies the acknowledgement)")
-    p.add_argument("--replay", action="store_true", help="CED bounded replay (plans the encoder segment)")
+    p.add_argument("--replay", action="store_true",
+                   help="CED bounded replay (plans the encoder segment) [planned only: no engine path replays]")
     p.add_argument("--images", action="store_true",
                    help="plan image prompts: image roles (image_rows = -1) and, with a vision tower, its buckets, "
                         "weights and workspace (counted by R10)")
@@ -79,15 +86,19 @@ def _parser() -> argparse.ArgumentParser:
                         "(default 1)")
     p.add_argument("--experts", "--expert-format", dest="experts", choices=EXPERT_FORMATS, default=None,
                    help="how routed experts are held (default: as the config's quantization_config says the "
-                        "checkpoint stores them: fp4 for dsv41_flash, bf16 without a quantization_config)")
+                        "checkpoint stores them: fp4 for dsv41_flash, bf16 without a quantization_config) "
+                        "[fp8: planned only, the loader decodes fp8 experts]")
     p.add_argument("--dense", choices=DENSE_FORMATS, default=None,
                    help="how the other matrices are held (default: from quantization_config: fp8 for "
-                        "dsv41_flash, bf16 without one)")
+                        "dsv41_flash, bf16 without one) [fp8: planned only, the loader decodes fp8 matrices "
+                        "to the model dtype]")
     p.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
                    help="where the engram tables are planned (configs with engram layers): device (split by hash "
                         "column, 24/W columns a rank), host (memory-mapped; only the gathered rows on the "
                         "device), or auto (default): device when it fits the memory budget at this world")
-    p.add_argument("--moe", choices=("auto", "bounded", "whole", "halving"), default="auto")
+    p.add_argument("--moe", choices=("auto", "bounded", "whole", "halving"), default="auto",
+                   help="x3gm block strategy (R5) [bounded, halving: planned only, the model's MoE runs whole "
+                        "segments]")
     p.add_argument("--index-budget-mib", type=_at_least(1), default=256, help="B_idx (MiB, ≥ 1)")
     p.add_argument("--indexer", choices=("pallas", "reference"), default="pallas",
                    help="index selection: pallas (default: the fused scores + top-k kernel, path 'fused', its "
@@ -152,7 +163,13 @@ def _as_json(cfg, plan: SegmentPlan, options: PlanOptions, vision: VisionPlan | 
         out["total_bytes_with_vision"] = plan.total_bytes + vision.weight_bytes + vision.workspace_total
     if cfg.engram_layer_ids:
         out["engram"] = engram_term(cfg, plan.world, options)
+    out["kernel_tiles"] = kernel_tiles(cfg, plan.world, options).__dict__
+    out["planned_only"] = {key: PLANNED_ONLY[key] for key in _planned_only(plan, options)}
     return out
+
+
+def _planned_only(plan: SegmentPlan, options: PlanOptions) -> tuple[str, ...]:
+    return planned_only(options, staged=plan.staged, moe_strategy=plan.moe_strategy)
 
 
 def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, vision: VisionPlan | None,
@@ -206,9 +223,15 @@ def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, vi
                  ("engram on this device (R10 term, not in total)",
                   f"{b(e['device_total'])} = tables {b(e['tables'])} + gathered rows {b(e['gathered'])} + "
                   f"projection {b(e['projection'])}")]
+    tiles = kernel_tiles(cfg, plan.world, options)
+    rows.append(("kernel tiles BMQ / decode / BM", f"{tiles.attention_head_tile} / {tiles.decode_head_tile} / "
+                                                  f"{tiles.moe_block_m}"))
     for item, value in rows:
         t.add_row(item, value)
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    for key in _planned_only(plan, options):
+        console.print(f"planned only: {key} — not run by the engine: {PLANNED_ONLY[key]}", highlight=False)
 
 
 def _budget(args: argparse.Namespace) -> MemoryBudget | None:

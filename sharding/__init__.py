@@ -7,8 +7,9 @@
 * ``load.py``: weights placed straight into their shards.
 * ``prepare.py``: ``prepare(cfg, flat, world, options) -> (model, mesh)`` — the engine's entry point (admission,
   mesh, padded config; the weights through ``dsv41_jax.loading.build_sharded``).
-* ``kernels.py``: ``shard_map`` wrappers of the attention and MoE kernel ops.
-* ``context.py``: ``constrain(x, activation)`` for model code, active while a sharded model traces.
+* ``kernels.py``: ``shard_map`` wrappers of the kernel ops, their specs from the rule table.
+* ``context.py``: ``activate(mesh, layout)`` (JAX's context mesh + Flax's logical-axis rules, no state of its
+  own) and ``constrain(x, activation)`` for model code, active while a sharded model traces.
 * ``selfcheck.py``: ``python -m sharding.selfcheck --world N`` — the sharded tiny model and the wrapped kernels
   against one device on the machine at hand (2 × H200: max |Δlogit| 4.3e-6, Pallas MoE/attention under
   shard_map within 2.9e-6 / exact).

@@ -6,14 +6,18 @@ The partitioner cannot split a Pallas call, so under a mesh the kernels run per 
   window, top-k and positions are replicated (shared by every head); o comes back split on heads. No collective.
 * ``routed_experts``: x, top-k ids and weights replicated (every rank routes identically); layout "tp": each
   device's expert weights hold its F columns (padding columns are zero); layout "ep": its whole experts, the
-  other ranks' picks passed as id -1 (outside [0, E): no work, no contribution) with weight 0. Each device's y is a partial sum; one ``psum`` in f32 (§F.4).
+  other ranks' picks passed as id -1 (outside [0, E): no work, no contribution) with weight 0.
+  Each device's y is a partial sum; one ``psum`` in f32 (§F.4).
 * ``engram_gather``: the engram tables split by hash column (``rules`` "engram_rows"): each rank gathers its own
   columns' rows from its slab and one ``all_gather`` (the stored bytes, e4m3 + ue8m0) gives every rank all rows.
 * ``index_topk``: every input and output replicated (``rules``: the indexer's top-k is one selection for
   all heads, computed redundantly); the shard_map only lets each device run the whole kernel. No collective.
 
-All have the ops' signatures (docs/DESIGN.md) plus ``mesh``/``layout`` (default: the active ones of
-``context.activate``; with neither, the op runs unsharded) and ``op`` (default: the ``pallas_kernels`` entry).
+All have the ops' signatures (docs/DESIGN.md) plus ``mesh``/``layout`` (default: JAX's context mesh and the
+active logical-axis rules, both set by ``context.activate``; with no mesh the op runs unsharded) and ``op``
+(default: the ``pallas_kernels`` entry). Every in/out spec comes from the rule table (``rules.py``): operands that
+are parameters take their parameter rule (the sinks, the expert weights: one representative layer's name, every
+layer matching the same rule), activations their activation rule.
 """
 
 from __future__ import annotations
@@ -22,21 +26,26 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh
 
-from sharding import context
+from sharding.context import active_mesh
 from sharding.mesh import TP
-from sharding.rules import activation_spec, param_spec
+from sharding.rules import EXPERTS, activation_spec, active_layout, mesh_axes, param_spec
+
+_ATTENTION = "layers.0.attn."        # any layer: every layer's tensors match the same rules
+_EXPERTS = "layers.0.ffn.experts."
+# The kernel's ExpertWeights fields (pallas_kernels/moe/ops.py) → the parameter each one is a view of.
+_EXPERT_FIELDS = {"w1": "w1", "w3": "w3", "w2": "w2", "w1_scale": "w1.scales", "w3_scale": "w3.scales",
+                  "w2_scale": "w2.scales"}
 
 
-def _mesh_and_layout(mesh: Mesh | None, layout: str | None) -> tuple[Mesh | None, str]:
-    current = context.active()
-    if mesh is None and current is not None:
-        mesh = current[0]
-    if layout is None:
-        layout = current[1] if current is not None else "tp"
-    return mesh, layout
+def _mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh | None:
+    mesh = active_mesh() if mesh is None else mesh
+    return None if mesh is None or mesh.size == 1 else mesh
+
+
+def _replicated(*arrays) -> tuple:
+    return tuple(activation_spec("replicated", a.ndim) for a in arrays)
 
 
 def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, mesh: Mesh | None = None,
@@ -44,16 +53,17 @@ def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, me
     """o [B,T,H,Dh] = op(...) with q [B,T,H,Dh] and sinks [H] split on heads over ``tp``."""
     if op is None:
         from pallas_kernels.sparse_attention.ops import sparse_attention as op
-    mesh, _ = _mesh_and_layout(mesh, None)
-    if mesh is None or mesh.size == 1:
+    mesh = _mesh(mesh)
+    if mesh is None:
         return op(q, kv_pool, topk, window, window_start, q_pos, sinks, **kwargs)
-    heads, rep = P(None, None, TP, None), P()
+    heads = activation_spec("attention_heads", q.ndim)
+    in_specs = (heads, *_replicated(kv_pool, topk, window, window_start, q_pos),
+                param_spec(_ATTENTION + "attn_sink", sinks.ndim, None))
 
     def local(q, kv_pool, topk, window, window_start, q_pos, sinks):
         return op(q, kv_pool, topk, window, window_start, q_pos, sinks, **kwargs)
 
-    run = jax.shard_map(local, mesh=mesh, in_specs=(heads, rep, rep, rep, rep, rep, P(TP)), out_specs=heads,
-                        check_vma=False)
+    run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)
     return run(q, kv_pool, topk, window, window_start, q_pos, sinks)
 
 
@@ -62,12 +72,12 @@ def index_topk(q, w, keys, positions, kept_blocks=None, *, mesh: Mesh | None = N
     """(topk [B,T,K], kept | None) = op(...), every array replicated: each device runs the whole selection."""
     if op is None:
         from pallas_kernels.indexer.ops import index_topk as op
-    mesh, _ = _mesh_and_layout(mesh, None)
-    if mesh is None or mesh.size == 1:
+    mesh = _mesh(mesh)
+    if mesh is None:
         return op(q, w, keys, positions, kept_blocks, **kwargs)
     args = (q, w, keys, positions) + (() if kept_blocks is None else (kept_blocks,))
-    run = jax.shard_map(lambda *a: op(*a, **kwargs), mesh=mesh, in_specs=tuple(P() for _ in args),
-                        out_specs=P(), check_vma=False)
+    run = jax.shard_map(lambda *a: op(*a, **kwargs), mesh=mesh, in_specs=_replicated(*args),
+                        out_specs=activation_spec("replicated", 0), check_vma=False)  # P(): a prefix of all outputs
     return run(*args)
 
 
@@ -75,32 +85,41 @@ def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, m
                    layout: str | None = None, op: Callable | None = None, **kwargs):
     """y [N,D] f32 = op(...) with the expert weights split by ``layout`` and the partial sums all-reduced.
 
-    ``weights``: a pytree of stacked expert arrays (w1/w3 ``[E, F, ·]``, w2 ``[E, D, ·]``; packed fp4 codes and
-    their scales follow the same axes); leaves whose path names ``w2`` are split on their last axis in "tp".
+    ``weights``: a pytree of stacked expert arrays, ``ExpertWeights`` or a dict with its field names (w1/w3
+    ``[E, F, ·]``, w2 ``[E, D, ·]``; packed fp4 codes and their scales follow the same axes); each leaf takes the
+    rule of the expert parameter it is a view of (``_EXPERT_FIELDS``).
     """
     if op is None:
         from pallas_kernels.moe.ops import routed_experts as op
-    mesh, layout = _mesh_and_layout(mesh, layout)
-    if mesh is None or mesh.size == 1:
+    mesh = _mesh(mesh)
+    if mesh is None:
         return op(x, topk_ids, topk_weights, weights, swiglu_limit=swiglu_limit, **kwargs)
-    rep = P()
-    weight_specs = jax.tree_util.tree_map_with_path(lambda path, _: _expert_spec(path, layout), weights)
+    layout = active_layout() if layout is None else layout
+    weight_specs = jax.tree_util.tree_map_with_path(lambda path, a: _expert_spec(path, a, layout), weights)
+    whole_experts = mesh_axes((EXPERTS,), layout)[0] is not None
+    y_spec = activation_spec("replicated", x.ndim)
 
     def local(x, ids, w, local_weights):
-        if layout == "ep":
+        if whole_experts:
             ids, w = _local_experts(ids, w, jax.tree.leaves(local_weights)[0].shape[0])
         y = op(x, ids, w, local_weights, swiglu_limit=swiglu_limit, **kwargs)
         return jax.lax.psum(y.astype(jnp.float32), TP)
 
-    run = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, weight_specs), out_specs=rep, check_vma=False)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(*_replicated(x, topk_ids, topk_weights), weight_specs),
+                        out_specs=y_spec, check_vma=False)
     return run(x, topk_ids, topk_weights, weights)
 
 
-def _expert_spec(path, layout: str) -> P:
-    if layout == "ep":
-        return P(TP, None, None)
-    is_down = any("w2" in str(getattr(k, "name", getattr(k, "key", k))) for k in path)
-    return P(None, None, TP) if is_down else P(None, TP, None)
+def _expert_spec(path, leaf, layout: str):
+    """The rule-table spec of the expert parameter that leaf ``path`` of the kernel's weights is a view of."""
+    key = path[-1]
+    field = str(getattr(key, "name", getattr(key, "key", key)))
+    if field not in _EXPERT_FIELDS:
+        raise KeyError(f"expert weight field {field!r} has no parameter rule (known: {', '.join(_EXPERT_FIELDS)})")
+    name = _EXPERT_FIELDS[field]
+    if "." not in name:
+        name += ".codes" if leaf.dtype == jnp.uint8 else ".weight"
+    return param_spec(_EXPERTS + name, leaf.ndim, layout)
 
 
 def _local_experts(ids, w, experts_here: int):
@@ -122,15 +141,15 @@ def engram_gather(weight, scale, rows, *, cfg, layer: int, mesh: Mesh | None = N
     columns (uneven splits) are dropped after it. Why an all-gather of rows and not ``wkv`` split by input
     columns: see the rule's reason.
     """
-    mesh, layout = _mesh_and_layout(mesh, None)
-    if mesh is None or mesh.size == 1:
+    mesh = _mesh(mesh)
+    if mesh is None:
         return jnp.take(weight, rows, axis=0), jnp.take(scale, rows, axis=0)
     from dsv41_jax.engram import column_splits  # noqa: PLC0415
 
     split = column_splits(cfg, mesh.size)[cfg.engram_layer_ids.index(layer)]
     cols, starts, real = _engram_slots(split)
     local = jnp.clip(rows[..., cols] - starts, 0, split.slab - 1).astype(jnp.int32)  # [.., W, c_max]
-    table = param_spec(f"layers.{layer}.engram.embed.weight", 2, layout)
+    table = param_spec(f"layers.{layer}.engram.embed.weight", 2, None)
     d = weight.shape[-1]
 
     def gather(w, s, idx):  # w [slab, d] e4m3, s [slab, d/32] u8, idx [.., 1, c_max]
@@ -139,9 +158,8 @@ def engram_gather(weight, scale, rows, *, cfg, layer: int, mesh: Mesh | None = N
         packed = jnp.concatenate([codes, jnp.take(s, idx, axis=0)], axis=-1)  # [.., c_max, d + d/32]
         return jax.lax.all_gather(packed, TP, axis=packed.ndim - 2, tiled=True)
 
-    run = jax.shard_map(gather, mesh=mesh, in_specs=(table, table, activation_spec("engram_local_rows", local.ndim,
-                                                                                    layout)),
-                        out_specs=activation_spec("engram_gathered", local.ndim, layout), check_vma=False)
+    run = jax.shard_map(gather, mesh=mesh, in_specs=(table, table, activation_spec("engram_local_rows", local.ndim)),
+                        out_specs=activation_spec("engram_gathered", local.ndim), check_vma=False)
     packed = run(weight, scale, local)[..., real, :]  # [.., C, d + d/32] in column order
     return jax.lax.bitcast_convert_type(packed[..., :d], jnp.float8_e4m3fn), packed[..., d:]
 

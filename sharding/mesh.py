@@ -6,7 +6,8 @@ sharding that is resolvable at trace time, and a reshape that merges a sharded d
 model itself would have to be rewritten around the mesh. Under ``Auto`` the parameters carry their shardings
 (``rules.py``), XLA's SPMD partitioner propagates them through the unchanged model, and the few places where the
 math needs a particular layout (heads on ``tp`` in attention, the logits gathered at the end) are pinned with
-``with_sharding_constraint`` (``context.constrain``). Kernels that the partitioner cannot split (Pallas calls) run
+``with_sharding_constraint`` (``context.constrain``, under JAX's context mesh: ``jax.set_mesh`` /
+``use_abstract_mesh``). Kernels that the partitioner cannot split (Pallas calls) run
 under ``jax.shard_map`` (``kernels.py``), which works the same on Auto meshes.
 """
 

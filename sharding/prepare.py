@@ -17,12 +17,14 @@ real config, then ``jax.device_put(cache, sharding.cache_sharding(mesh, cache))`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from dsv41_jax.planner import admit, kernel_tiles
 from sharding import context
 from sharding.layout import ShardPlan
 from sharding.mesh import make_mesh, replicated
@@ -74,7 +76,6 @@ class ShardedTransformer(nnx.Module):
 
 def admission(cfg: Any, world: int):
     """The planner's admission of ``cfg`` at ``world`` (raises ``planner.PlanRefused`` with its message)."""
-    from dsv41_jax.planner import admit
     return admit(cfg, world)
 
 
@@ -83,12 +84,15 @@ def prepare(cfg: Any, flat: Any, world: int, options: Any, *, layout: str = "tp"
     """The model for ``world`` devices with ``flat``'s weights placed straight into their shards.
 
     ``flat``: model name → host array (real shapes), or an iterator of such pairs (consumed once).
-    ``options``: the model's ``ModelOptions``. ``layout``: "tp" (experts split on F) or "ep" (whole experts).
+    ``options``: the model's ``ModelOptions``; without ``tiles``, the planner's for this world
+    (``planner.kernel_tiles``). ``layout``: "tp" (experts split on F) or "ep" (whole experts).
     Admission runs first, before any weight is touched; a refused world raises the planner's ``PlanRefused``.
     """
     from dsv41_jax.loading import build_sharded  # noqa: PLC0415 - the loading module imports the model
 
     plan = ShardPlan.from_admission(cfg, world, admission(cfg, world), layout)
+    if options.tiles is None:
+        options = dataclasses.replace(options, tiles=kernel_tiles(cfg, world))
     mesh = make_mesh(world, devices)
     run_cfg = plan.run_config(cfg)
     inner = build_sharded(run_cfg, options, flat, mesh, plan)

@@ -5,6 +5,11 @@ MaxText-style, in two steps (`MODEL.md` §F.1):
 1. ``PARAM_RULES`` / ``ACTIVATION_RULES`` give each tensor dimension a *logical* axis name (or ``None``);
 2. ``LOGICAL_TO_MESH[layout]`` maps logical names to the mesh axis ``"tp"`` (or to nothing = replicated).
 
+The kernels' ``shard_map`` specs (``kernels.py``) come from this table too: a kernel operand that is a parameter
+takes its parameter rule, an activation its activation rule. While a sharded model traces, the layout is the
+active Flax logical-axis rules (``axis_rules(layout)`` under ``nnx.logical_axis_rules``, set by
+``context.activate``); the ``layout=None`` arguments below read them ("tp" when none are set).
+
 Two layouts: ``"tp"`` splits routed and shared experts on their intermediate width (the layout the checkpoints
 are meant to be served with); ``"ep"`` gives each device whole routed experts (expert parallelism).
 Parameter names are the model's NNX state paths joined with ``.`` (= official checkpoint names, experts stacked;
@@ -16,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from flax.core.spmd import get_logical_axis_rules
 from jax.sharding import PartitionSpec
 
 from sharding.mesh import TP
@@ -156,6 +162,8 @@ ACTIVATION_RULES: dict[str, tuple[tuple[str | None, ...], str]] = {
     "vision_heads": ((VISION_HEADS, None), "ViT q, k, v, o [.., H, d]: each rank its heads; attention is per head"),
     "vision_mlp_hidden": ((VISION_MLP,), "ViT SiLU·up [.., I]: each rank its own MLP columns"),
     "aligner_hidden": ((ALIGNER_HIDDEN,), "aligner GELU output [.., D]: each rank its own columns"),
+    "attention_heads": ((HEADS, None), "attention q and o [.., H, Dh]: each rank its own heads "
+                        "(sharding/kernels.sparse_attention; the sinks follow their parameter rule)"),
     "engram_local_rows": ((ENGRAM_ROWS, None), "engram row indices [.., W, c_max] in each rank's slab: rank r "
                           "gets its own columns' rows (sharding/kernels.engram_gather)"),
     "engram_gathered": ((None, None), "engram rows [.., C, d + d/32] bytes after the all-gather: replicated"),
@@ -190,13 +198,29 @@ def param_logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
     return axes
 
 
-def mesh_axes(axes: tuple[str | None, ...], layout: str) -> tuple[str | None, ...]:
+def axis_rules(layout: str) -> tuple[tuple[str, str | None], ...]:
+    """``LOGICAL_TO_MESH[layout]`` as Flax logical-axis rules ((logical, mesh axis | None) pairs)."""
+    check_layout(layout)
+    return tuple(LOGICAL_TO_MESH[layout].items())
+
+
+def active_layout() -> str:
+    """The layout whose rules ``nnx.logical_axis_rules`` holds now ("tp" when no rules are set)."""
+    active = dict(get_logical_axis_rules())
+    for layout, table in LOGICAL_TO_MESH.items():
+        if active == table:
+            return layout
+    return "tp"
+
+
+def mesh_axes(axes: tuple[str | None, ...], layout: str | None = None) -> tuple[str | None, ...]:
+    layout = active_layout() if layout is None else layout
     check_layout(layout)
     table = LOGICAL_TO_MESH[layout]
     return tuple(table[a] if a is not None else None for a in axes)
 
 
-def param_spec(name: str, ndim: int, layout: str = "tp") -> PartitionSpec:
+def param_spec(name: str, ndim: int, layout: str | None = "tp") -> PartitionSpec:
     """The PartitionSpec of parameter ``name`` (``ndim`` dims) under ``layout``."""
     return PartitionSpec(*mesh_axes(param_logical_axes(name, ndim), layout))
 
@@ -211,7 +235,7 @@ def split_axis(name: str, ndim: int, layout: str = "tp") -> tuple[int, str] | No
     return hits[0] if hits else None
 
 
-def activation_spec(activation: str, ndim: int, layout: str = "tp") -> PartitionSpec:
+def activation_spec(activation: str, ndim: int, layout: str | None = None) -> PartitionSpec:
     """PartitionSpec of an activation of ``ndim`` dims (leading dims replicated)."""
     trailing, _ = ACTIVATION_RULES[activation]
     mapped = mesh_axes(trailing, layout)

@@ -190,3 +190,27 @@ def test_temperature_sampling_follows_the_softmax():
     want = np.exp(logits[0] / 2.0) / np.exp(logits[0] / 2.0).sum()
     freq = np.bincount(draws, minlength=4) / len(draws)
     assert np.all(np.abs(freq - want) < 4 * np.sqrt(want * (1 - want) / len(draws)))
+
+
+def test_program_table_compiles_each_program_once_per_shape():
+    """Issue #13: the engine's table of frozen Programs compiles a program once per static arguments and input
+    shapes; a model program gets the graph definition bound and the state first (left out of the key)."""
+    from dsv41_jax.engine import Program, ProgramTable
+
+    graphdef, state = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    table = ProgramTable(graphdef)
+    scale = Program("scale", lambda x, *, k: x * k, static=("k",), model=False)
+    apply = Program("apply", lambda g, s, x: nnx.merge(g, s)(x))
+    x = np.ones((4, 2), np.float32)
+    np.testing.assert_array_equal(np.asarray(table.run(scale, {"k": 3.0}, (x,))), 3 * x)
+    table.run(scale, {"k": 3.0}, (x + 1,))
+    assert len(table.compiled) == 1
+    table.run(scale, {"k": 2.0}, (x,))
+    table.run(scale, {"k": 2.0}, (x[:1],))
+    assert len(table.compiled) == 3
+    y = table.run(apply, {}, (state, x))
+    np.testing.assert_allclose(np.asarray(y), x @ np.asarray(state["kernel"][...]) + np.asarray(state["bias"][...]),
+                               rtol=1e-6)
+    _, other = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+    table.run(apply, {}, (other, x))
+    assert len(table.compiled) == 4 and sorted(key[0] for key in table.compiled) == ["apply"] + ["scale"] * 3

@@ -131,3 +131,22 @@ def test_missing_argument_one_line_in_a_subprocess():
     r = _run("--config", "tiny", "--world", "4", "--rows", "16")
     assert r.returncode == 2 and r.stderr.strip() == (
         "error: the following arguments are required: --position (see --help)")
+
+
+def test_planned_only_options_are_marked_in_help_and_plan(capsys):
+    """Issue #13: options no engine path runs are marked as planned only in --help and in the printed plan."""
+    from dsv41_jax.planner import PLANNED_ONLY
+
+    r = _run("--help")
+    assert r.returncode == 0
+    flat = " ".join(r.stdout.split())
+    assert "planned only" in flat and "no engine path replays" in flat
+    for key in PLANNED_ONLY:
+        assert f"{key}:" in flat
+    out = _json(capsys, "--config", "tiny", "--world", "4", "--rows", "1024", "--position", "0", "--replay",
+                "--moe", "halving", "--experts", "bf16", "--dense", "bf16")
+    assert {"replay", "staging_ring", "moe_blocks"} <= set(out["planned_only"])
+    assert "fp8_weights" not in out["planned_only"]
+    assert main(["--config", "tiny", "--world", "4", "--rows", "1024", "--position", "0", "--replay"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "planned only: replay" in text and "not run by the engine" in text

@@ -412,3 +412,18 @@ def test_budget_kv_pool_and_decoder_part_with_budget():
     with pytest.raises(PlanRefused, match="R10"):
         plan_segment(FULL, 4, 1, 127, 5000, options, MemoryBudget(kv_tokens=34 * LIMIT))
     assert [p.layer for p in plan.index_paths] == [20, 24, 28, 32, 36]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_kernel_tiles_are_the_segment_plans(world):
+    """Issue #13: the tiles the model options carry are the plan's (R4 head tile, §B.3a decode tile, §E BM)."""
+    from dsv41_jax.planner import DECODE_HEAD_TILE, MOE_TILE, kernel_tiles, plan_decode_window
+
+    cfg = load_named("dsv41_flash")
+    tiles = kernel_tiles(cfg, world)
+    for rank in range(world):
+        seg = plan_segment(cfg, world, rank, 2048, 0, PlanOptions())
+        assert tiles.attention_head_tile == seg.head_tile
+        assert tiles.decode_head_tile == plan_decode_window(cfg, world, rank, 4, 0).head_tile
+    assert tiles.moe_block_m == MOE_TILE and tiles.index_budget == PlanOptions().index_budget
+    assert tiles.decode_head_tile == min(DECODE_HEAD_TILE, cfg.num_attention_heads // world)

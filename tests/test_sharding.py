@@ -218,3 +218,53 @@ def test_one_and_two_devices_refuse_the_same_weights_by_name(change, message):
         build_model(cfg, options, flat)
     with pytest.raises(WeightsError, match=re.escape(message)):
         sharding.prepare(cfg, flat, 2, options)
+
+
+@pytest.mark.parametrize("layout", rules.LAYOUTS)
+@pytest.mark.parametrize("fp4", [False, True])
+def test_kernel_expert_specs_are_the_parameter_rules(layout, fp4):
+    """Issue #13: each leaf of the MoE kernel's weights takes the rule of the parameter it is a view of (no
+    spec written in kernels.py, no substring match on the tree path); an unknown field is refused by name."""
+    from pallas_kernels.moe.ops import ExpertWeights
+    from sharding.kernels import _expert_spec
+
+    e, f, d = 4, 64, 32
+    if fp4:
+        u8 = lambda *s: np.zeros(s, np.uint8)  # noqa: E731
+        weights = ExpertWeights(u8(e, f, d // 2), u8(e, f, d // 2), u8(e, d, f // 2),
+                                u8(e, f, d // 32), u8(e, f, d // 32), u8(e, d, f // 32))
+        names = {"w1": "w1.codes", "w3": "w3.codes", "w2": "w2.codes", "w1_scale": "w1.scales",
+                 "w3_scale": "w3.scales", "w2_scale": "w2.scales"}
+    else:
+        weights = ExpertWeights(*(np.zeros(s, np.float32) for s in ((e, f, d), (e, f, d), (e, d, f))))
+        names = {"w1": "w1.weight", "w3": "w3.weight", "w2": "w2.weight"}
+    specs = jax.tree_util.tree_map_with_path(lambda path, a: (path[-1].name, _expert_spec(path, a, layout)),
+                                             weights)
+    got = dict(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, tuple)))
+    assert got == {field: rules.param_spec(f"layers.7.ffn.experts.{name}", 3, layout)
+                   for field, name in names.items()}
+    with pytest.raises(KeyError, match="'w4'"):
+        jax.tree_util.tree_map_with_path(lambda path, a: _expert_spec(path, a, layout), {"w4": weights.w1})
+
+
+@pytest.mark.devices(2)
+def test_the_mesh_and_layout_travel_in_jax_and_flax_contexts():
+    """Issue #13: ``context.activate`` sets JAX's context mesh (readable inside jit: get_abstract_mesh) and Flax's
+    logical-axis rules; outside it neither is set and ``constrain`` is the identity."""
+    import sharding.context as context
+    from flax.core.spmd import get_logical_axis_rules
+
+    mesh = make_mesh(2)
+    seen = {}
+
+    def f(x):
+        with context.activate(mesh, "ep"):
+            seen["mesh"], seen["layout"] = context.active_mesh(), rules.active_layout()
+            seen["rules"] = dict(get_logical_axis_rules())
+            return context.constrain(x, "logits_shards")
+
+    jax.jit(f)(jnp.zeros((4, 8)))
+    assert seen["mesh"] == mesh.abstract_mesh and seen["layout"] == "ep"
+    assert seen["rules"] == rules.LOGICAL_TO_MESH["ep"]
+    assert context.active_mesh() is None and rules.active_layout() == "tp"
+    assert not hasattr(context, "_ACTIVE")

@@ -206,3 +206,17 @@ def test_checkpoint_decodes_straight_into_shards(tmp_path, layout):
     # Routed experts are decoded one expert at a time; with whole experts a rank each is decoded exactly once.
     per_tensor = cfg.n_routed_experts * (1 if layout == "ep" else 4)
     assert set(expert_reads.values()) == {per_tensor} and len(expert_reads) == 3 * cfg.num_hidden_layers
+
+
+@pytest.mark.devices(2)
+def test_prepare_gives_the_model_the_planners_kernel_tiles():
+    """Issue #13: the sharded model's options carry the plan's kernel tiles for its world (planner.kernel_tiles:
+    R4's head tile for 8 heads a rank, §E's BM); tiles given explicitly are kept."""
+    cfg = load_named("tiny")
+    model, _ = sharding.prepare(cfg, random_weights(cfg, seed=0), 2, OPTIONS)
+    tiles = model.inner.options.tiles
+    assert tiles == planner.kernel_tiles(cfg, 2)
+    assert (tiles.attention_head_tile, tiles.moe_block_m) == (cfg.num_attention_heads // 2, 64)
+    mine = planner.KernelTiles(4, 4, 32, 1 << 20)
+    model, _ = sharding.prepare(cfg, random_weights(cfg, seed=0), 2, ModelOptions(dtype="float32", tiles=mine))
+    assert model.inner.options.tiles == mine

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
+from ..planner import KernelTiles
 from .attention import Attention, CsaState, Segment
 from .cache import Cache
 from .engram import Engram, EngramInput
@@ -44,6 +45,7 @@ class ModelOptions:
     vision: bool = False  # build the image path (VISION.md): tower, aligner, span delimiters, gate.bias_vl
     engram: bool = True  # run the config's engram layers (False = --skip-engram: no engram parameters either)
     engram_tables: str = "device"  # "host": no table parameters; each call brings its gathered rows (§B.12)
+    tiles: KernelTiles | None = None  # the plan's kernel tiles (planner.kernel_tiles); None: the ops' defaults
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import (_STEP_DONATE, Engine, EngineInputError, Request, _fresh_cache, _step, bucket_rows)
+from ..engine import INIT, STEP, Engine, EngineInputError, Program, Request, bucket_rows
 from ..sampling import sampling_arrays
 
 # (kind, value): ("token", id) for each generated token, then ("done", finish_reason) once:
@@ -64,11 +64,10 @@ from ..sampling import sampling_arrays
 EventSink = Callable[[str, object], None]
 
 
-def _insert_slot(graphdef, cache, logits, chain, one_cache, one_logits, one_chain, slot):
+def _insert_slot(cache, logits, chain, one_cache, one_logits, one_chain, slot):
     """Copy a one-row cache, its last logits [1, V] and its chain row into row ``slot`` of the S-slot cache,
     logits [S, V] (both donated) and chain (ids [S, 1], lengths [S], running [S], step [S]): every leaf's rows
     [slot] (offsets included) are replaced, so nothing of the slot's last user stays."""
-    del graphdef
 
     def put(big, small):
         return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
@@ -76,12 +75,16 @@ def _insert_slot(graphdef, cache, logits, chain, one_cache, one_logits, one_chai
     return jax.tree.map(put, cache, one_cache), put(logits, one_logits), jax.tree.map(put, chain, one_chain)
 
 
-def _override(graphdef, chain, mask, values):
+def _override(chain, mask, values):
     """The chain (ids [S, 1], lengths [S], running [S], step [S]) with the rows where ``mask [S]`` is set taken
     from ``values`` (same shapes, from the host)."""
-    del graphdef
     return jax.tree.map(lambda old, new: jnp.where(mask.reshape((-1,) + (1,) * (old.ndim - 1)), new, old),
                         chain, values)
+
+
+# Serving's own programs in the engine's table: a slot's admission and the host's overrides of the chain.
+INSERT = Program("insert", _insert_slot, donate=(0, 1), model=False)
+OVERRIDE = Program("override", _override, model=False)
 
 
 def _host_chain(batch: int) -> tuple:
@@ -154,7 +157,7 @@ class SlotEngine:
         e = self.engine
         before = e._programs.compile_s
         specs = e._specs(self.slots, [], False, slot_steps=True)  # init[S], step[S, 1]
-        specs += [s for s in e._specs(1, self._prefill_rows(), False) if s[0] == "init" or s[3][2].shape[1] != 1]
+        specs += [c for c in e._specs(1, self._prefill_rows(), False) if c.program is INIT or c.args[2].shape[1] != 1]
         e._programs.ensure(specs)
         self._run_insert(self._run_init(1), np.zeros((1, e.vocab_size), np.float32), _host_chain(1), 0)
         self._chain = self._run_override(np.zeros(self.slots, bool), _host_chain(self.slots))  # dry runs
@@ -163,17 +166,15 @@ class SlotEngine:
 
     def _run_init(self, batch: int):
         e = self.engine
-        return e._programs.run("init", _fresh_cache, e._init_static(batch), ())
+        return e._programs.run(INIT, e._init_static(batch), ())
 
     def _run_insert(self, one_cache, one_logits, one_chain, slot: int) -> None:
         self._cache, self._logits, self._chain = self.engine._programs.run(
-            "insert", _insert_slot, {},
-            (self._cache, self._logits, self._chain, one_cache, one_logits, one_chain, np.int32(slot)),
-            donate=(0, 1), sharding=self.engine._replicated)
+            INSERT, {}, (self._cache, self._logits, self._chain, one_cache, one_logits, one_chain, np.int32(slot)),
+            self.engine._replicated)
 
     def _run_override(self, mask: np.ndarray, values: tuple) -> tuple:
-        return self.engine._programs.run("override", _override, {}, (self._chain, mask, values),
-                                         sharding=self.engine._replicated)
+        return self.engine._programs.run(OVERRIDE, {}, (self._chain, mask, values), self.engine._replicated)
 
     def _stop_inputs(self) -> tuple:
         """The step's (eos ids, max new [S], sampling arrays) on the device, placed again after an admission."""
@@ -322,8 +323,7 @@ class SlotEngine:
         args, self._history = e._step_args(None, self._cache, *chain[:2], self._logits, *chain[2:],
                                            self._stop_inputs(), self._history)
         if self._step_program is None:
-            self._step_program = e._programs.get("step", _step, {"keep_first_row": False}, args, _STEP_DONATE,
-                                                 e._replicated)
+            self._step_program = e._programs.get(STEP, {"keep_first_row": False}, args, e._replicated)
         out = self._step_program(*args)
         self._cache, self._logits = out.cache, out.last_logits
         self._chain = (out.tokens, out.lengths, out.keep_going, out.next_step)
