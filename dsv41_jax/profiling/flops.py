@@ -10,7 +10,7 @@ Counted (per row at position p, per layer unless said):
 * compressor (full layers, §B.7): ``wkv`` (and ``wgate`` for r = 2) per row, ``indexer.wk`` per closed entry;
 * indexer (index sources, §B.8): ``wq_b``, ``weights_proj`` and the scores ``H_I·(d_I + 1)`` per visible entry;
 * MoE (§B.10): router ``D·E``, routed ``k·3·D·F``, shared ``3·D·F``;
-* head (§B.11): ``D·V`` for every row (the model API returns logits for all rows).
+* head (§B.11): ``D·V`` once per sequence (the engine's steps apply it to each sequence's last row only).
 
 Per device: the parts tensor parallelism splits (``wq_b``, attention heads, ``wo_a``, ``wo_b``, routed and shared
 experts, head; `MODEL.md` §F.1) are divided by the world; replicated parts (HC, ``wq_a``, ``wkv``, compressor,
@@ -28,6 +28,7 @@ def step_flops(cfg: ModelConfig, rows: int, position: int, world: int = 1, batch
     for p in range(position, position + rows):
         for part, value in _row_flops(cfg, p, world).items():
             parts[part] = parts.get(part, 0.0) + batch * value
+    parts["head"] = batch * 2.0 * cfg.hidden_size * cfg.vocab_size / world
     for part, value in _entry_flops(cfg, rows, position).items():
         parts[part] = parts.get(part, 0.0) + batch * value
     return parts
@@ -53,7 +54,6 @@ def _row_flops(cfg: ModelConfig, p: int, world: int) -> dict[str, float]:
         mac["attn_core"] += 2 * H * d * keys / world
         experts = cfg.num_experts_per_tok + cfg.n_shared_experts
         mac["moe"] += D * cfg.n_routed_experts + experts * 3 * D * F / world
-    mac["head"] = D * cfg.vocab_size / world
     return {k: 2.0 * v for k, v in mac.items()}
 
 

@@ -80,8 +80,9 @@ def _model_step(model, cache, rows: int, position: int, kind: str, seed: int) ->
 
     def step(state, cache, ids, lengths):
         """-> (cache, last-row logits [B, V] f32, greedy next token [B] i32)."""
-        logits, cache = nnx.merge(graphdef, state)(ids, cache, lengths=lengths)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+        # the head on each sequence's last row only, as the engine's step runs it (issue #22)
+        last, cache = nnx.merge(graphdef, state)(ids, cache, lengths=lengths, logit_rows=lengths - 1)
+        last = last.astype(jnp.float32)
         return cache, last, jnp.argmax(last, axis=-1).astype(jnp.int32)
 
     cache_sh = jax.tree.map(lambda _: rep, cache)
