@@ -1,8 +1,9 @@
 """Where time and memory go: compile, analyse, time and trace the prefill and decode steps of a config.
 
     python -m dsv41_jax.profile --config tiny|dsv41_flash|FILE --world N --rows N --position P[,P2,...]
-        [--layers K] [--decode] [--impl reference|pallas] [--dtype bfloat16|float32] [--batch B]
-        [--repeats R] [--trace DIR] [--json] [--compile-only] [--fast-compile]
+        [--layers K] [--engram [--engram-table-rows N]] [--decode] [--impl reference|pallas]
+        [--dtype bfloat16|float32] [--batch B] [--repeats R] [--trace DIR] [--json] [--compile-only]
+        [--fast-compile]
 
 For every position: the model's step over ``rows`` rows at that position (prefill) and, with ``--decode``, one
 row (decode), each compiled with its shardings on ``world`` devices. Per device it reports compile seconds;
@@ -12,7 +13,9 @@ median step time over ``--repeats`` runs and the tokens/s it implies; with ``--t
 trace per step (``DIR/<step>_p<position>``, XProf/TensorBoard open it) and its slowest ops and per-module totals.
 
 Weights are random and made on the devices, sharded (``profiling/build.py``); ``--layers K`` cuts a full-width
-model to K layers that keep its layer roles (``profiling/cut.py``). The cache holds random entries with its
+model to K layers that keep its layer roles (``profiling/cut.py``); ``--engram`` keeps the config's engram
+layers (the first one in any cut), their tables on the devices (``--engram-table-rows`` rows each), and feeds
+every step the rows the engine's host hash gives its random ids (the tokenizer package supplies the token map). The cache holds random entries with its
 offset at the position, sized position + rows. On CPU, ``--world N`` simulated devices are requested before JAX
 starts. ``--compile-only`` allocates nothing (abstract weights): analyses of models too big to run.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
 from dsv41_jax.planner import (WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, admit, cache_pool_bytes,
+                               engram_bytes_per_rank,
                                param_bytes_per_rank, plan_segment)
 from dsv41_jax.profiling.cut import cut_layers, kept_layers
 from dsv41_jax.profiling.flops import step_flops
@@ -60,6 +64,7 @@ class Request:
     json_out: Path | None = None
     expert_format: str = "dequantized"
     compile_cache: str | None = None
+    engram: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -70,6 +75,10 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--rows", type=int, default=2048, help="prefill rows per sequence (segment size)")
     p.add_argument("--position", default="0", help="start position(s) of the segment, comma-separated")
     p.add_argument("--layers", type=int, default=None, help="cut the model to K layers (keeps its layer roles)")
+    p.add_argument("--engram", action="store_true",
+                   help="keep the config's engram layers (the first one in a --layers cut), tables on the devices")
+    p.add_argument("--engram-table-rows", type=int, default=None, metavar="N",
+                   help="rows of each kept engram table (default: the config's; the release's are 98 GB each)")
     p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
     p.add_argument("--impl", choices=("reference", "pallas"), default="reference",
                    help="attention, MoE and indexer ops")
@@ -98,14 +107,19 @@ def parse_args(argv: list[str] | None) -> Request:
               (bool(positions) and min(positions) >= 0, f"--position must be >= 0, got {a.position!r}"),
               (a.batch >= 1, f"--batch must be at least 1, got {a.batch}"),
               (a.repeats >= 1, f"--repeats must be at least 1, got {a.repeats}"),
-              (a.layers is None or a.layers >= 1, f"--layers must be at least 1, got {a.layers}")]
+              (a.layers is None or a.layers >= 1, f"--layers must be at least 1, got {a.layers}"),
+              (a.engram_table_rows is None or a.engram, "--engram-table-rows goes with --engram"),
+              (a.engram_table_rows is None or a.engram_table_rows >= 1024,
+               f"--engram-table-rows must be at least 1024, got {a.engram_table_rows}")]
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
     cfg = load_named(a.config)
-    layers = tuple(kept_layers(cfg, a.layers) if a.layers else range(cfg.num_hidden_layers))
-    if a.layers:
-        cfg = cut_layers(cfg, a.layers)
+    if a.engram and not cfg.engram_layer_ids:
+        raise UsageError(f"--engram: config {a.config!r} has no engram layers")
+    k = a.layers or cfg.num_hidden_layers
+    layers = tuple(kept_layers(cfg, k, engram=a.engram))
+    cfg = cut_layers(cfg, k, engram=a.engram, engram_table_rows=a.engram_table_rows)
     last = max(positions) + a.rows
     if last > cfg.max_position_embeddings:
         raise UsageError(f"position {max(positions):,} + {a.rows:,} rows passes the model's "
@@ -115,7 +129,7 @@ def parse_args(argv: list[str] | None) -> Request:
     admit(cfg, a.world)  # PlanRefused names the rule and the worlds that work
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
-                   Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache)
+                   Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache, a.engram)
 
 
 def _check_writable(path: Path) -> None:
@@ -140,7 +154,9 @@ def planner_bytes(req: Request, rows: int, position: int) -> dict:
     options = PlanOptions(kv="bf16", experts=experts, dense=fmt, slots=req.batch, indexer_impl=req.impl,
                           context_limit=position + req.rows if req.impl == "pallas" else None)
     capacity = req.batch * (position + req.rows)
-    out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=experts, dense=fmt),
+    engram = engram_bytes_per_rank(req.cfg, req.world, tables="device", dense=fmt, rows=req.batch * rows)
+    out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=experts, dense=fmt)
+           + engram["tables"] + engram["projection"],
            "cache": cache_pool_bytes(req.cfg, req.world, options, MemoryBudget(kv_tokens=capacity)),
            "workspace": None, "refused": None}
     try:
@@ -170,6 +186,14 @@ def run(req: Request, on_step=None) -> dict:
     from dsv41_jax.compile_cache import enable as enable_compile_cache
 
     cache_dir = enable_compile_cache(req.compile_cache)
+    hasher = None
+    if req.cfg.engram_layer_ids:
+        from dsv41_jax.engram import EngramError, Hasher
+
+        try:
+            hasher = Hasher(req.cfg)
+        except EngramError as e:
+            raise UsageError(f"--engram: {e}") from None
     measure.COMPILER_OPTIONS.clear()
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
@@ -189,9 +213,10 @@ def run(req: Request, on_step=None) -> dict:
         cache = build.build_cache(req.cfg, mesh, batch=req.batch, position=position, rows=req.rows,
                                   dtype=req.dtype, abstract=req.compile_only)
         cache_bytes = build.bytes_per_device(cache)
-        makers = [("prefill", lambda: measure.prefill_step(model, cache, rows=req.rows, position=position))]
+        makers = [("prefill", lambda: measure.prefill_step(model, cache, rows=req.rows, position=position,
+                                                             hasher=hasher))]
         if req.decode:
-            makers.append(("decode", lambda: measure.decode_step(model, cache, position=position)))
+            makers.append(("decode", lambda: measure.decode_step(model, cache, position=position, hasher=hasher)))
         for kind, make in makers:
             step = make()
             if not req.compile_only:
@@ -233,6 +258,8 @@ def _header(req: Request, jax) -> dict:
             "roles": [req.cfg.role(i) for i in range(req.cfg.num_hidden_layers)],
             "world": req.world, "rows": req.rows, "batch": req.batch, "impl": req.impl, "dtype": req.dtype,
             "expert_format": req.expert_format,
+            "engram": [{"layer": req.layers[i], "table_rows": n}
+                       for i, n in zip(req.cfg.engram_layer_ids, req.cfg.engram_num_embeddings)],
             "compile_only": req.compile_only, "fast_compile": req.fast_compile,
             "platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -305,6 +332,9 @@ def print_header(report: dict, out=sys.stdout) -> None:
     out.write(f"{report['config']} layers {report['layers']} ({', '.join(report['roles'])}) · world "
               f"{report['world']} · batch {report['batch']} · {report['dtype']} · experts "
               f"{report.get('expert_format', 'dequantized')} · impl {report['impl']}\n")
+    for e in report.get("engram", []):
+        out.write(f"engram layer {e['layer']}: table {e['table_rows']:,} rows on the devices, rows hashed on the "
+                  f"host as the engine feeds them\n")
     out.write(f"{report['device']} ({report['platform']}) · jax {report['jax']} · {report['date']} · weights "
               f"{_fmt_bytes(report['weights_per_device'])} per device · built in {report['build_s']:.1f} s\n")
 

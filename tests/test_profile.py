@@ -103,6 +103,9 @@ def test_profile_fp4_experts_as_released(capsys):
     (["--layers", "0"], "--layers must be at least 1"),
     (["--config", "/nonexistent"], "no config file"),
     (["--position", "65500", "--rows", "64"], "passes the model's"),
+    (["--engram"], "has no engram layers"),
+    (["--config", "tiny_engram", "--engram-table-rows", "5000"], "goes with --engram"),
+    (["--config", "tiny_engram", "--engram", "--engram-table-rows", "10"], "at least 1024"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     assert main(["--config", "tiny", *argv] if "--config" not in argv else argv) == 2
@@ -120,6 +123,35 @@ def test_cut_layers_keeps_roles():
     assert kept_layers(full, 4) == [0, 2, 20, 24]
     assert [cut_layers(full, 4).role(i) for i in range(4)] == ["window", "full", "full", "reindex"]
     assert cut_layers(full, 4).uses_candidates(3)  # layer 24 stays candidate-masked
+
+
+def test_cut_keeps_the_first_engram_layer_when_asked():
+    """``engram=True``: the release's first engram layer (1, a window layer) comes first; its table keeps its rows
+    or takes ``engram_table_rows``; without it engram is dropped as before."""
+    full = load_named("dsv41_flash")
+    assert kept_layers(full, 2, engram=True) == [1, 2]
+    cut = cut_layers(full, 3, engram=True, engram_table_rows=1 << 20)
+    assert kept_layers(full, 3, engram=True) == [1, 2, 20]
+    assert cut.engram_layer_ids == (0,) and cut.engram_num_embeddings == (1 << 20,)
+    assert cut_layers(full, 40, engram=True).engram_layer_ids == full.engram_layer_ids
+    assert cut_layers(full, 3).engram_layer_ids == () and cut_layers(full, 40).engram_layer_ids == ()
+
+
+@pytest.mark.devices(2)
+def test_profile_keeps_engram_layers(capsys):
+    """``--engram``: the engram layer runs in the profiled steps on the host's hashed rows, its table on the devices
+    (split by hash column at world 2); the weights the devices hold, table included, are the planner's count."""
+    argv = ["--config", "tiny_engram", "--layers", "3", "--world", "2", "--rows", "16", "--position", "0",
+            "--decode", "--json", "--repeats", "1", "--fast-compile"]
+    assert main([*argv, "--engram"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layers"] == [1, 2, 6] and report["engram"] == [{"layer": 1, "table_rows": 6126}]
+    for step in report["steps"]:
+        assert step["error"] is None and step["median_s"] > 0
+        assert abs(step["memory"]["weights"]["diff_pct"]) <= 0.5, step["memory"]["weights"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["engram"] == [] and plain["weights_per_device"] < report["weights_per_device"]
 
 
 def test_spec_flops_by_hand():

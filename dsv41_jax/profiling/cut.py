@@ -12,8 +12,10 @@ index-key source, `MODEL.md` §B.9 — as long as the whole set fits in K):
 So for the full config K = 1 keeps layer 2, K = 2 keeps layers 2 and 20 (a ratio-2 full layer and the ratio-1
 candidate source), K = 3 adds reindex layer 24, K = 4 adds window layer 0. The kept layers keep their order and
 are renumbered 0..K−1; kv / index / candidate source ids are remapped. Because every kept compressed layer keeps
-its sources and no other source lies between a layer and its source, every kept layer keeps its role. Engram and
-DSpark are dropped (the text model does not run them).
+its sources and no other source lies between a layer and its source, every kept layer keeps its role. DSpark is
+dropped. Engram is dropped unless ``engram=True``: then the config's first engram layer comes first in the
+priority order, and every kept engram layer keeps its table (``engram_table_rows`` rows each when given: the
+release's 98 GB tables do not fit one device beside the other weights).
 """
 
 from __future__ import annotations
@@ -21,19 +23,18 @@ from __future__ import annotations
 from dsv41_jax.config import ConfigError, ModelConfig
 
 
-def cut_layers(cfg: ModelConfig, k: int) -> ModelConfig:
+def cut_layers(cfg: ModelConfig, k: int, *, engram: bool = False, engram_table_rows: int | None = None
+               ) -> ModelConfig:
     """``cfg`` cut to ``k`` decoder layers (see the module docstring); validates; ``k`` ≥ the layer count
-    returns ``cfg`` with Engram and DSpark dropped."""
-    n = cfg.num_hidden_layers
+    returns ``cfg`` with DSpark (and, unless ``engram``, Engram) dropped."""
     if k < 1:
         raise ConfigError(f"--layers must be at least 1, got {k}")
-    kept = list(range(n)) if k >= n else _pick_layers(cfg, k)
-    return _renumber(cfg, kept)
+    return _renumber(cfg, kept_layers(cfg, k, engram=engram), engram, engram_table_rows)
 
 
-def kept_layers(cfg: ModelConfig, k: int) -> list[int]:
-    """The original ids of the layers ``cut_layers(cfg, k)`` keeps, in order."""
-    return list(range(cfg.num_hidden_layers)) if k >= cfg.num_hidden_layers else _pick_layers(cfg, k)
+def kept_layers(cfg: ModelConfig, k: int, *, engram: bool = False) -> list[int]:
+    """The original ids of the layers ``cut_layers(cfg, k, engram=...)`` keeps, in order."""
+    return list(range(cfg.num_hidden_layers)) if k >= cfg.num_hidden_layers else _pick_layers(cfg, k, engram)
 
 
 def _sources(cfg: ModelConfig, layer: int) -> set[int]:
@@ -50,7 +51,7 @@ def _sources(cfg: ModelConfig, layer: int) -> set[int]:
     return out
 
 
-def _priority(cfg: ModelConfig) -> list[int]:
+def _priority(cfg: ModelConfig, engram: bool) -> list[int]:
     layers = range(cfg.num_hidden_layers)
     full2 = [i for i in layers if cfg.role(i) == "full" and cfg.ratio(i) == 2]
     full1 = sorted((i for i in layers if cfg.role(i) == "full" and cfg.ratio(i) == 1),
@@ -58,13 +59,14 @@ def _priority(cfg: ModelConfig) -> list[int]:
     reindex = [i for i in layers if cfg.role(i) == "reindex"]
     window = [i for i in layers if cfg.role(i) == "window"]
     reuse = [i for i in layers if cfg.role(i) == "reuse"]
-    order = full2[:1] + full1[:1] + reindex[:1] + window[:1] + reuse
+    order = (list(cfg.engram_layer_ids[:1]) if engram else []) + full2[:1] + full1[:1] + reindex[:1] + window[:1]
+    order += [i for i in reuse if i not in order]
     return order + [i for i in layers if i not in order]
 
 
-def _pick_layers(cfg: ModelConfig, k: int) -> list[int]:
+def _pick_layers(cfg: ModelConfig, k: int, engram: bool) -> list[int]:
     kept: set[int] = set()
-    for layer in _priority(cfg):
+    for layer in _priority(cfg, engram):
         need = _sources(cfg, layer)
         if len(kept | need) <= k:
             kept |= need
@@ -73,15 +75,17 @@ def _pick_layers(cfg: ModelConfig, k: int) -> list[int]:
     return sorted(kept)
 
 
-def _renumber(cfg: ModelConfig, kept: list[int]) -> ModelConfig:
+def _renumber(cfg: ModelConfig, kept: list[int], engram: bool, table_rows: int | None) -> ModelConfig:
     new_id = {old: new for new, old in enumerate(kept)}
     cand = cfg.candidate_source_layer_id
+    tables = [(new_id[i], table_rows or n) for i, n in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)
+              if engram and i in new_id]
     return cfg.replace(
         num_hidden_layers=len(kept),
         compress_ratios=tuple(cfg.ratio(i) for i in kept),
         kv_source_layer_ids=tuple(new_id[i] for i in cfg.kv_source_layer_ids if i in new_id),
         index_source_layer_ids=tuple(new_id[i] for i in cfg.index_source_layer_ids if i in new_id),
         candidate_source_layer_id=new_id.get(cand, -1),
-        engram_layer_ids=(), engram_num_embeddings=(),
+        engram_layer_ids=tuple(i for i, _ in tables), engram_num_embeddings=tuple(n for _, n in tables),
         num_nextn_predict_layers=0, dspark_target_layer_ids=(),
     )

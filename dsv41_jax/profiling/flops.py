@@ -10,11 +10,12 @@ Counted (per row at position p, per layer unless said):
 * compressor (full layers, §B.7): ``wkv`` (and ``wgate`` for r = 2) per row, ``indexer.wk`` per closed entry;
 * indexer (index sources, §B.8): ``wq_b``, ``weights_proj`` and the scores ``H_I·(d_I + 1)`` per visible entry;
 * MoE (§B.10): router ``D·E``, routed ``k·3·D·F``, shared ``3·D·F``;
+* engram (§B.12, engram layers): ``wkv`` ``C·d_e·(S+1)·D`` (C hash columns; the gate's sums are left out);
 * head (§B.11): ``D·V`` once per sequence (the engine's steps apply it to each sequence's last row only).
 
 Per device: the parts tensor parallelism splits (``wq_b``, attention heads, ``wo_a``, ``wo_b``, routed and shared
-experts, head; `MODEL.md` §F.1) are divided by the world; replicated parts (HC, ``wq_a``, ``wkv``, compressor,
-indexer, router) are counted in full, since every device computes them. Pure Python: no JAX.
+experts, head; `MODEL.md` §F.1) are divided by the world; replicated parts (HC, ``wq_a``, ``wkv`` (attention and
+engram), compressor, indexer, router) are counted in full, since every device computes them. Pure Python: no JAX.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def _row_flops(cfg: ModelConfig, p: int, world: int) -> dict[str, float]:
     D, H, d, S = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
     Rq, Ro, G = cfg.q_lora_rank, cfg.o_lora_rank, cfg.o_groups
     HI, dI, F = cfg.index_n_heads, cfg.index_head_dim, cfg.moe_intermediate_size
-    mac = {"hc": 0.0, "attn_proj": 0.0, "attn_core": 0.0, "compressor": 0.0, "indexer": 0.0, "moe": 0.0}
+    mac = {"hc": 0.0, "attn_proj": 0.0, "attn_core": 0.0, "compressor": 0.0, "indexer": 0.0, "moe": 0.0,
+           "engram": 0.0}
+    columns = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    mac["engram"] = len(cfg.engram_layer_ids) * columns * cfg.engram_head_dim * (S + 1) * D
     for layer in range(cfg.num_hidden_layers):
         r = cfg.ratio(layer)
         mac["hc"] += 2 * (S * D * cfg.hc_mix_width + S * D + S * S * D + S * D)

@@ -61,39 +61,54 @@ class Step:
         return out
 
 
-def prefill_step(model, cache, *, rows: int, position: int, seed: int = 2) -> Step:
-    """The prefill step over ``rows`` random token ids per sequence, at the cache's offset ``position``."""
-    return _model_step(model, cache, rows, position, "prefill", seed)
+def prefill_step(model, cache, *, rows: int, position: int, seed: int = 2, hasher=None) -> Step:
+    """The prefill step over ``rows`` random token ids per sequence, at the cache's offset ``position``.
+    ``hasher`` (`dsv41_jax.engram.Hasher`, for a model with engram layers): the step takes the rows it hashes
+    for those ids, as the engine feeds them."""
+    return _model_step(model, cache, rows, position, "prefill", seed, hasher)
 
 
-def decode_step(model, cache, *, position: int, seed: int = 3) -> Step:
+def decode_step(model, cache, *, position: int, seed: int = 3, hasher=None) -> Step:
     """The decode step: one row per sequence at the cache's offset, then the greedy next token."""
-    return _model_step(model, cache, 1, position, "decode", seed)
+    return _model_step(model, cache, 1, position, "decode", seed, hasher)
 
 
-def _model_step(model, cache, rows: int, position: int, kind: str, seed: int) -> Step:
+def _model_step(model, cache, rows: int, position: int, kind: str, seed: int, hasher) -> Step:
     graphdef, state = nnx.split(model)
     rep = replicated(model.mesh)
     batch, vocab = cache.offset.shape[0], model.vocab_size
-    ids = jax.device_put(np.random.default_rng(seed).integers(0, vocab, (batch, rows), dtype=np.int32), rep)
+    ids_host = np.random.default_rng(seed).integers(0, vocab, (batch, rows), dtype=np.int32)
+    ids = jax.device_put(ids_host, rep)
     lengths = jax.device_put(np.full((batch,), rows, np.int32), rep)
+    engram = None if hasher is None else jax.device_put(_engram_input(hasher, ids_host), rep)
 
-    def step(state, cache, ids, lengths):
+    def step(state, cache, ids, lengths, engram):
         """-> (cache, last-row logits [B, V] f32, greedy next token [B] i32)."""
+        kwargs = {} if engram is None else {"engram": engram}
         # the head on each sequence's last row only, as the engine's step runs it (issue #22)
-        last, cache = nnx.merge(graphdef, state)(ids, cache, lengths=lengths, logit_rows=lengths - 1)
+        last, cache = nnx.merge(graphdef, state)(ids, cache, lengths=lengths, logit_rows=lengths - 1, **kwargs)
         last = last.astype(jnp.float32)
         return cache, last, jnp.argmax(last, axis=-1).astype(jnp.int32)
 
     cache_sh = jax.tree.map(lambda _: rep, cache)
-    args = (state, cache, ids, lengths)
+    args = (state, cache, ids, lengths, engram)
     result = StepResult(kind, rows, position, batch)
     try:
-        compiled = _compile(step, (_shardings(state), cache_sh, rep, rep), (cache_sh, rep, rep), args, result)
+        compiled = _compile(step, (_shardings(state), cache_sh, rep, rep, jax.tree.map(lambda _: rep, engram)),
+                            (cache_sh, rep, rep), args, result)
     except Exception as e:  # noqa: BLE001 - a step that does not compile is reported, the others still run
         result.error = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         compiled = None
     return Step(result, compiled, args)
+
+
+def _engram_input(hasher, ids: np.ndarray):
+    """The EngramInput the engine would feed for ``ids`` [B, T] at the start of a sequence (empty history)."""
+    from dsv41_jax import engram  # noqa: PLC0415
+    from dsv41_jax.model.engram import EngramInput  # noqa: PLC0415
+
+    rows, _ = hasher.rows(ids, engram.empty_history(hasher.cfg, ids.shape[0]))
+    return EngramInput(rows=rows.astype(np.int32), text=np.ones(ids.shape, bool))
 
 
 def _shardings(tree):
