@@ -61,6 +61,16 @@ def scale_values(scale: np.ndarray) -> np.ndarray:
     return scale.astype(np.float64)
 
 
+def ue8m0_from_scales(scale: np.ndarray) -> np.ndarray:
+    """Scales (ue8m0 bytes or float powers of two, §G.12) → ue8m0 bytes uint8; ValueError for a float scale that
+    is not a power of two."""
+    value = scale_values(scale)
+    exponent = np.round(np.log2(np.maximum(value, np.finfo(np.float64).tiny)))
+    if not np.array_equal(np.ldexp(1.0, exponent.astype(np.int32)), value):
+        raise ValueError("scales must be powers of two to be held as ue8m0 bytes")
+    return np.clip(exponent + UE8M0_BIAS, 0, 254).astype(np.uint8)
+
+
 def as_ue8m0(e: np.ndarray) -> np.ndarray:
     """Scale bytes as ``float8_e8m0fnu`` (what safetensors writes as ``F8_E8M0``)."""
     return np.ascontiguousarray(e, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
