@@ -1,7 +1,7 @@
 """Where time and memory go: compile, analyse, time and trace the prefill and decode steps of a config.
 
     python -m dsv41_jax.profile --config tiny|dsv41_flash|FILE --world N --rows N --position P[,P2,...]
-        [--layers K] [--decode] [--impl reference|pallas] [--dtype bfloat16|float32] [--batch B]
+        [--layers K] [--decode] [--impl xla|pallas] [--dtype bfloat16|float32] [--batch B]
         [--repeats R] [--trace DIR] [--json] [--compile-only] [--fast-compile]
 
 For every position: the model's step over ``rows`` rows at that position (prefill) and, with ``--decode``, one
@@ -71,8 +71,8 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--position", default="0", help="start position(s) of the segment, comma-separated")
     p.add_argument("--layers", type=int, default=None, help="cut the model to K layers (keeps its layer roles)")
     p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
-    p.add_argument("--impl", choices=("reference", "pallas"), default="reference",
-                   help="attention, MoE and indexer ops")
+    p.add_argument("--impl", choices=("xla", "pallas", "reference"), default="xla", metavar="xla|pallas",
+                   help="attention, MoE and indexer ops ('reference' = xla, deprecated)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--expert-format", choices=("dequantized", "fp4"), default="dequantized",
                    help="routed experts held in --dtype, or packed fp4 + ue8m0 scales as the release stores them "
