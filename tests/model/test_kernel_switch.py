@@ -45,3 +45,16 @@ def test_pallas_moe_matches_the_xla_path():
         out[impl] = np.asarray(jax.jit(lambda m, v: m(v))(moe, x).astype(jnp.float32))
     scale = np.abs(out["xla"]).max()
     assert np.abs(out["pallas"] - out["xla"]).max() <= scale * 2.0**-6
+
+
+def test_model_options_take_the_registry_names():
+    """``*_impl`` is one of ``pallas_kernels.registry.IMPLEMENTATIONS``; "reference" (the old name of the XLA path)
+    is stored as "xla"; anything else is a ValueError naming the field and the choices."""
+    import pytest
+
+    options = ModelOptions(attention_impl="reference", moe_impl="pallas")
+    assert (options.attention_impl, options.moe_impl, options.indexer_impl, options.hc_impl) == (
+        "xla", "pallas", "xla", "xla")
+    assert options == ModelOptions(moe_impl="pallas")
+    with pytest.raises(ValueError, match=r"ModelOptions.moe_impl must be one of xla \| pallas, got 'cuda'"):
+        ModelOptions(moe_impl="cuda")
