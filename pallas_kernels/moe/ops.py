@@ -173,11 +173,12 @@ def routed_experts(
 ) -> jax.Array:
     """y [N, D] f32 = sum_j w[n, j] * (bf16(act) . w2[e_nj]^T) (MODEL.md §B.10, PLANNER.md §E).
 
-    x: [N, D] (cast to bf16); topk_ids: [N, k] int32 (ids outside [0, E) contribute nothing);
-    topk_weights: [N, k] f32; act = silu(min(g, lim)) * clip(u, -lim, lim), g = x.w1^T, u = x.w3^T in f32.
-    impl: "pallas" (the kernel: bf16 operands, interpret defaults to True off GPU; refuses operands its
-    addressing would wrap, ``check_offsets``) or "xla" (grouped matmuls in x's dtype, fp4 decoded in it; ``config``
-    and ``interpret`` unused); "reference" is a deprecated name of "xla".
+    x: [N, D]; topk_ids: [N, k] int32 (ids outside [0, E) contribute nothing); topk_weights: [N, k] f32;
+    act = silu(min(g, lim)) * clip(u, -lim, lim), g = x.w1^T, u = x.w3^T in f32.
+    impl: "pallas" (the kernel: x cast to bf16, f32 per-pair products; interpret defaults to True off GPU;
+    refuses operands its addressing would wrap, ``check_offsets``) or "xla" (grouped matmuls in x's dtype with
+    g, u, act and each pair's w2 product rounded to it, as mlx-lm; fp4 decoded in it; ``config`` and
+    ``interpret`` unused); "reference" is a deprecated name of "xla".
     """
     impl = registry.resolve(impl)
     _check_shapes(x, topk_ids, topk_weights, weights)
