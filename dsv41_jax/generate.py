@@ -119,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --checkpoint: hold routed experts packed fp4 as stored (about a quarter of the "
                             "bytes; needs fp4 experts in the checkpoint) or dequantised; auto (default): fp4 when "
                             "the checkpoint stores fp4 experts (the official release), dequantised otherwise")
-    model.add_argument("--impl", choices=("auto", "reference", "pallas"), default="auto",
-                       help="attention, MoE and indexer kernels; auto (default): pallas on GPU, reference elsewhere "
-                            "(pallas on CPU runs interpreted: slow)")
+    model.add_argument("--impl", choices=("auto", "xla", "pallas", "reference"), default="auto",
+                       metavar="auto|xla|pallas",
+                       help="attention, MoE and indexer kernels; auto (default): pallas on GPU, xla elsewhere "
+                            "(pallas on CPU runs interpreted: slow; 'reference' = xla, deprecated)")
     model.add_argument("--skip-engram", action="store_true",
                        help="run a config with engram layers without them (NOT the model's output)")
     model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
@@ -571,7 +572,7 @@ def model_options(args, expert_format: str, vision: bool = False, engram_tables:
     impl = kernel_impl(args)
     if impl == "pallas" and args.dtype == "float32":
         _say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
-             "takes bf16 activations); use --impl reference for float32 experts")
+             "takes bf16 activations); use --impl xla for float32 experts")
     return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
                         quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl, hc_impl=impl,
                         engram=not args.skip_engram, engram_tables=engram_tables)

@@ -1,7 +1,7 @@
 """Where time and memory go: compile, analyse, time and trace the prefill and decode steps of a config.
 
     python -m dsv41_jax.profile --config tiny|dsv41_flash|FILE --world N --rows N --position P[,P2,...]
-        [--layers K] [--engram [--engram-table-rows N]] [--decode] [--impl reference|pallas]
+        [--layers K] [--engram [--engram-table-rows N]] [--decode] [--impl xla|pallas]
         [--dtype bfloat16|float32] [--batch B] [--repeats R] [--trace DIR] [--json] [--compile-only]
         [--fast-compile]
 
@@ -15,8 +15,8 @@ trace per step (``DIR/<step>_p<position>``, XProf/TensorBoard open it) and its s
 Weights are random and made on the devices, sharded (``profiling/build.py``); ``--layers K`` cuts a full-width
 model to K layers that keep its layer roles (``profiling/cut.py``); ``--engram`` keeps the config's engram
 layers (the first one in any cut), their tables on the devices (``--engram-table-rows`` rows each), and feeds
-every step the rows the engine's host hash gives its random ids (the tokenizer package supplies the token map). The cache holds random entries with its
-offset at the position, sized position + rows. On CPU, ``--world N`` simulated devices are requested before JAX
+every step the rows the engine's host hash gives its random ids (the tokenizer package supplies the token
+map). The cache holds random entries with its offset at the position, sized position + rows. On CPU, ``--world N`` simulated devices are requested before JAX
 starts. ``--compile-only`` allocates nothing (abstract weights): analyses of models too big to run.
 """
 
@@ -80,8 +80,8 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--engram-table-rows", type=int, default=None, metavar="N",
                    help="rows of each kept engram table (default: the config's; the release's are 98 GB each)")
     p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
-    p.add_argument("--impl", choices=("reference", "pallas"), default="reference",
-                   help="attention, MoE and indexer ops")
+    p.add_argument("--impl", choices=("xla", "pallas", "reference"), default="xla", metavar="xla|pallas",
+                   help="attention, MoE and indexer ops ('reference' = xla, deprecated)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--expert-format", choices=("dequantized", "fp4"), default="dequantized",
                    help="routed experts held in --dtype, or packed fp4 + ue8m0 scales as the release stores them "

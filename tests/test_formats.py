@@ -140,3 +140,43 @@ def test_round_trip_kinds():
     assert formats.round_trip(w, "bf16")[0, 0] == 1.0
     assert formats.round_trip(w, "fp8")[0, 0] == 1.0
     assert formats.round_trip(w, "fp4")[0, 0] == 1.0
+
+
+# --------------------------------------------------------------------- the JAX forms equal the numpy forms
+def test_jax_decode_fp4_equals_the_numpy_dequantiser():
+    """``decode_fp4`` (the model's and the ops' fp4 decode) = ``fp4_dequantize`` (the loader's), bit for bit, for
+    every code and scale bytes 2..252 (above, 6·2^(e−127) overflows f32; byte 1 makes the code 0.5 an f32
+    subnormal, which XLA flushes to zero on CPU; byte 0 decodes to 0: it only meets all-zero groups)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(3)
+    packed = rng.integers(0, 256, (251, 16), dtype=np.uint8)  # each row: 32 random codes
+    scale = np.arange(2, 253, dtype=np.uint8)[:, None]
+    want = formats.fp4_dequantize(packed, scale, dtype=np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(formats.decode_fp4(jnp.asarray(packed), jnp.asarray(scale), dtype), np.float32)
+        np.testing.assert_array_equal(got, want)
+    assert (np.asarray(formats.decode_fp4(jnp.asarray(packed[:1]), jnp.zeros((1, 1), jnp.uint8), jnp.float32))
+            == 0).all()
+
+
+def test_jax_ue8m0_forms_equal_the_numpy_forms():
+    import jax.numpy as jnp
+
+    e = np.arange(0, 255, dtype=np.uint8)
+    np.testing.assert_array_equal(np.asarray(formats.decode_ue8m0(jnp.asarray(e[1:]))), formats.scale_values(e[1:]))
+    floats = np.ldexp(1.0, e.astype(np.int32) - 127).astype(np.float32)[1:]
+    np.testing.assert_array_equal(np.asarray(formats.ue8m0_bytes(jnp.asarray(floats))), e[1:])
+    np.testing.assert_array_equal(formats.ue8m0_from_scales(floats), e[1:])
+    np.testing.assert_array_equal(np.asarray(formats.ue8m0_bytes(jnp.asarray(formats.as_ue8m0(e)))), e)
+    with pytest.raises(ValueError, match="powers of two"):
+        formats.ue8m0_from_scales(np.array([0.75], np.float32))
+
+
+def test_jax_e2m1_rounding_equals_the_numpy_codes():
+    """``round_e2m1`` (rounding points) = ``fp4_values(fp4_codes(·))`` (the quantiser), ties included."""
+    import jax.numpy as jnp
+
+    y = np.concatenate([np.linspace(-6, 6, 4801, dtype=np.float32), np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5])])
+    np.testing.assert_array_equal(np.asarray(formats.round_e2m1(jnp.asarray(y))),
+                                  formats.fp4_values(formats.fp4_codes(y)))

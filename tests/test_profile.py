@@ -78,7 +78,7 @@ def test_profile_fp4_experts_as_released(capsys):
     import numpy as np
 
     from dsv41_jax.model import ModelOptions
-    from dsv41_jax.model.moe import dequantize_fp4
+    from dsv41_jax.formats import decode_fp4
     from dsv41_jax.profiling import build
 
     report = _run(capsys, "--world", "2", "--rows", "16", "--position", "0", "--expert-format", "fp4")
@@ -87,7 +87,7 @@ def test_profile_fp4_experts_as_released(capsys):
     assert report["weights_per_device"] == param_bytes_per_rank(cfg, 2, 0, experts="fp4")
     model, _ = build.build_model(cfg, 1, ModelOptions(dtype="float32", expert_format="fp4"))
     w1 = model.inner.layers[0].ffn.experts.w1
-    values = np.asarray(dequantize_fp4(w1.codes[...], w1.scales[...], np.float32))
+    values = np.asarray(decode_fp4(w1.codes[...], w1.scales[...], np.float32))
     fan_in = values.shape[-1]
     # Uniform random e2m1 codes have RMS ≈ 3.2 (values 0..6), the scale byte 2^round(log2(1/(2√fan_in))):
     # the decoded RMS is within a factor 2 of the dense init's 1/√fan_in.

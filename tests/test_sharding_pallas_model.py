@@ -23,8 +23,6 @@ from dsv41_jax.loading import load_weights
 from dsv41_jax.model.transformer import ModelOptions, Transformer
 from test_sharding_model import collectives
 
-pytest.importorskip("pallas_kernels.moe.ops")
-pytest.importorskip("pallas_kernels.sparse_attention.ops")
 
 OPTIONS = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="pallas", moe_impl="pallas",
                        hc_impl="pallas")

@@ -8,12 +8,13 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from pallas_kernels.sparse_attention.ops import scratch_bytes_per_row, sparse_attention
 from sharding.kernels import sparse_attention as sharded_attention  # shard_map'd on heads when sharded
 
 from ..config import ModelConfig
 from .cache import LayerCache
 from .compressor import Compressor, write_rows
-from .indexer import Indexer, map_row_blocks, rows_per_block
+from .indexer import Indexer, rows_per_block
 from .norms import HIGHEST, Linear, RMSNorm
 from .quant import round_compressed_kv, round_window_kv
 from .rope import apply_rope, inv_frequencies
@@ -57,45 +58,6 @@ class CsaState:
                             topk=put(self.topk, topk))
 
 
-def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, window_size: int, scale: float):
-    """Pure-JAX reference of the kernel contract in docs/DESIGN.md.
-
-    q [B,T,H,Dh] (RoPE applied); kv_pool [B,N,Dh] or None; topk [B,T,K] int32 (−1 = none) or None;
-    window [B,S,Dh], row i at position window_start[b] + i (negative = invalid); q_pos [B,T]; sinks [H] f32.
-    A query at p sees window rows at positions [max(0, p−window_size+1), p] and kv_pool[topk]; one f32
-    softmax with the sink in the denominator; V = K. Returns o [B,T,H,Dh] in q's dtype.
-    Queries are processed in blocks of rows so that scores and gathered keys stay within a fixed scratch.
-    """
-    b, t, h, dh = q.shape
-    if kv_pool is None or topk is None or topk.shape[-1] == 0:
-        kv_pool, topk = None, jnp.zeros((b, t, 0), jnp.int32)
-    k = topk.shape[-1]
-    block = rows_per_block(t, 4 * (h * (window.shape[1] + k) + k * dh))
-    keys_w = window.astype(jnp.float32)
-    pos_w = window_start[:, None] + jnp.arange(window.shape[1])[None, :]  # [B,S]
-
-    def rows(q, topk, q_pos):
-        qf = q.astype(jnp.float32)
-        p = q_pos[..., None]
-        seen_w = (pos_w[:, None, :] >= 0) & (pos_w[:, None, :] <= p) & (pos_w[:, None, :] > p - window_size)
-        s_w = jnp.einsum("bthd,bsd->bths", qf, keys_w, precision=HIGHEST) * scale
-        logits = [jnp.where(seen_w[:, :, None, :], s_w, -jnp.inf)]
-        if k:
-            picked = jnp.take_along_axis(kv_pool[:, None], jnp.maximum(topk, 0)[..., None], axis=2)
-            picked = picked.astype(jnp.float32)  # [B,T,K,Dh]
-            s_c = jnp.einsum("bthd,btkd->bthk", qf, picked, precision=HIGHEST) * scale
-            logits.append(jnp.where((topk >= 0)[:, :, None, :], s_c, -jnp.inf))
-        m = jnp.maximum(jnp.max(jnp.concatenate(logits, axis=-1), axis=-1), sinks[None, None, :])  # [B,T,H]
-        probs = [jnp.exp(s - m[..., None]) for s in logits]
-        denom = sum(jnp.sum(pr, axis=-1) for pr in probs) + jnp.exp(sinks[None, None, :] - m)
-        out = jnp.einsum("bths,bsd->bthd", probs[0], keys_w, precision=HIGHEST)
-        if k:
-            out = out + jnp.einsum("bthk,btkd->bthd", probs[1], picked, precision=HIGHEST)
-        return (out / denom[..., None]).astype(q.dtype)
-
-    return map_row_blocks(rows, (q, topk, q_pos), block)
-
-
 def window_in_order(ring: jnp.ndarray, offset: jnp.ndarray) -> jnp.ndarray:
     """ring [B,W,d] (slot p mod W) -> rows at positions offset−W … offset−1, in order."""
     w = ring.shape[1]
@@ -115,7 +77,7 @@ class Attention(nnx.Module):
     """``attn.*`` of one layer; owns a compressor (kv sources) and an indexer (index sources)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rounding: bool, impl: str, rngs: nnx.Rngs,
-                 indexer_impl: str = "reference"):
+                 indexer_impl: str = "xla"):
         D, d, H = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
         self.layer = layer
         self.n_heads, self.head_dim, self.groups = H, d, cfg.o_groups
@@ -166,17 +128,17 @@ class Attention(nnx.Module):
         return self._output(o), cache, csa
 
     def _attend(self, q, kv_pool, topk, window, seg: Segment):
+        """The sparse attention op (``pallas_kernels.sparse_attention``, ``self.impl``): the kernel through the
+        sharding wrapper (shard_map'd on heads under a mesh); the XLA implementation over blocks of query rows
+        within the score budget (``rows_per_block``), partitioned by XLA itself."""
         kwargs = dict(window_size=self.window_size, scale=self.head_dim**-0.5)
         args = (q, kv_pool, topk, window, seg.offset - self.window_size, seg.positions, self.attn_sink[...])
         if self.impl == "pallas":
-            if kv_pool is None:  # window-only layer: the kernel takes one empty pick of a one-row pool
-                kv_pool = jnp.zeros((q.shape[0], 1, q.shape[-1]), q.dtype)
-                topk = jnp.full((*q.shape[:2], 1), -1, jnp.int32)
-            # The kernel takes keys in q's dtype. Lossless with the rounding points on (fp8 / fp4 grid values
-            # are exact in bf16); with them off, f32 compressed entries are rounded to bf16 here.
-            args = (q, kv_pool.astype(q.dtype), topk, args[3].astype(q.dtype), *args[4:])
             return sharded_attention(*args, **kwargs, impl="pallas")
-        return sparse_attention(*args, **kwargs)
+        b, t, h, dh = q.shape
+        k = 0 if kv_pool is None or topk is None else topk.shape[-1]
+        block = rows_per_block(t, scratch_bytes_per_row(h, window.shape[1], k, dh))
+        return sparse_attention(*args, **kwargs, impl="xla", rows_per_block=block)
 
     def _output(self, o):
         """Grouped low-rank output: group g's heads (head-major) through row block g of wo_a, then wo_b."""

@@ -20,6 +20,7 @@ from sharding.kernels import engram_gather  # split by hash column when sharded
 
 from ..config import ModelConfig
 from ..formats import BLOCK as SCALE_GROUP  # one ue8m0 scale per 32 dims of a table row (§B.12)
+from ..formats import decode_ue8m0
 from .norms import Linear
 
 GATE_FLOOR = 1e-6  # sqrt(max(|dot|, 1e-6)) (§B.12)
@@ -41,10 +42,10 @@ class EngramInput:
 def decode_rows(codes: jnp.ndarray, scale_bytes: jnp.ndarray, dtype) -> jnp.ndarray:
     """codes e4m3 [..., d], scale_bytes uint8 [..., d/32] → rows [..., d] in ``dtype`` (exact: e4m3 · 2^k fits
     bf16), decoded after the gather (only the gathered rows are touched)."""
-    # 2^(e−127) from its bits (exact); byte 0 gives 0, f32 has no normal 2^-127 (MODEL.md §C.1 ue8m0). The
-    # product is formed in ``dtype`` directly (a 4-bit significand times a power of two: exact in bf16 as in f32,
-    # bf16 having f32's exponent range, down to the normal range's 2^-126), so no f32 copy of the rows is made.
-    scale = jax.lax.bitcast_convert_type(scale_bytes.astype(jnp.uint32) << 23, jnp.float32).astype(dtype)
+    # 2^(e−127) exactly (the codec's ``decode_ue8m0``; byte 0 gives 0). The product is formed in ``dtype``
+    # directly (a 4-bit significand times a power of two: exact in bf16 as in f32, bf16 having f32's exponent
+    # range, down to the normal range's 2^-126), so no f32 copy of the rows is made.
+    scale = decode_ue8m0(scale_bytes).astype(dtype)
     grouped = codes.astype(dtype).reshape(*codes.shape[:-1], -1, SCALE_GROUP) * scale[..., None]
     return grouped.reshape(codes.shape)
 

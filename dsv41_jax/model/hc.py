@@ -15,12 +15,12 @@ from .norms import HIGHEST, rms_normalize
 
 
 def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn_iters: int,
-           impl: str = "reference"):
+           impl: str = "xla"):
     """The mix of one sublayer.
 
     streams [B,T,S,D]; fn f32 [(2+S)·S, S·D]; base f32 [(2+S)·S]; scale f32 [3].
     Returns pre f32 [B,T,S], post f32 [B,T,S], comb f32 [B,T,S,S] (comb[i, j]: source i → destination j).
-    ``impl``: the comb's softmax + Sinkhorn (`pallas_kernels/hc_mix`): "pallas" (one kernel) or "reference" (XLA).
+    ``impl``: the comb's softmax + Sinkhorn (`pallas_kernels/hc_mix`): "pallas" (one kernel) or "xla".
     """
     s = streams.shape[-2]
     flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), norm_eps)

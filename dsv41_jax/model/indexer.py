@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.indexer.ops import index_topk, map_row_blocks  # noqa: F401  (map_row_blocks: attention's)
+from pallas_kernels.indexer.ops import index_topk
 from pallas_kernels.indexer.tiling import launch_rows
 from sharding.kernels import index_topk as sharded_index_topk  # replicated shard_map when sharded
 
@@ -20,8 +20,8 @@ class Indexer(nnx.Module):
     """``indexer.wq_b`` [H_I·d_I, R_q], ``indexer.weights_proj`` [H_I, D]; kv-and-index sources also own
     ``indexer.wk`` [d_I, d] and ``indexer.k_norm`` [d_I] (they make the index keys)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, impl: str = "reference"):
-        self.impl = impl  # "reference" (XLA, row-blocked scores) | "pallas" (fused kernel)
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, impl: str = "xla"):
+        self.impl = impl  # "xla" (row-blocked scores) | "pallas" (fused kernel)
         self.ratio = cfg.ratio(layer)
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
@@ -65,7 +65,7 @@ class Indexer(nnx.Module):
                                 block_size=self.block, masked=kept_blocks is not None)
             return sharded_index_topk(q, w, keys, positions, kept_blocks, **kw, impl="pallas", rows_per_block=block)
         block = rows_per_block(t, 4 * keys.shape[1] * (self.n_heads + 2))
-        return index_topk(q, w, keys, positions, kept_blocks, **kw, impl="reference", rows_per_block=block)
+        return index_topk(q, w, keys, positions, kept_blocks, **kw, impl="xla", rows_per_block=block)
 
 
 # A decode step (one row a sequence) selects on the XLA path even with indexer_impl="pallas": measured on the

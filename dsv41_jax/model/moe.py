@@ -3,82 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.moe.ops import ExpertWeights, clamped_swiglu, routed_experts
 from sharding.kernels import routed_experts as sharded_experts
 
 from ..config import ModelConfig
 from .norms import HIGHEST, Linear, random_normal
-
-_RAGGED = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])),  # contract x's features with the weight's last ("in") dim
-    lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0],
-)
-
-
-class ExpertArrays(NamedTuple):
-    """Stacked routed-expert weights: w1, w3 [E, F, D] (gate, up), w2 [E, D, F] (down)."""
-
-    w1: jnp.ndarray
-    w3: jnp.ndarray
-    w2: jnp.ndarray
-
-
-# e2m1 values of codes 0..15: bit 3 is the sign, bits 0-2 index the magnitudes (MODEL.md §C.1).
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_TABLE = _E2M1 + tuple(-v for v in _E2M1)
-
-
-def dequantize_fp4(codes: jnp.ndarray, scales: jnp.ndarray, dtype) -> jnp.ndarray:
-    """Packed e2m1 codes [.., O, I/2] uint8 (low nibble = even column) and ue8m0 scales [.., O, I/32] uint8
-    (byte e = 2^(e−127), MODEL.md §E.1) → W [.., O, I] in ``dtype`` (exact in bf16 and f32)."""
-    codes = codes.astype(jnp.uint8)
-    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
-    values = jnp.asarray(_E2M1_TABLE, jnp.float32)[nibbles.astype(jnp.int32)]
-    # 2^(e−127) built from its bits: exact; byte 0 gives 0 (f32 has no normal 2^-127), which only meets zero
-    # codes (all-zero groups and padding).
-    scale = jax.lax.bitcast_convert_type(scales.astype(jnp.uint32) << 23, jnp.float32)
-    values = values.reshape(*scales.shape, -1) * scale[..., None]
-    return values.reshape(*codes.shape[:-1], -1).astype(dtype)
-
-
-def clamped_swiglu(gate: jnp.ndarray, up: jnp.ndarray, limit: float) -> jnp.ndarray:
-    """silu(min(gate, lim)) · clip(up, ±lim) in f32, returned in the inputs' dtype (lim ≤ 0: no clamp)."""
-    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
-    if limit > 0:
-        g = jnp.minimum(g, limit)
-        u = jnp.clip(u, -limit, limit)
-    return (jax.nn.silu(g) * u).astype(gate.dtype)
-
-
-def _grouped(x: jnp.ndarray, w: jnp.ndarray, sizes: jnp.ndarray) -> jnp.ndarray:
-    """Rows of x (sorted by expert, ``sizes`` rows each) times their expert's w [E, out, in]ᵀ; f32 accumulate."""
-    y = jax.lax.ragged_dot_general(x, w.astype(x.dtype), sizes, _RAGGED, precision=HIGHEST,
-                                   preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
-
-
-def routed_experts(x, topk_ids, topk_weights, weights: ExpertArrays, *, swiglu_limit: float) -> jnp.ndarray:
-    """Pure-JAX routed experts (the kernel contract of docs/DESIGN.md).
-
-    x [N,D]; topk_ids [N,k] int32; topk_weights [N,k] f32; weights.w1/w3 [E,F,D], w2 [E,D,F].
-    Returns y [N,D] f32 = Σ_j w[n,j] · f32(bf16(act(x·w1ᵀ, x·w3ᵀ)) · w2ᵀ) (weight applied after w2, as mlx-lm).
-    """
-    n, k = topk_ids.shape
-    n_experts = weights.w1.shape[0]
-    flat_ids = topk_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
-    rows = x[order // k]  # [N·k, D] sorted by expert
-    act = clamped_swiglu(_grouped(rows, weights.w1, sizes), _grouped(rows, weights.w3, sizes), swiglu_limit)
-    y_sorted = _grouped(act, weights.w2, sizes)  # [N·k, D]
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
-    return jnp.sum(y.astype(jnp.float32) * topk_weights[..., None].astype(jnp.float32), axis=1)
 
 
 class Router(nnx.Module):
@@ -131,9 +65,6 @@ class _Packed(nnx.Module):
         byte = 127 - round(math.log2(2 * math.sqrt(inp)))
         self.scales = nnx.Param(jnp.full((*lead, out, -(-inp // 32)), byte, jnp.uint8))
 
-    def dequantized(self, dtype) -> jnp.ndarray:
-        return dequantize_fp4(self.codes[...], self.scales[...], dtype)
-
 
 class Experts(nnx.Module):
     """Stacked routed experts: ``w1.weight``, ``w3.weight`` [E,F,D], ``w2.weight`` [E,D,F]; with
@@ -141,27 +72,31 @@ class Experts(nnx.Module):
 
     def __init__(self, n_experts: int, dim: int, width: int, *, dtype, rngs: nnx.Rngs,
                  expert_format: str = "dequantized"):
-        self.dtype = dtype
         self.is_fp4 = expert_format == "fp4"
         shapes = {"w1": (n_experts, width, dim), "w3": (n_experts, width, dim), "w2": (n_experts, dim, width)}
         for proj, shape in shapes.items():
             module = _Packed(shape, rngs) if self.is_fp4 else _Stacked(shape, shape[-1]**-0.5, dtype, rngs)
             setattr(self, proj, module)
 
-    def arrays(self) -> ExpertArrays:
-        """The dequantised weights in the model dtype (fp4: decoded here, under the caller's jit)."""
+    def op_weights(self) -> ExpertWeights:
+        """The XLA implementation's ``ExpertWeights``: the model dtype, or the packed fp4 form it decodes in the
+        activations' dtype (under the caller's jit)."""
         if self.is_fp4:
-            return ExpertArrays(*(getattr(self, p).dequantized(self.dtype) for p in ("w1", "w3", "w2")))
-        return ExpertArrays(self.w1.weight[...], self.w3.weight[...], self.w2.weight[...])
+            return self.packed()
+        return ExpertWeights(self.w1.weight[...], self.w3.weight[...], self.w2.weight[...])
 
-    def kernel_weights(self):
+    def packed(self) -> ExpertWeights:
+        """The fp4 form as stored (codes + ue8m0 scale bytes)."""
+        return ExpertWeights.from_fp4(self.w1.codes[...], self.w1.scales[...], self.w3.codes[...],
+                                      self.w3.scales[...], self.w2.codes[...], self.w2.scales[...])
+
+    def kernel_weights(self) -> ExpertWeights:
         """The kernel's ``ExpertWeights``: bf16 form, or the packed fp4 form the kernel decodes itself."""
-        from pallas_kernels.moe.ops import ExpertWeights
         if self.is_fp4:
-            return ExpertWeights.from_fp4(self.w1.codes[...], self.w1.scales[...], self.w3.codes[...],
-                                          self.w3.scales[...], self.w2.codes[...], self.w2.scales[...])
-        a = self.arrays()  # the kernel multiplies bf16 operands (ModelOptions): a float32 model's experts cast
-        return ExpertWeights(*(x.astype(jnp.bfloat16) for x in (a.w1, a.w3, a.w2)))
+            return self.packed()
+        # the kernel multiplies bf16 operands (ModelOptions): a float32 model's experts are cast
+        w = self.op_weights()
+        return ExpertWeights(w.w1.astype(jnp.bfloat16), w.w3.astype(jnp.bfloat16), w.w2.astype(jnp.bfloat16))
 
 
 class SharedExpert(nnx.Module):
@@ -207,4 +142,4 @@ class MoE(nnx.Module):
             # The sharding wrapper: inside shard_map under a sharded model (one f32 psum of y [N, D]),
             # the plain kernel op otherwise.
             return sharded_experts(x, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit, impl="pallas")
-        return routed_experts(x, ids, w, self.experts.arrays(), swiglu_limit=self.limit)
+        return routed_experts(x, ids, w, self.experts.op_weights(), swiglu_limit=self.limit, impl="xla")

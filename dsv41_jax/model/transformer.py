@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import registry
+
 from ..config import ModelConfig
 from ..planner import KernelTiles
 from .attention import Attention, CsaState, Segment
@@ -20,7 +22,6 @@ from .moe import MoE
 from .norms import HIGHEST, RMSNorm, random_normal
 
 _DTYPES = ("bfloat16", "float32")
-_IMPLS = ("reference", "pallas")
 _EXPERT_FORMATS = ("dequantized", "fp4")
 
 
@@ -33,14 +34,17 @@ class ModelOptions:
 
     ``moe_impl="pallas"`` computes the routed experts in bfloat16 whatever ``dtype`` is (the kernel casts its
     activations to bf16, f32 accumulation): a float32 model then has float32 everything except the expert
-    matmuls. Use ``moe_impl="reference"`` for float32 experts."""
+    matmuls. Use ``moe_impl="xla"`` for float32 experts.
+
+    The ``*_impl`` fields name an implementation of a kernel op (``pallas_kernels.registry``: "xla" | "pallas");
+    the deprecated "reference" is accepted and stored as "xla"."""
 
     dtype: str = "bfloat16"
     quant_rounding: bool = True
-    attention_impl: str = "reference"
-    moe_impl: str = "reference"
-    indexer_impl: str = "reference"  # "pallas": the fused scores + top-k kernel (pallas_kernels/indexer)
-    hc_impl: str = "reference"  # "pallas": the HC comb's softmax + Sinkhorn in one kernel (pallas_kernels/hc_mix)
+    attention_impl: str = "xla"
+    moe_impl: str = "xla"
+    indexer_impl: str = "xla"  # "pallas": the fused scores + top-k kernel (pallas_kernels/indexer)
+    hc_impl: str = "xla"  # "pallas": the HC comb's softmax + Sinkhorn in one kernel (pallas_kernels/hc_mix)
     expert_format: str = "dequantized"
     vision: bool = False  # build the image path (VISION.md): tower, aligner, span delimiters, gate.bias_vl
     engram: bool = True  # run the config's engram layers (False = --skip-engram: no engram parameters either)
@@ -51,8 +55,7 @@ class ModelOptions:
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelOptions.dtype {self.dtype!r} must be one of {_DTYPES}")
         for name in ("attention_impl", "moe_impl", "indexer_impl", "hc_impl"):
-            if getattr(self, name) not in _IMPLS:
-                raise ValueError(f"ModelOptions.{name} {getattr(self, name)!r} must be one of {_IMPLS}")
+            object.__setattr__(self, name, registry.resolve(getattr(self, name), f"ModelOptions.{name}"))
         if self.expert_format not in _EXPERT_FORMATS:
             raise ValueError(f"ModelOptions.expert_format {self.expert_format!r} must be one of {_EXPERT_FORMATS}")
 

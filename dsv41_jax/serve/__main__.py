@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="activations, weights and cache (default: bfloat16)")
     model.add_argument("--expert-format", choices=("auto", "dequantized", "fp4"), default="auto",
                        help="with --checkpoint: routed experts packed fp4 as stored, or dequantised (default auto)")
-    model.add_argument("--impl", choices=("auto", "reference", "pallas"), default="auto",
-                       help="kernels; auto (default): pallas on GPU, reference elsewhere")
+    model.add_argument("--impl", choices=("auto", "xla", "pallas", "reference"), default="auto",
+                       metavar="auto|xla|pallas",
+                       help="kernels; auto (default): pallas on GPU, xla elsewhere ('reference' = xla, deprecated)")
     model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
                        help="the release's fp8/fp4 rounding points (MODEL.md §C.2; default on; off for comparisons)")
     model.add_argument("--skip-engram", action="store_true",

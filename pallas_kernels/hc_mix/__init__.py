@@ -1,1 +1,2 @@
-"""The hyper-connection mix's comb matrix (MODEL.md §B.3): softmax + Sinkhorn, XLA and Pallas implementations."""
+"""The hyper-connection mix's comb matrix (MODEL.md §B.3): softmax + Sinkhorn; ops (public entry), xla and Pallas
+implementations."""

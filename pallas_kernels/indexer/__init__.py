@@ -1,4 +1,5 @@
-"""The indexer's scores fused with its top-k (MODEL.md §B.8): Pallas kernel, XLA implementation, public entry.
+"""The indexer's scores fused with its top-k (MODEL.md §B.8): ops (public entry), xla and Pallas implementations,
+the kernel's tiling (pure Python).
 
 ``index_topk`` is imported lazily so that ``pallas_kernels.indexer.tiling`` (pure Python) serves the planner
 without importing JAX."""

@@ -1,21 +1,21 @@
-"""Public entry: ``index_topk`` (the indexer's scores fused with its top-k, MODEL.md §B.8) with the impl
-switch ("pallas" | "reference" = the XLA implementation); contract in docs/DESIGN.md."""
+"""Public entry: ``index_topk`` (the indexer's scores fused with its top-k, MODEL.md §B.8), one signature over the
+registry's implementations ("xla" | "pallas", ``pallas_kernels.registry``); contract in docs/DESIGN.md."""
 
 from __future__ import annotations
 
 import jax
 from jax import lax
 
+from pallas_kernels import registry
 from pallas_kernels.indexer.kernel import fp8_exact, index_topk_pallas
-from pallas_kernels.indexer.xla import index_topk_xla, map_row_blocks  # noqa: F401  (map_row_blocks: re-export)
+from pallas_kernels.indexer.xla import index_topk_xla
+from pallas_kernels.row_blocks import map_row_blocks
 
-IMPLS = ("pallas", "reference")
+IMPLS = registry.IMPLEMENTATIONS
 SCORE_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 
 def _check(q, w, keys, positions, kept_blocks, keep_blocks, block_size, impl, score_dtype):
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if score_dtype not in SCORE_DTYPES:
         raise ValueError(f"score_dtype must be one of {SCORE_DTYPES}, got {score_dtype!r}")
     if q.ndim != 4:
@@ -49,14 +49,15 @@ def index_topk(q, w, keys, positions, kept_blocks=None, *, ratio: int, k: int, k
     Returns (int32 [B,T,K] picks in no particular order, −1 where the pick's score is −∞;
     bool [B,T,⌈N/block_size⌉] kept blocks or None). Tie rule (both impls): among equal scores the lower
     entry index is selected. Both impls work over blocks of ``rows_per_block`` query rows (default all):
-    "reference" = XLA (the block's [rows, H, N] scores exist), "pallas" = the fused kernel, one launch per
+    "xla" (the block's [rows, H, N] scores exist), "pallas" = the fused kernel, one launch per
     block (no score matrix; ``tiling.launch_rows`` sizes a block to a workspace budget), ``score_dtype`` of its
     MMA inputs (e4m3 runs only when q and keys are exact in it, else bf16); interpret: None = True unless
     running on a GPU; ``tiling``: block_rows, key_tile, group, splits, num_warps, num_stages (tiling.tiling).
     """
+    impl = registry.resolve(impl)  # "reference": the deprecated name of "xla"
     _check(q, w, keys, positions, kept_blocks, keep_blocks, block_size, impl, score_dtype)
     kw = dict(ratio=ratio, k=k, keep_blocks=keep_blocks, block_size=block_size)
-    if impl == "reference":
+    if impl == "xla":
         return index_topk_xla(q, w, keys, positions, kept_blocks=kept_blocks, rows_per_block=rows_per_block,
                               **kw)
     if interpret is None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels.row_blocks import map_row_blocks
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -55,24 +56,6 @@ def select(s, k: int):
     lower index among equal scores (the op's tie rule). s [B,T,N] -> int32 [B,T,K]."""
     best, chosen = lax.top_k(s, min(k, s.shape[-1]))
     return jnp.where(best > -jnp.inf, chosen, -1).astype(jnp.int32)
-
-
-def map_row_blocks(fn, rows: tuple, block: int):
-    """``fn(*rows)`` computed over blocks of ``block`` query rows (``jax.lax.map``) when block < T.
-
-    rows: arrays [B,T,...]; fn returns a pytree of [B,rows,...] arrays (or None leaves).
-    """
-    b, t = rows[0].shape[:2]
-    if block >= t:
-        return fn(*rows)
-    n = -(-t // block)
-
-    def split(x):
-        x = jnp.pad(x, [(0, 0), (0, n * block - t)] + [(0, 0)] * (x.ndim - 2))
-        return x.reshape(b, n, block, *x.shape[2:]).swapaxes(0, 1)
-
-    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(x) for x in rows))
-    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(b, n * block, *y.shape[3:])[:, :t], out)
 
 
 def index_topk_xla(q, w, keys, positions, *, ratio: int, k: int, kept_blocks=None, keep_blocks: int = 0,

@@ -30,8 +30,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.moe.reference import swiglu
-
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -59,6 +57,15 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, _TRANS_B, preferred_element_type=jnp.float32)
 
 
+def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
+    """Clamped SwiGLU in float32: silu(min(g, lim)) * clip(u, -lim, lim) (gate clipped above only)."""
+    g = jnp.minimum(g, limit)
+    return g * jax.nn.sigmoid(g) * jnp.clip(u, -limit, limit)
+
+
+# The e2m1 / ue8m0 decode in registers (the kernel's own form of ``dsv41_jax.formats.decode_fp4``, checked
+# bit-exact against it in test_moe.py): a table lookup does not lower to Triton, so the code's bits are placed
+# in a float's bits instead.
 def _e2m1_to_bf16(nibble: jax.Array, scale: jax.Array) -> jax.Array:
     """nibble: int32 e2m1 codes in [0, 16); scale: f32 2^(s - 127 + 14), same shape. Returns bf16.
 

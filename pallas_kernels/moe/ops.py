@@ -1,4 +1,6 @@
-"""Public entry for the routed experts: ``routed_experts`` and the ``ExpertWeights`` pytree."""
+"""Public entry for the routed experts: ``routed_experts``, one signature over the registry's implementations
+("xla" | "pallas", ``pallas_kernels.registry``), and the ``ExpertWeights`` pytree. The gather ``reference.py`` is
+the tests' oracle only."""
 
 from __future__ import annotations
 
@@ -9,16 +11,22 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.formats import decode_fp4, ue8m0_bytes
+from pallas_kernels import registry
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import default_block_m, plan_tiles
-from pallas_kernels.moe.reference import dequantize_fp4, routed_experts_reference
+from pallas_kernels.moe.xla import clamped_swiglu, routed_experts_xla
+
+__all__ = ["IMPLS", "ExpertWeights", "check_offsets", "clamped_swiglu", "default_config", "routed_experts"]
+IMPLS = registry.IMPLEMENTATIONS
 
 
 @dataclass(frozen=True)
 class ExpertWeights:
     """The routed experts of one layer (this rank's slice of the intermediate width F).
 
-    bf16 form: w1, w3 [E, F, D] (gate, up), w2 [E, D, F] (down); the scales are None.
+    float form: w1, w3 [E, F, D] (gate, up), w2 [E, D, F] (down), bf16 for the kernel (any float dtype on the
+    XLA path); the scales are None.
     fp4 form (MODEL.md §E.1): w1, w3 uint8 [E, F, D/2], w2 uint8 [E, D, F/2] packed e2m1 codes (low
     nibble = even column) with ue8m0 scales w1_scale, w3_scale uint8 [E, F, D/32], w2_scale [E, D, F/32].
     """
@@ -36,7 +44,7 @@ class ExpertWeights:
         float8_e8m0fnu) or float powers of two."""
         return cls(
             w1=_as_codes(w1), w3=_as_codes(w3), w2=_as_codes(w2),
-            w1_scale=_as_ue8m0(w1_scale), w3_scale=_as_ue8m0(w3_scale), w2_scale=_as_ue8m0(w2_scale),
+            w1_scale=ue8m0_bytes(w1_scale), w3_scale=ue8m0_bytes(w3_scale), w2_scale=ue8m0_bytes(w2_scale),
         )
 
     @property
@@ -57,14 +65,14 @@ class ExpertWeights:
         """Intermediate width F of this rank."""
         return self.w1.shape[1]
 
-    def dequantized(self) -> "ExpertWeights":
-        """The bf16 form (exact for fp4)."""
+    def dequantized(self, dtype=jnp.bfloat16) -> "ExpertWeights":
+        """The float form: fp4 decoded in ``dtype`` (exact in bf16 and f32); a float form as it is."""
         if not self.is_fp4:
             return self
         return ExpertWeights(
-            w1=dequantize_fp4(self.w1, self.w1_scale),
-            w3=dequantize_fp4(self.w3, self.w3_scale),
-            w2=dequantize_fp4(self.w2, self.w2_scale),
+            w1=decode_fp4(self.w1, self.w1_scale, dtype),
+            w3=decode_fp4(self.w3, self.w3_scale, dtype),
+            w2=decode_fp4(self.w2, self.w2_scale, dtype),
         )
 
 
@@ -82,16 +90,6 @@ def _as_codes(codes) -> jax.Array:
     if codes.dtype != jnp.uint8:
         raise ValueError(f"fp4 codes must be int8 or uint8, got {codes.dtype}")
     return codes
-
-
-def _as_ue8m0(scale) -> jax.Array:
-    scale = jnp.asarray(scale)
-    if scale.dtype == jnp.uint8:
-        return scale
-    if scale.dtype.itemsize == 1:  # float8_e8m0fnu: the byte is the exponent
-        return jax.lax.bitcast_convert_type(scale, jnp.uint8)
-    exponent = jnp.round(jnp.log2(scale.astype(jnp.float32))) + 127
-    return jnp.clip(exponent, 0, 254).astype(jnp.uint8)
 
 
 def _largest_block(size: int, candidates: tuple[int, ...], what: str) -> int:
@@ -159,7 +157,7 @@ def check_offsets(weights: ExpertWeights) -> None:
                 f"the Pallas MoE kernel cannot address fp4 {name} of {size / 2**30:.2f} GiB on this rank "
                 f"{tuple(array.shape)}: the Triton lowering's 32-bit offsets wrap between 2 and 4 GiB of one-byte "
                 "elements. Split the experts over more devices (--world 2 halves each rank's share) or use "
-                "--impl reference")
+                "--impl xla")
 
 
 def routed_experts(
@@ -175,17 +173,18 @@ def routed_experts(
 ) -> jax.Array:
     """y [N, D] f32 = sum_j w[n, j] * (bf16(act) . w2[e_nj]^T) (MODEL.md §B.10, PLANNER.md §E).
 
-    x: [N, D] (cast to bf16); topk_ids: [N, k] int32 (ids outside [0, E) contribute nothing);
-    topk_weights: [N, k] f32; act = silu(min(g, lim)) * clip(u, -lim, lim), g = x.w1^T, u = x.w3^T in f32.
-    impl: "pallas" (interpret defaults to True off GPU) or "reference" (pure JAX, f32).
+    x: [N, D]; topk_ids: [N, k] int32 (ids outside [0, E) contribute nothing); topk_weights: [N, k] f32;
+    act = silu(min(g, lim)) * clip(u, -lim, lim), g = x.w1^T, u = x.w3^T in f32.
+    impl: "pallas" (the kernel: x cast to bf16, f32 per-pair products; interpret defaults to True off GPU;
+    refuses operands its addressing would wrap, ``check_offsets``) or "xla" (grouped matmuls in x's dtype with
+    g, u, act and each pair's w2 product rounded to it, as mlx-lm; fp4 decoded in it; ``config`` and
+    ``interpret`` unused); "reference" is a deprecated name of "xla".
     """
+    impl = registry.resolve(impl)
     _check_shapes(x, topk_ids, topk_weights, weights)
-    if impl == "reference":
-        w = weights.dequantized()
-        return routed_experts_reference(
-            x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit)
-    if impl != "pallas":
-        raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
+    if impl == "xla":
+        w = weights.dequantized(x.dtype)
+        return routed_experts_xla(x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if not interpret:

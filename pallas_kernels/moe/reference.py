@@ -1,4 +1,6 @@
-"""Pure-JAX reference for the routed experts (MODEL.md §B.10) and the fp4 expert dequantisation (§E.1).
+"""The routed experts' test oracle (MODEL.md §B.10): one pass per expert over all rows, in float32; the tests and
+benchmarks compare every implementation of ``ops.routed_experts`` (``pallas_kernels.registry``) with it, the
+model never calls it. fp4 experts are decoded first (``dsv41_jax.formats.decode_fp4``).
 
 Every product is computed in float32 from the bf16 inputs; the only rounding besides float32 is the
 contract's bf16 cast of the activation before the down projection.
@@ -16,21 +18,6 @@ import jax
 import jax.numpy as jnp
 
 F32_DOT = jax.lax.DotAlgorithmPreset.F32_F32_F32  # see the module docstring
-
-# e2m1 magnitudes for codes 0-7 (MODEL.md §C.1); bit 3 is the sign.
-E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def dequantize_fp4(codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """Packed e2m1 + ue8m0 -> bf16 (exact). codes: [..., C/2] uint8 (low nibble = even column),
-    scales: [..., C/32] uint8 (value 2^(s-127)). Returns [..., C] bf16."""
-    codes = codes.astype(jnp.uint8)
-    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
-    levels = jnp.asarray(E2M1_LEVELS + tuple(-v for v in E2M1_LEVELS), jnp.float32)
-    values = levels[nibbles.astype(jnp.int32)]
-    scale = jnp.exp2(scales.astype(jnp.float32) - 127.0)
-    values = values.reshape(*scales.shape, 32) * scale[..., None]
-    return values.reshape(*codes.shape[:-1], -1).astype(jnp.bfloat16)
 
 
 def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:

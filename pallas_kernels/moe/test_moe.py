@@ -1,7 +1,10 @@
-"""Routed-expert kernel tests: Pallas interpret mode on CPU against the f32 reference (fresh inputs)."""
+"""Routed experts: every registered implementation (``pallas_kernels.registry``: xla, pallas — interpret mode on
+CPU) through the one op signature against the f32 gather oracle ``reference.py`` (fresh inputs); then the
+kernel's own parts (fp4 decode in registers, the tile plan, the offset guard)."""
 
 from __future__ import annotations
 
+import functools
 import ml_dtypes
 import numpy as np
 import pytest
@@ -9,14 +12,17 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.formats import decode_fp4
 from pallas_kernels.moe import ExpertWeights, routed_experts
 from pallas_kernels.moe.grouping import max_tiles, plan_tiles
 from pallas_kernels.moe import kernel as moe_kernel
-from pallas_kernels.moe.reference import dequantize_fp4, routed_experts_reference
+from pallas_kernels.moe.reference import routed_experts_reference
+from pallas_kernels.registry import IMPLEMENTATIONS
 
 LIMIT = 10.0
 # bf16 inputs, f32 accumulation on both sides: they differ by summation order and by a bf16 rounding of act
-# that can flip between them, ~1e-3 at most; 1e-2 is the contract's bound (PLANNER.md, issue 7).
+# that can flip between them (the XLA implementation also rounds g and u to bf16), ~1e-3 at most; 1e-2 is the
+# contract's bound (PLANNER.md, issue 7).
 REL_TOL = 1e-2
 
 _seed = iter(range(10_000))
@@ -59,9 +65,9 @@ def _x(rng, n, d):
     return jnp.asarray(rng.normal(0.0, 1.0, (n, d)), jnp.bfloat16)
 
 
-@jax.jit
-def _pallas(x, ids, w, wts):
-    return routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", interpret=True)
+@functools.partial(jax.jit, static_argnames="impl")
+def _op(x, ids, w, wts, impl):
+    return routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl=impl, interpret=True)
 
 
 def _rel_err(out, ref):
@@ -70,14 +76,14 @@ def _rel_err(out, ref):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-def test_dequantize_fp4_matches_ml_dtypes():
+def test_decode_fp4_matches_ml_dtypes():
     rng = _rng()
     codes = rng.integers(0, 256, (3, 4, 32), dtype=np.uint8)
     scales = rng.integers(100, 150, (3, 4, 2), dtype=np.uint8)
     nibbles = np.stack([codes & 0xF, codes >> 4], -1).reshape(3, 4, 64)  # low nibble = even column
     values = nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     expect = values * np.repeat(2.0 ** (scales.astype(np.float64) - 127), 32, axis=-1)
-    got = np.asarray(dequantize_fp4(jnp.asarray(codes), jnp.asarray(scales)), np.float64)
+    got = np.asarray(decode_fp4(jnp.asarray(codes), jnp.asarray(scales), jnp.bfloat16), np.float64)
     np.testing.assert_array_equal(got, expect)  # every e2m1 x 2^k is exact in bf16
 
 
@@ -89,9 +95,13 @@ def _all_codes_and_scales():
 
 
 def test_kernel_alu_e2m1_decode_is_exact():
+    """The kernel's register decode equals ml_dtypes and the codec's ``decode_fp4`` for every code."""
     nibble, scale, expect = _all_codes_and_scales()
     got = moe_kernel._e2m1_to_bf16(jnp.asarray(nibble), moe_kernel._alu_scale(jnp.asarray(scale)))
     np.testing.assert_array_equal(np.asarray(got, np.float64), expect)
+    packed = (nibble[0::2] | nibble[1::2] << 4).T.astype(np.uint8)  # [5 scales, 8 bytes]: codes 0..15 in order
+    codec = decode_fp4(jnp.asarray(packed), jnp.asarray(scale[0, :, None], jnp.uint8), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(codec, np.float64).T, expect)
 
 
 def _emulate_fp4_ptx(byte_word: int, scales: list[int]) -> tuple[list[float], list[float]]:
@@ -185,20 +195,22 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,n,k,e,f,d,hot,empty", CASES, ids=[c[0] for c in CASES])
-def test_bf16_kernel_matches_reference(name, n, k, e, f, d, hot, empty):
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bf16_op_matches_oracle(impl, name, n, k, e, f, d, hot, empty):
     rng = _rng()
     x = _x(rng, n, d)
     ids, w = _routing(rng, n, k, e, hot=hot, empty=empty)
     if empty:  # also drop some pairs: ids outside [0, E) contribute nothing (the reference ignores them)
         ids = ids.at[::7, 1].set(-1)
     wts = _bf16_weights(rng, e, f, d)
-    ref = routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="reference")
-    out = _pallas(x, ids, w, wts)
+    ref = routed_experts_reference(x, ids, w, wts.w1, wts.w3, wts.w2, swiglu_limit=LIMIT)
+    out = _op(x, ids, w, wts, impl)
     assert out.shape == (n, d) and out.dtype == jnp.float32
     assert _rel_err(out, ref) <= REL_TOL
 
 
-def test_fp4_kernel_matches_reference_on_dequantised():
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_fp4_op_matches_oracle_on_dequantised(impl):
     rng = _rng()
     n, k, e, f, d = 48, 3, 8, 96, 128
     x = _x(rng, n, d)
@@ -206,8 +218,17 @@ def test_fp4_kernel_matches_reference_on_dequantised():
     wts = _fp4_weights(rng, e, f, d)
     deq = wts.dequantized()
     ref = routed_experts_reference(x, ids, w, deq.w1, deq.w3, deq.w2, swiglu_limit=LIMIT)
-    out = _pallas(x, ids, w, wts)
+    out = _op(x, ids, w, wts, impl)
     assert _rel_err(out, ref) <= REL_TOL
+
+
+def test_reference_is_the_deprecated_name_of_xla():
+    rng = _rng()
+    x, (ids, w), wts = _x(rng, 5, 64), _routing(rng, 5, 2, 4), _bf16_weights(rng, 4, 32, 64)
+    run = lambda impl: np.asarray(routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl=impl))
+    np.testing.assert_array_equal(run("reference"), run("xla"))
+    with pytest.raises(ValueError, match="xla"):
+        run("cuda")
 
 
 def test_bad_shapes_raise():

@@ -1,4 +1,5 @@
-"""Fused sparse prefill attention (PLANNER.md §D): Pallas kernel, pure-JAX reference, public entry."""
+"""Fused sparse attention (PLANNER.md §D): ops (public entry), xla and Pallas implementations, the gather oracle
+for the tests (``reference.py``)."""
 
 from pallas_kernels.sparse_attention.ops import sparse_attention
 

@@ -1,8 +1,8 @@
 """Pure-JAX reference for the fused sparse prefill attention (PLANNER.md §D, MODEL.md §B.6).
 
 Gathers every key of every query row explicitly, then runs one float32 softmax per (row, head) with the
-per-head sink in the denominator only. Slow and memory-hungry ([B, T, K + W, Dh] keys), but obviously right;
-it is the oracle for the Pallas kernel and the `impl="reference"` path of `ops.sparse_attention`.
+per-head sink in the denominator only. Slow and memory-hungry ([B, T, K + W, Dh] keys), but obviously right:
+the tests' and benchmarks' oracle for every implementation of `ops.sparse_attention` (the model never calls it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Sparse attention kernel vs the float32 reference (interpret mode on CPU; compiled on a GPU).
+"""Sparse attention: every registered implementation (``pallas_kernels.registry``: xla, pallas — interpret mode on
+CPU, compiled on a GPU) against the gather oracle ``reference.py`` run in float32, through the one op signature;
+then the kernel's own properties (tilings, head tiles; its output buffer poisoned with NaN so an unwritten element
+fails).
 
-Every case draws fresh random inputs, poisons the output buffer with NaN (so an unwritten element fails),
-and compares against the reference run on the same values upcast to float32.
+Every case draws fresh random inputs and compares against the oracle run on the same values upcast to float32.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.registry import IMPLEMENTATIONS
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.sparse_attention.kernel import sparse_attention_pallas
 from pallas_kernels.sparse_attention.reference import sparse_attention_reference
@@ -68,6 +71,14 @@ def reference_f32(args, window: int):
     return np.asarray(sparse_attention_reference(*upcast, window_size=window, scale=args[0].shape[-1] ** -0.5))
 
 
+def run_op(impl: str, args, window: int):
+    """The op (``impl``) on ``args``, as float32 numpy."""
+    out = sparse_attention(*args, window_size=window, scale=args[0].shape[-1] ** -0.5, impl=impl,
+                           interpret=INTERPRET)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    return np.asarray(out.astype(jnp.float32))
+
+
 def run_kernel(args, window: int, head_tile=None, tiling=(None, None, None)):
     """The kernel on a NaN-poisoned output buffer; tiling = (key_tile, num_warps, num_stages), None = default."""
     poison = jnp.full(args[0].shape, jnp.nan, args[0].dtype)
@@ -98,10 +109,23 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_matches_reference(name):
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_op_matches_oracle(impl, name):
+    """The shared suite: each implementation of the op computes the oracle's function."""
     case = CASES[name]
     args = make_inputs(case, seed=zlib.crc32(name.encode()))
-    assert_close(run_kernel(args, case.window), reference_f32(args, case.window))
+    assert_close(run_op(impl, args, case.window), reference_f32(args, case.window))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_window_only_layer(impl):
+    """kv_pool = topk = None (a layer without compressed entries) = an oracle call whose picks are all −1."""
+    case = Case(rows=3, heads=4, head_dim=64, first_pos=(9,))
+    q, pool, topk, window, window_start, q_pos, sinks = make_inputs(case, seed=21)
+    out = sparse_attention(q, None, None, window, window_start, q_pos, sinks, window_size=case.window,
+                           scale=case.head_dim ** -0.5, impl=impl, interpret=INTERPRET)
+    none = (q, pool, jnp.full_like(topk, -1), window, window_start, q_pos, sinks)
+    assert_close(np.asarray(out, np.float32), reference_f32(none, case.window))
 
 
 @pytest.mark.parametrize("tiling", [(16, 4, 3), (32, 4, 2)])
@@ -112,14 +136,15 @@ def test_other_key_tiles(tiling):
     assert_close(run_kernel(args, case.window, tiling=tiling), reference_f32(args, case.window))
 
 
-def test_rows_without_keys_are_zero():
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_rows_without_keys_are_zero(impl):
     """Padding rows (q_pos = -1, empty compressed list) see no key: the output must be exactly zero."""
     case = CASES["H1_start_of_sequence"]   # same shapes as that case: reuses its compiled kernel
     q, pool, topk, window, window_start, q_pos, sinks = make_inputs(case, seed=11)
     q_pos = q_pos.at[0, 2:].set(-1)
     topk = topk.at[0, 2:].set(-1)
     args = (q, pool, topk, window, window_start, q_pos, sinks)
-    out = run_kernel(args, case.window)
+    out = run_kernel(args, case.window) if impl == "pallas" else run_op(impl, args, case.window)
     assert np.isfinite(out).all()
     assert (out[0, 2:] == 0).all()
     assert_close(out, reference_f32(args, case.window))
@@ -161,15 +186,25 @@ def test_reference_matches_float64_loop():
     np.testing.assert_allclose(reference_f32(args, case.window), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_ops_switch_and_errors():
+def test_xla_row_blocks_bitwise():
+    """The XLA implementation's blocks of query rows (a scratch budget) do not change a single bit."""
+    case = Case(rows=7, heads=3, head_dim=32, topk=20, window=8, first_pos=(50,))
+    args = make_inputs(case, seed=7)
+    kw = dict(window_size=case.window, scale=case.head_dim ** -0.5, impl="xla")
+    whole = np.asarray(sparse_attention(*args, **kw), np.float32)
+    for block in (1, 3):
+        np.testing.assert_array_equal(np.asarray(sparse_attention(*args, **kw, rows_per_block=block), np.float32),
+                                      whole)
+
+
+def test_ops_names_and_errors():
+    """"reference" is the deprecated name of "xla"; an unknown impl or a wrong shape is a clear ValueError."""
     case = Case(rows=3, heads=6, head_dim=64, first_pos=(20,))
     args = make_inputs(case, seed=3)
     kw = dict(window_size=case.window, scale=case.head_dim ** -0.5)
-    via_pallas = sparse_attention(*args, **kw, impl="pallas", interpret=INTERPRET)
-    via_reference = sparse_attention(*args, **kw, impl="reference")
-    assert via_pallas.shape == via_reference.shape and via_pallas.dtype == jnp.bfloat16
-    assert_close(np.asarray(via_pallas, np.float32), reference_f32(args, case.window))
-    with pytest.raises(ValueError, match="impl"):
-        sparse_attention(*args, **kw, impl="xla")
+    np.testing.assert_array_equal(np.asarray(sparse_attention(*args, **kw, impl="reference"), np.float32),
+                                  np.asarray(sparse_attention(*args, **kw, impl="xla"), np.float32))
+    with pytest.raises(ValueError, match="xla | pallas"):
+        sparse_attention(*args, **kw, impl="cuda")
     with pytest.raises(ValueError, match="sinks"):
         sparse_attention(*args[:-1], args[-1][:2], **kw)

@@ -111,13 +111,13 @@ def test_padding_rows_with_a_zero_embedding_stay_out(setup):
 
 
 def test_query_row_blocks_give_the_same_result(setup, monkeypatch):
-    """With a tiny scratch budget the indexer and the reference attention run over blocks of a few query
+    """With a tiny scratch budget the indexer and the XLA attention run over blocks of a few query
     rows (`jax.lax.map`); per-row math is unchanged, so the result equals the one-block run (1e-5)."""
     import dsv41_jax.model.indexer as indexer
 
     cfg, states, ids, one_pass = setup
     monkeypatch.setattr(indexer, "SCORE_BUDGET_BYTES", 20_000)  # → blocks of 4–16 rows at 56 rows
-    options = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="reference", moe_impl="reference")
+    options = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="xla", moe_impl="xla")
     # a distinct (equal) options object would hit the same jit cache: build the program afresh
     from model_helpers import _graph
     import jax

@@ -1,12 +1,11 @@
 """The ``attention_impl`` / ``moe_impl`` switches call the Pallas kernels (interpret mode on CPU) with the
-contracts of docs/DESIGN.md and give what the pure-JAX reference path gives."""
+contracts of docs/DESIGN.md and give what the XLA implementations give."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from model_helpers import Runner, model_state
@@ -16,12 +15,9 @@ from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.model.moe import MoE
 
-pytest.importorskip("pallas_kernels.sparse_attention.ops")
-pytest.importorskip("pallas_kernels.moe.ops")
 
-
-def test_pallas_attention_matches_reference_path():
-    """f32, 56 tokens (window eviction, real top-k selection): the kernel and the reference compute the same
+def test_pallas_attention_matches_the_xla_path():
+    """f32, 56 tokens (window eviction, real top-k selection): the kernel and the XLA implementation compute the same
     f32 softmax; only summation order differs (observed ≤ 3e-6 on logits O(4); tolerance 1e-4).
 
     The kernel asks for HIGHEST precision on its dots, so on a GPU a float32 model's MMAs run in full f32
@@ -31,21 +27,34 @@ def test_pallas_attention_matches_reference_path():
     flat = random_weights(cfg, 0)
     ids = np.random.default_rng(7).integers(3, cfg.vocab_size - 3, 56)
     out = {}
-    for impl in ("reference", "pallas"):
+    for impl in ("xla", "pallas"):
         options = ModelOptions(dtype="float32", quant_rounding=False, attention_impl=impl)
         out[impl] = Runner(cfg, options, model_state(cfg, options, flat), rows=56, max_context=64).prefill(ids, [56])
-    assert np.abs(out["pallas"] - out["reference"]).max() < 1e-4
+    assert np.abs(out["pallas"] - out["xla"]).max() < 1e-4
 
 
-def test_pallas_moe_matches_reference_path():
+def test_pallas_moe_matches_the_xla_path():
     """bf16 MoE block on the same input: the kernel keeps each expert's w2 product in f32 where mlx-lm (and
-    our reference) round it to bf16 before the weighted sum, so they differ by bf16 rounding: tolerance
+    the XLA implementation) round it to bf16 before the weighted sum, so they differ by bf16 rounding: tolerance
     2⁻⁶ of the output scale (≈ two bf16 ulps)."""
     cfg = load_named("tiny")
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 20, cfg.hidden_size)), jnp.bfloat16)
     out = {}
-    for impl in ("reference", "pallas"):
+    for impl in ("xla", "pallas"):
         moe = MoE(cfg, dtype=jnp.bfloat16, moe_impl=impl, rngs=nnx.Rngs(5))
         out[impl] = np.asarray(jax.jit(lambda m, v: m(v))(moe, x).astype(jnp.float32))
-    scale = np.abs(out["reference"]).max()
-    assert np.abs(out["pallas"] - out["reference"]).max() <= scale * 2.0**-6
+    scale = np.abs(out["xla"]).max()
+    assert np.abs(out["pallas"] - out["xla"]).max() <= scale * 2.0**-6
+
+
+def test_model_options_take_the_registry_names():
+    """``*_impl`` is one of ``pallas_kernels.registry.IMPLEMENTATIONS``; "reference" (the old name of the XLA path)
+    is stored as "xla"; anything else is a ValueError naming the field and the choices."""
+    import pytest
+
+    options = ModelOptions(attention_impl="reference", moe_impl="pallas")
+    assert (options.attention_impl, options.moe_impl, options.indexer_impl, options.hc_impl) == (
+        "xla", "pallas", "xla", "xla")
+    assert options == ModelOptions(moe_impl="pallas")
+    with pytest.raises(ValueError, match=r"ModelOptions.moe_impl must be one of xla \| pallas, got 'cuda'"):
+        ModelOptions(moe_impl="cuda")
