@@ -590,13 +590,6 @@ def build(inputs: ModelInputs, args):
     return sharding.prepare(inputs.cfg, inputs.weights, args.world, options)
 
 
-def segment_plan(cfg, world: int):
-    """The planner's segment sizes (PLANNER.md §A)."""
-    from . import planner  # noqa: PLC0415
-
-    return lambda prompt_len: planner.segment_sizes(cfg, world, prompt_len, 0)
-
-
 def default_max_context(cfg, longest_prompt: int, max_new: int) -> int:
     """A power of two >= what the longest request needs (at least 256), capped at the model's limit."""
     need = longest_prompt + max_new - 1
@@ -748,7 +741,7 @@ def report(result, tokenizer, args, description: str, max_context: int, folded: 
 
 def run(args) -> int:
     from .compile_cache import enable as enable_compile_cache  # noqa: PLC0415
-    from .engine import Engine, check_requests  # noqa: PLC0415
+    from .engine import Engine, check_requests, planned_segments  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
     from .tokenizer import load_tokenizer  # noqa: PLC0415
 
@@ -779,7 +772,7 @@ def run(args) -> int:
     requests, max_context = make_requests(specs, prompt_ids, cfg, args)
     requests = [dataclasses.replace(r, images=ip) for r, ip in zip(requests, with_images)]
     check_requests(requests, cfg.vocab_size, max_context)  # before the (slow) model build
-    plan = segment_plan(cfg, args.world)
+    plan = planned_segments(cfg, args.world)
     plan(max(len(p) for p in prompt_ids))  # the planner may refuse the prompt
     model, mesh = build(inputs, args)
     hasher, host_tables = inputs.hasher, inputs.host_tables

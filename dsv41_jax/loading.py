@@ -17,6 +17,7 @@ one too (``WeightsError``; in the sharded builder ``place``'s ``ValueError``, wh
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from sharding.mesh import replicated
 
 from .config import ModelConfig
 from .model.transformer import Transformer, WeightsError
+from .planner import kernel_tiles
 
 
 def param_name(path: tuple) -> str:
@@ -74,7 +76,10 @@ def non_params(construct: Callable[[], Transformer], mesh=None) -> nnx.State:
 def build_model(cfg: ModelConfig, options, flat: Mapping[str, Any]) -> Transformer:
     """A one-device ``Transformer`` holding ``flat``'s weights: parameters cast on the host and placed one at a
     time (a lazily read tensor is released after); raises ``WeightsError`` before placing anything when a
-    name is missing or unexpected."""
+    name is missing or unexpected. ``options`` without ``tiles`` get the planner's for one device
+    (``planner.kernel_tiles``), as ``sharding.prepare`` does for its world."""
+    if options.tiles is None:
+        options = dataclasses.replace(options, tiles=kernel_tiles(cfg, 1))
     construct, graphdef, flat_params, rest = abstract_params(cfg, options)
     check_names((param_name(path) for path, _ in flat_params), flat)
     placed = []

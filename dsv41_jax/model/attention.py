@@ -12,6 +12,7 @@ from pallas_kernels.sparse_attention.ops import scratch_bytes_per_row, sparse_at
 from sharding.kernels import sparse_attention as sharded_attention  # shard_map'd on heads when sharded
 
 from ..config import ModelConfig
+from ..planner import KernelTiles
 from .cache import LayerCache
 from .compressor import Compressor, write_rows
 from .indexer import Indexer, rows_per_block
@@ -77,7 +78,8 @@ class Attention(nnx.Module):
     """``attn.*`` of one layer; owns a compressor (kv sources) and an indexer (index sources)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rounding: bool, impl: str, rngs: nnx.Rngs,
-                 indexer_impl: str = "xla"):
+                 indexer_impl: str = "xla", tiles: KernelTiles | None = None):
+        """``tiles``: the plan's kernel tiles (``planner.kernel_tiles``; None: the ops' defaults)."""
         D, d, H = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
         self.layer = layer
         self.n_heads, self.head_dim, self.groups = H, d, cfg.o_groups
@@ -85,6 +87,7 @@ class Attention(nnx.Module):
         self.window_size = cfg.sliding_window
         self.rounding = rounding
         self.impl = impl
+        self.tiles = tiles
         self.role = cfg.role(layer)
         self.kv_src = cfg.kv_source(layer)
         self.idx_src = cfg.index_source(layer)
@@ -100,7 +103,8 @@ class Attention(nnx.Module):
         self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32))
         self.compressor = Compressor(cfg, layer, rngs=rngs) if self.role == "full" else None
         is_index_source = self.ratio > 0 and layer in cfg.index_source_layer_ids
-        self.indexer = Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl) if is_index_source else None
+        self.indexer = (Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl, tiles=tiles)
+                        if is_index_source else None)
 
     def __call__(self, u, seg: Segment, cache: LayerCache, csa: CsaState):
         """u [B,T,D] (normed collapse), the CSA state of the layers before -> (out [B,T,D], new LayerCache, the
@@ -134,6 +138,8 @@ class Attention(nnx.Module):
         kwargs = dict(window_size=self.window_size, scale=self.head_dim**-0.5)
         args = (q, kv_pool, topk, window, seg.offset - self.window_size, seg.positions, self.attn_sink[...])
         if self.impl == "pallas":
+            if self.tiles is not None:  # the plan's BMQ: a decode step's (§B.3a) or a segment's (R4)
+                kwargs["head_tile"] = self.tiles.decode_head_tile if q.shape[1] == 1 else self.tiles.attention_head_tile
             return sharded_attention(*args, **kwargs, impl="pallas")
         b, t, h, dh = q.shape
         k = 0 if kv_pool is None or topk is None else topk.shape[-1]

@@ -10,7 +10,7 @@ from pallas_kernels.indexer.tiling import launch_rows
 from sharding.kernels import index_topk as sharded_index_topk  # replicated shard_map when sharded
 
 from ..config import ModelConfig
-from ..planner import INDEX_BUDGET
+from ..planner import INDEX_BUDGET, KernelTiles
 from .norms import Linear, RMSNorm
 from .quant import round_index
 from .rope import apply_rope
@@ -20,8 +20,11 @@ class Indexer(nnx.Module):
     """``indexer.wq_b`` [H_I·d_I, R_q], ``indexer.weights_proj`` [H_I, D]; kv-and-index sources also own
     ``indexer.wk`` [d_I, d] and ``indexer.k_norm`` [d_I] (they make the index keys)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, impl: str = "xla"):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, impl: str = "xla",
+                 tiles: KernelTiles | None = None):
         self.impl = impl  # "xla" (row-blocked scores) | "pallas" (fused kernel)
+        # the kernel's scratch a launch of query rows (B_idx, §B-3): the plan's, else the planner's default
+        self.kernel_budget = SCORE_BUDGET_BYTES if tiles is None else tiles.index_budget
         self.ratio = cfg.ratio(layer)
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
@@ -60,7 +63,7 @@ class Indexer(nnx.Module):
                   keep_blocks=self.keep_blocks if self.is_candidate_source else 0)
         kept_blocks = kept_blocks if self.uses_candidates else None
         if self.impl == "pallas" and t > XLA_DECODE_ROWS:
-            block = launch_rows(b, t, keys.shape[1], self.index_topk, budget=SCORE_BUDGET_BYTES,
+            block = launch_rows(b, t, keys.shape[1], self.index_topk, budget=self.kernel_budget,
                                 heads=self.n_heads, head_dim=self.head_dim, keep_blocks=kw["keep_blocks"],
                                 block_size=self.block, masked=kept_blocks is not None)
             return sharded_index_topk(q, w, keys, positions, kept_blocks, **kw, impl="pallas", rows_per_block=block)

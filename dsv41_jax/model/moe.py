@@ -12,6 +12,7 @@ from pallas_kernels.moe.ops import ExpertWeights, clamped_swiglu, routed_experts
 from sharding.kernels import routed_experts as sharded_experts
 
 from ..config import ModelConfig
+from ..planner import KernelTiles
 from .norms import HIGHEST, Linear, random_normal
 
 
@@ -116,9 +117,10 @@ class MoE(nnx.Module):
     """``ffn.{gate, experts, shared_experts}``: out = bf16(Σ routed + shared)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, moe_impl: str, rngs: nnx.Rngs,
-                 expert_format: str = "dequantized", image_bias: bool = False):
+                 expert_format: str = "dequantized", image_bias: bool = False, tiles: KernelTiles | None = None):
         self.limit = cfg.swiglu_limit
         self.moe_impl = moe_impl
+        self.block_m = None if tiles is None else tiles.moe_block_m  # the plan's BM (§E); None: the op's
         self.gate = Router(cfg, dtype=dtype, rngs=rngs, image_bias=image_bias)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                dtype=dtype, rngs=rngs, expert_format=expert_format)
@@ -141,5 +143,6 @@ class MoE(nnx.Module):
         if self.moe_impl == "pallas":
             # The sharding wrapper: inside shard_map under a sharded model (one f32 psum of y [N, D]),
             # the plain kernel op otherwise.
-            return sharded_experts(x, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit, impl="pallas")
+            return sharded_experts(x, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit, impl="pallas",
+                                   block_m=self.block_m)
         return routed_experts(x, ids, w, self.experts.op_weights(), swiglu_limit=self.limit, impl="xla")

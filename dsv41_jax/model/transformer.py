@@ -119,9 +119,10 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
-                              impl=options.attention_impl, rngs=rngs, indexer_impl=options.indexer_impl)
+                              impl=options.attention_impl, rngs=rngs, indexer_impl=options.indexer_impl,
+                              tiles=options.tiles)
         self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format,
-                       image_bias=options.vision)
+                       image_bias=options.vision, tiles=options.tiles)
         if options.engram and layer in cfg.engram_layer_ids:
             self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs, tables=options.engram_tables)
 

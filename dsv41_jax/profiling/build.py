@@ -14,6 +14,7 @@ the work of a real one (all ``⌊position/r⌋`` entries visible to the indexer 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import zlib
@@ -26,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.loading import abstract_params, non_params, param_name
 from dsv41_jax.model import ModelOptions, init_cache
-from dsv41_jax.planner import admit
+from dsv41_jax.planner import admit, kernel_tiles
 from sharding import ShardedTransformer, make_mesh, replicated
 from sharding.layout import ShardPlan
 from sharding.rules import param_spec
@@ -40,6 +41,8 @@ def build_model(cfg: ModelConfig, world: int, options: ModelOptions, *, seed: in
     to lower and compile the steps (``--compile-only``: XLA's analyses of models that do not fit).
     """
     plan = ShardPlan.from_admission(cfg, world, admit(cfg, world), layout)
+    if options.tiles is None:  # the plan's kernel tiles, as sharding.prepare gives a loaded model
+        options = dataclasses.replace(options, tiles=kernel_tiles(cfg, world))
     mesh = make_mesh(world)
     run_cfg = plan.run_config(cfg)
     construct, graphdef, flat, rest = abstract_params(run_cfg, options)

@@ -115,7 +115,7 @@ def build_server(args):
 
     from .. import generate  # noqa: PLC0415
     from ..compile_cache import enable as enable_compile_cache  # noqa: PLC0415
-    from ..engine import Engine, fixed_segments  # noqa: PLC0415
+    from ..engine import Engine, fixed_segments, planned_segments  # noqa: PLC0415
     from ..tokenizer import load_tokenizer  # noqa: PLC0415
     from .app import ServerState, create_app  # noqa: PLC0415
     from .metrics import Metrics  # noqa: PLC0415
@@ -138,7 +138,7 @@ def build_server(args):
     tokenizer, tokenizer_description = load_tokenizer(args.checkpoint)
     _say(f"tokenizer: {tokenizer_description}")
     plan = ((lambda n: fixed_segments(n, args.segment_rows)) if args.segment_rows
-            else generate.segment_plan(cfg, args.world))
+            else planned_segments(cfg, args.world))
     if not args.layers:
         model, mesh = generate.build(inputs, args)
     engine = Engine(model, cfg, max_context=args.max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,

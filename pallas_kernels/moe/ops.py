@@ -99,13 +99,14 @@ def _largest_block(size: int, candidates: tuple[int, ...], what: str) -> int:
     raise ValueError(f"{what} = {size} must be a multiple of {candidates[-1]}")
 
 
-def default_config(num_pairs: int, weights: ExpertWeights) -> moe_kernel.KernelConfig:
-    """Block sizes for this shape: BM by the mean rows per expert, the rest the largest that divide.
+def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None = None) -> moe_kernel.KernelConfig:
+    """Block sizes for this shape: BM by the mean rows per expert (at most ``block_m``, the plan's BM of a
+    prefill-sized block, PLANNER.md §E), the rest the largest that divide.
 
     bf16 streams 128-wide K chunks (3 stages); fp4, dequantised in registers, did best with 64
     (measured on an H200: docs/BENCHMARKS.md).
     """
-    block_m = default_block_m(num_pairs, weights.num_experts)
+    block_m = min(default_block_m(num_pairs, weights.num_experts), block_m or 64)
     block_f = _largest_block(weights.width, (64, 32), "expert width F")
     if weights.is_fp4:
         return moe_kernel.KernelConfig(
@@ -170,6 +171,7 @@ def routed_experts(
     impl: str = "pallas",
     interpret: Optional[bool] = None,
     config: Optional[moe_kernel.KernelConfig] = None,
+    block_m: Optional[int] = None,
 ) -> jax.Array:
     """y [N, D] f32 = sum_j w[n, j] * (bf16(act) . w2[e_nj]^T) (MODEL.md §B.10, PLANNER.md §E).
 
@@ -178,7 +180,8 @@ def routed_experts(
     impl: "pallas" (the kernel: x cast to bf16, f32 per-pair products; interpret defaults to True off GPU;
     refuses operands its addressing would wrap, ``check_offsets``) or "xla" (grouped matmuls in x's dtype with
     g, u, act and each pair's w2 product rounded to it, as mlx-lm; fp4 decoded in it; ``config`` and
-    ``interpret`` unused); "reference" is a deprecated name of "xla".
+    ``interpret`` unused); "reference" is a deprecated name of "xla". ``block_m``: the plan's pairs per tile for
+    prefill-sized blocks (``default_config``; ignored with an explicit ``config``).
     """
     impl = registry.resolve(impl)
     _check_shapes(x, topk_ids, topk_weights, weights)
@@ -190,7 +193,7 @@ def routed_experts(
     if not interpret:
         check_offsets(weights)
     num_pairs = topk_ids.size
-    cfg = config or default_config(num_pairs, weights)
+    cfg = config or default_config(num_pairs, weights, block_m)
 
     plan = plan_tiles(topk_ids, weights.num_experts, cfg.block_m)
     x = x.astype(jnp.bfloat16)

@@ -12,7 +12,7 @@ from model_helpers import Runner, model_state
 
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights
-from dsv41_jax.model import ModelOptions
+from dsv41_jax.model import ModelOptions, init_cache
 from dsv41_jax.model.moe import MoE
 
 
@@ -58,3 +58,44 @@ def test_model_options_take_the_registry_names():
     assert options == ModelOptions(moe_impl="pallas")
     with pytest.raises(ValueError, match=r"ModelOptions.moe_impl must be one of xla \| pallas, got 'cuda'"):
         ModelOptions(moe_impl="cuda")
+
+
+def test_the_ops_take_the_plans_tiles(monkeypatch):
+    """Issue #13 ("the engine obeys the plan"): a model built by `loading.build_model` carries the planner's
+    kernel tiles for one device, and its Pallas calls pass them on: the segment's head tile (R4) to a prefill's
+    attention, the decode tile (§B.3a) to a one-row step's, BM (§E) to the MoE op, B_idx to the indexer's launches."""
+    from dsv41_jax import planner
+    from dsv41_jax.loading import build_model
+    from dsv41_jax.model import attention, indexer, moe
+
+    cfg = load_named("tiny")
+    seen = {"head_tile": [], "block_m": [], "budget": []}
+    real_attention, real_experts, real_rows = attention.sharded_attention, moe.sharded_experts, indexer.launch_rows
+
+    def attend(*args, head_tile=None, **kwargs):
+        seen["head_tile"].append((args[0].shape[1], head_tile))
+        return real_attention(*args, head_tile=head_tile, **kwargs)
+
+    def experts(*args, block_m=None, **kwargs):
+        seen["block_m"].append(block_m)
+        return real_experts(*args, block_m=block_m, **kwargs)
+
+    def rows(*args, budget, **kwargs):
+        seen["budget"].append(budget)
+        return real_rows(*args, budget=budget, **kwargs)
+
+    monkeypatch.setattr(attention, "sharded_attention", attend)
+    monkeypatch.setattr(moe, "sharded_experts", experts)
+    monkeypatch.setattr(indexer, "launch_rows", rows)
+    options = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="pallas", moe_impl="pallas",
+                           indexer_impl="pallas")
+    model = build_model(cfg, options, random_weights(cfg, 0))
+    tiles = planner.kernel_tiles(cfg, 1)
+    assert model.options.tiles == tiles
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, ids, cache: nnx.merge(graphdef, state)(ids, cache))
+    cache = init_cache(cfg, batch=1, max_context=32, dtype="float32")
+    _, cache = forward(state, jnp.arange(3, 11)[None], cache)    # a prefill segment of 8 rows
+    forward(state, jnp.asarray([[5]]), cache)                      # a decode step
+    assert set(seen["head_tile"]) == {(8, tiles.attention_head_tile), (1, tiles.decode_head_tile)}
+    assert set(seen["block_m"]) == {tiles.moe_block_m} and set(seen["budget"]) == {tiles.index_budget}
