@@ -45,7 +45,8 @@ def _mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh | None:
 
 
 def _replicated(*arrays) -> tuple:
-    return tuple(activation_spec("replicated", a.ndim) for a in arrays)
+    """Replicated specs; an absent operand (None: a window-only layer's pool and picks) gets an empty one."""
+    return tuple(activation_spec("replicated", 0 if a is None else a.ndim) for a in arrays)
 
 
 def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, mesh: Mesh | None = None,
