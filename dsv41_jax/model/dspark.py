@@ -81,7 +81,7 @@ class Stage(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding, impl="reference", rngs=rngs)
         self.ffn = MoE(stage_config(cfg), dtype=dtype, moe_impl=options.moe_impl, rngs=rngs,
-                       expert_format=options.expert_format, image_bias=options.vision)
+                       expert_format=options.expert_format)  # text bias only (§V.H item 8)
         n_taps = len(cfg.dspark_target_layer_ids)
         if stage == 0:
             self.main_proj = Linear(n_taps * cfg.hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
