@@ -310,10 +310,11 @@ class Speculator:
         check_speculative(eng, requests, k)
         batch = len(requests)
         timings = SpecTimings(prompt_tokens=sum(len(r.prompt_ids) for r in requests))
+        sizes, _ = eng._plan(requests)
+        timings.segments = tuple(sizes)
         eos, max_new, sampling = eng._stop_inputs(requests)
         cache, rings = self._empty(batch, k)
         t0 = time.perf_counter()
-        sizes, _ = eng._plan(requests)
         lengths = np.array([len(r.prompt_ids) for r in requests], np.int32)
         padded = np.zeros((batch, int(lengths.max())), np.int32)
         for b, r in enumerate(requests):
