@@ -28,6 +28,7 @@ are refused (their history rollback is not built).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -165,21 +166,41 @@ def _rollback_cache(old: Cache, new: Cache, taps, model, keep: jnp.ndarray, rows
     return Cache(offset=old.offset + keep, layers=tuple(layers))
 
 
-def _draft(model, rings, bonus, offset, sampling, produced, k: int) -> Draft:
+def _unwrap(model):
+    """(the Transformer, a context manager to run it in, vocab maps or None): a ``sharding.ShardedTransformer``
+    runs its inner model inside its mesh context with padded token ids and real logits (`ShardPlan`)."""
+    inner = getattr(model, "inner", None)
+    if inner is None:
+        return model, contextlib.nullcontext(), None
+    from sharding import context  # noqa: PLC0415
+
+    def real(logits):
+        return model.plan.real_logits(context.constrain(context.constrain(logits, "logits_shards"), "logits"))
+    return inner, context.activate(model.mesh, model.plan.layout), (model.plan.padded_token_ids, real)
+
+
+def _draft(model, rings, bonus, offset, sampling, produced, k: int, vocab=None) -> Draft:
     """The stages' draft from ``bonus`` at ``offset``: its first ``k`` proposals."""
     cfg = model.cfg
     d = draft(model.mtp, model.embed, model.head, bonus, rings, offset, cfg, cfg.dspark_block_size,
-              _pick(sampling, produced))
+              _pick(sampling, produced), vocab)
     return Draft(d.tokens[:, :k], d.logits[:, :k], d.confidence[:, :k])
 
 
 # ---------------------------------------------------------------------------------------------- programs
 def _prefill(graphdef, state, spec_cache, ids, lengths, last_logits):
     """One prompt segment with taps: (cache, rings) updated, last_logits [B,V] of each sequence's last row."""
-    model = nnx.merge(graphdef, state)
+    model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+    with ctx:
+        return _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits)
+
+
+def _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits):
     cache, rings = spec_cache
     last_row = jnp.clip(lengths - 1, 0, ids.shape[1] - 1)
-    logits, new, _, taps = model.forward(ids, cache, lengths, logit_rows=last_row, taps=True)
+    pad_ids, real = vocab or ((lambda x: x), (lambda x: x))
+    logits, new, _, taps = model.forward(pad_ids(ids), cache, lengths, logit_rows=last_row, taps=True)
+    logits = real(logits)
     positions = cache.offset[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     ctx = context_rows(model.mtp, taps.context, positions)
     rings = tuple(write_ring(r, c, cache.offset, lengths) for r, c in zip(rings, ctx, strict=True))
@@ -190,13 +211,14 @@ def _prefill(graphdef, state, spec_cache, ids, lengths, last_logits):
 def _start(graphdef, state, cache, rings, last_logits, eos_ids, max_new, sampling, k: int):
     """After the prompt: the first token (as the engine draws it) and the first draft -> (SpecState, token,
     keep_going)."""
-    model = nnx.merge(graphdef, state)
+    model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
     b = last_logits.shape[0]
     token = sample(last_logits, sampling, jnp.int32(0))
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
     running = ~is_eos & (1 < max_new)
     produced = jnp.ones((b,), jnp.int32)
-    d = _draft(model, rings, token, cache.offset, sampling, produced, k)
+    with ctx:
+        d = _draft(model, rings, token, cache.offset, sampling, produced, k, vocab)
     return SpecState(cache, rings, token, d.tokens, d.logits, running, produced), token
 
 
@@ -205,12 +227,19 @@ def _round(graphdef, state, spec: SpecState, eos_ids, max_new, sampling: Samplin
     """One speculative round (module docstring) as one program. ``oracle`` (tests): None, or (tokens [B,L],
     use [B,L] bool): the proposal for position p is ``tokens[b, p]`` where ``use[b, p]`` (forced accept/reject
     paths)."""
-    model = nnx.merge(graphdef, state)
+    model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+    with ctx:
+        return _round_in(model, vocab, spec, eos_ids, max_new, sampling, oracle, k)
+
+
+def _round_in(model, vocab, spec: SpecState, eos_ids, max_new, sampling: SamplingArrays, oracle, k: int
+              ) -> RoundOut:
     cache, running = spec.cache, spec.running
     ids = jnp.concatenate([spec.bonus[:, None], spec.drafts], axis=1)  # [B,K+1] at P … P+K
     lengths = (k + 1) * running.astype(jnp.int32)
-    logits, new_cache, _, taps = model.forward(ids, cache, lengths, taps=True)
-    logits = logits.astype(jnp.float32)
+    pad_ids, real = vocab or ((lambda x: x), (lambda x: x))
+    logits, new_cache, _, taps = model.forward(pad_ids(ids), cache, lengths, taps=True)
+    logits = real(logits).astype(jnp.float32)
     n, fix = accept(logits, spec.drafts, spec.draft_logits, sampling, spec.produced)
     j = jnp.arange(k + 1)[None, :]
     drafts_pad = jnp.concatenate([spec.drafts, spec.drafts[:, :1]], axis=1)
@@ -229,7 +258,7 @@ def _round(graphdef, state, spec: SpecState, eos_ids, max_new, sampling: Samplin
     ctx = context_rows(model.mtp, taps.context, positions)
     rings = tuple(write_ring(r, c, cache.offset, keep) for r, c in zip(spec.rings, ctx, strict=True))
     bonus = jnp.where(running, fix, spec.bonus)
-    d = _draft(model, rings, bonus, new_cache.offset, sampling, produced, k)
+    d = _draft(model, rings, bonus, new_cache.offset, sampling, produced, k, vocab)
     drafts = d.tokens
     if oracle is not None:
         ref, use = oracle
@@ -281,7 +310,7 @@ class Speculator:
         self._graphdef = engine._programs.graphdef
         self._jits: dict = {}
         state_paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(engine.state)}
-        if not any(p.startswith("mtp.") for p in state_paths):
+        if not any(p.startswith(("mtp.", "inner.mtp.")) for p in state_paths):
             raise EngineInputError("this model has no DSpark stages (build it with ModelOptions(dspark=True) "
                                    "from a checkpoint that has mtp.* tensors)")
 

@@ -153,18 +153,20 @@ def context_rows(stages, taps: jnp.ndarray, positions: jnp.ndarray) -> tuple[jnp
     return tuple(stage.kv_rows(m, positions) for stage in stages)
 
 
-def draft(stages, embed, head, bonus, rings, offset, cfg: ModelConfig, k: int, pick) -> Draft:
+def draft(stages, embed, head, bonus, rings, offset, cfg: ModelConfig, k: int, pick, vocab=None) -> Draft:
     """One draft round (§B.13): ids ``[b, noise ×(K−1)]`` at positions ``offset … offset+K−1`` through every
     stage, then the sequential Markov-corrected proposals.
 
     bonus [B] int32 (the token at ``offset``, not yet in the rings); rings: per stage [B,W,d] holding context rows
     of positions < offset; ``k`` = the block size (5). ``pick(j, logits [B,V]) -> tokens [B]`` draws row j's
-    token (argmax, or a sample after temperature/top-k/top-p). Returns the first ``k`` rows' draft."""
+    token (argmax, or a sample after temperature/top-k/top-p). ``vocab``: a sharded model's (padded ids, real
+    logits) maps (`sharding.layout.ShardPlan`); None: the identity. Returns the first ``k`` rows' draft."""
+    pad_ids, real = vocab or ((lambda x: x), (lambda x: x))
     b = bonus.shape[0]
     s = cfg.hc_mult
     ids = jnp.concatenate([bonus[:, None], jnp.full((b, k - 1), cfg.dspark_noise_token_id, jnp.int32)], axis=1)
     positions = offset[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    e = embed(ids)
+    e = embed(pad_ids(ids))
     streams = jnp.broadcast_to(e[:, :, None, :], (b, k, s, e.shape[-1]))
     pre = jnp.broadcast_to(jax.nn.one_hot(0, s, dtype=jnp.float32), (b, k, s))
     for i, (stage, ring) in enumerate(zip(stages, rings, strict=True)):
@@ -172,12 +174,13 @@ def draft(stages, embed, head, bonus, rings, offset, cfg: ModelConfig, k: int, p
             streams, pre = stage(streams, pre, positions, ring, offset)
     last = stages[-1]
     h = collapse(streams, pre)  # [B,K,D] pre-norm
-    base = head(last.norm(h)).astype(jnp.float32)  # [B,K,V]
+    base = real(head(last.norm(h)).astype(jnp.float32))  # [B,K,V]
     prev = bonus
     tokens, logits, conf = [], [], []
     for j in range(k):  # sequential: row j's bias depends on row j−1's token
-        row = base[:, j] + last.markov_head.bias(prev)
-        conf.append(last.confidence_head(h[:, j], jnp.take(last.markov_head.embed.weight[...], prev, axis=0)))
+        row = base[:, j] + real(last.markov_head.bias(pad_ids(prev)))
+        conf.append(last.confidence_head(h[:, j], jnp.take(last.markov_head.embed.weight[...], pad_ids(prev),
+                                                           axis=0)))
         prev = pick(j, row)
         tokens.append(prev)
         logits.append(row)
