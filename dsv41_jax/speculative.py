@@ -330,7 +330,7 @@ class Speculator:
         def make():
             cache = eng._init_cache(self.cfg, batch, eng.max_context + k + 1, eng.cache_dtype)
             return cache, empty_rings(self.cfg, batch, cache.layers[0].window.dtype)
-        return jax.jit(make)()
+        return jax.jit(make, out_shardings=eng._replicated)()
 
     def generate(self, requests: Sequence[Request], k: int = MAX_DRAFT, *, on_tokens=None,
                  oracle=None) -> GenerateResult:

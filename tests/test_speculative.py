@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import gammaincc
 
+from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions, Transformer
@@ -99,6 +100,28 @@ def test_refuses_bad_draft_tokens(setup):
     _, _, spec, requests, _ = setup
     with pytest.raises(EngineInputError, match="draft-tokens"):
         spec.generate(requests, 6)
+
+
+@pytest.mark.devices(2)
+@pytest.mark.slow
+def test_world_2_greedy_matches_plain_greedy(setup):
+    """The stages shard like the target's layers (Markov head on the vocabulary axis): at world 2 speculation
+    (random drafts, then forced accept-all) emits the sharded engine's own greedy tokens."""
+    import sharding
+
+    cfg, _, _, requests, _ = setup
+    requests = requests[1:]
+    weights = make_tiny.random_weights(cfg, 0, dspark=True)
+    model, mesh = sharding.prepare(cfg, weights, 2, ModelOptions(dtype="float32", quant_rounding=False, dspark=True))
+    engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(), mesh=mesh,
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+    reference = engine.generate(requests)
+    spec = Speculator(engine)
+    _same(spec.generate(requests, 5), reference)
+    ref = _oracle(requests, reference)
+    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
+    _same(out, reference)
+    assert out.timings.tokens_per_round > 4.0
 
 
 # ----------------------------------------------------------------------------------------------- sampling
