@@ -108,10 +108,14 @@ def _pick(sampling: SamplingArrays, produced):
     """The draft's token picker: argmax for greedy sequences, a draw from the filtered distribution otherwise."""
     def pick(j, row):
         greedy = jnp.argmax(row, axis=-1).astype(jnp.int32)
-        keys = _keys(sampling, produced, _DRAFT_TAG + j)
-        masked = filtered_logits(row, sampling.temperature, sampling.top_k, sampling.top_p)
-        drawn = jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, masked).astype(jnp.int32)
-        return jnp.where(sampling.temperature > 0, drawn, greedy)
+
+        def drawn():  # the filters sort the vocabulary: skipped when every sequence is greedy
+            keys = _keys(sampling, produced, _DRAFT_TAG + j)
+            masked = filtered_logits(row, sampling.temperature, sampling.top_k, sampling.top_p)
+            return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, masked).astype(jnp.int32)
+
+        tokens = jax.lax.cond(jnp.any(sampling.temperature > 0), drawn, lambda: greedy)
+        return jnp.where(sampling.temperature > 0, tokens, greedy)
     return pick
 
 
@@ -128,6 +132,17 @@ def accept(logits, drafts, draft_logits, sampling: SamplingArrays, produced):
     n_greedy = jnp.sum(agree, axis=1)
     tok_greedy = jnp.take_along_axis(target, n_greedy[:, None], axis=1)[:, 0]
 
+    def sampled():  # rejection sampling; skipped (its filters sort the vocabulary) when every sequence is greedy
+        return _rejection(logits, drafts, draft_logits, sampling, produced)
+
+    n_s, tok_s = jax.lax.cond(jnp.any(sampling.temperature > 0), sampled, lambda: (n_greedy, tok_greedy))
+    is_sampled = sampling.temperature > 0
+    return jnp.where(is_sampled, n_s, n_greedy), jnp.where(is_sampled, tok_s, tok_greedy)
+
+
+def _rejection(logits, drafts, draft_logits, sampling: SamplingArrays, produced):
+    """Standard speculative rejection sampling (module docstring) -> (n [B], the token after them [B])."""
+    k = drafts.shape[1]
     p = _probs(logits, sampling)  # [B,K+1,V]
     q = _probs(draft_logits, sampling)  # [B,K,V]
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
@@ -143,8 +158,7 @@ def accept(logits, drafts, draft_logits, sampling: SamplingArrays, produced):
     resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p_n)
     fix_keys = _keys(sampling, produced, _FIX_TAG)
     tok_sampled = jax.vmap(lambda key, r: jax.random.categorical(key, jnp.log(r)))(fix_keys, resid).astype(jnp.int32)
-    sampled = sampling.temperature > 0
-    return jnp.where(sampled, n_sampled, n_greedy), jnp.where(sampled, tok_sampled, tok_greedy)
+    return n_sampled, tok_sampled
 
 
 def _rollback_cache(old: Cache, new: Cache, taps, model, keep: jnp.ndarray, rows: int) -> Cache:
