@@ -28,6 +28,7 @@ are refused (their history rollback is not built).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from .model.dspark import Draft, context_rows, draft
 from .sampling import SamplingArrays, filtered_logits, sample
 
 MAX_DRAFT = 5  # the stages are trained for a block of 5 (dspark_block_size)
+ROUNDS_AHEAD = 2  # rounds dispatched before the host reads the oldest
 _DRAFT_TAG, _ACCEPT_TAG, _FIX_TAG = 1 << 20, 2 << 20, 3 << 20  # key-stream offsets (fold_in after the count)
 
 
@@ -64,11 +66,13 @@ class SpecState:
 
 
 class RoundOut(NamedTuple):
-    """state after the round; tokens [B,K+1] (the first ``count[b]`` are sequence b's new tokens), count [B]."""
+    """state after the round; tokens [B,K+1] (the first ``count[b]`` are sequence b's new tokens), count [B];
+    going [B] int32 (1: the sequence runs on; its own buffer, readable after ``state`` is donated)."""
 
     state: SpecState
     tokens: jnp.ndarray
     count: jnp.ndarray
+    going: jnp.ndarray
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -279,7 +283,7 @@ def _round_in(model, vocab, spec: SpecState, eos_ids, max_new, sampling: Samplin
         pos = jnp.clip(new_cache.offset[:, None] + 1 + jnp.arange(k)[None, :], 0, ref.shape[1] - 1)
         drafts = jnp.where(jnp.take_along_axis(use, pos, axis=1), jnp.take_along_axis(ref, pos, axis=1), drafts)
     out = SpecState(new_cache, rings, bonus, drafts, d.logits, keep_going, produced)
-    return RoundOut(out, jnp.where(valid, tokens, -1), count)
+    return RoundOut(out, jnp.where(valid, tokens, -1), count, keep_going.astype(jnp.int32))
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -383,10 +387,15 @@ class Speculator:
         oracle_dev = None if oracle is None else tuple(jnp.asarray(x) for x in oracle)
         t0 = time.perf_counter()
         running = np.asarray(state.running)
+        pending: collections.deque = collections.deque()
         while running.any():
-            out = step_fn(eng.state, state, eos, max_new, sampling, oracle_dev, k=k)
-            state = out.state
-            tokens, count = np.asarray(out.tokens), np.asarray(out.count)
+            # Rounds chain on the device; the host reads round r while round r+1 runs (a round queued past the
+            # last stop commits nothing: every sequence has stopped, its rows have length 0).
+            while len(pending) < ROUNDS_AHEAD:
+                out = step_fn(eng.state, state, eos, max_new, sampling, oracle_dev, k=k)
+                state = out.state
+                pending.append((out.tokens, out.count, out.going))
+            tokens, count, going = (np.asarray(x) for x in pending.popleft())
             timings.rounds += 1
             timings.seq_rounds += int(running.sum())
             timings.accepted += int(np.sum(np.where(running, count - 1, 0)))
@@ -396,7 +405,8 @@ class Speculator:
                 if on_tokens:
                     for tok in new:
                         on_tokens(len(produced[b]) - 1, np.full(batch, tok), np.arange(batch) == b)
-            running = np.asarray(state.running)
+            running = going.astype(bool)
+        jax.block_until_ready(state.bonus)
         timings.decode_s = time.perf_counter() - t0
         timings.generated_tokens = sum(len(p) for p in produced)
         timings.decode_tokens = timings.generated_tokens - batch
