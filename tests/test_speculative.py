@@ -165,3 +165,50 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     pvalue = float(gammaincc((kept.sum() - 1) / 2, chi2 / 2))  # the chi-square survival function
     assert pvalue > ALPHA, (counts, expected)
     assert 0.2 < mean_acc  # the drafts are accepted sometimes: both branches of the sampler ran
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_the_target_end_to_end(setup):
+    """The whole path (stage drafts drawn after the filters, Markov-corrected, rejection-sampled against the
+    6-row verify step): over N seeds of one prompt, the joint distribution of the first two tokens (the prompt's
+    draw, then the first round's) is the target's, p(t0) · p(t1 | t0), at temperature 1 with top-k 4 (chi-square
+    at ALPHA over the cells expecting ≥ 5, the rest pooled)."""
+    cfg, engine, spec, requests, _ = setup
+    n, params = 1500, dict(temperature=1.0, top_k=4)
+    prompt = requests[2].prompt_ids
+    reqs = [Request(prompt, 2, SamplingParams(**params, seed=s)) for s in range(n)]
+    out = spec.generate(reqs, 5)
+    pairs = np.array([g.token_ids[:2] for g in out.generations])
+    graphdef, state = nnx.split(engine_model(engine))
+
+    @jax.jit
+    def probs(ids):
+        model = nnx.merge(graphdef, state)
+        from dsv41_jax.model.cache import init_cache
+
+        logits = model(ids, init_cache(cfg, ids.shape[0], MAX_CONTEXT, "float32"))[0][:, -1]
+        m = ids.shape[0]
+        f = filtered_logits(logits, jnp.full((m,), 1.0), jnp.full((m,), 4, jnp.int32), jnp.full((m,), 1.0))
+        return jax.nn.softmax(f, axis=-1)
+
+    p0 = np.asarray(probs(jnp.asarray([prompt], jnp.int32)))[0]
+    firsts = np.flatnonzero(p0 > 0)
+    p1 = np.asarray(probs(jnp.asarray([list(prompt) + [int(t)] for t in firsts], jnp.int32)))
+    expected, observed = [], []
+    for i, t0 in enumerate(firsts):
+        for t1 in np.flatnonzero(p1[i] > 0):
+            expected.append(n * p0[t0] * p1[i, t1])
+            observed.append(int(np.sum((pairs[:, 0] == t0) & (pairs[:, 1] == t1))))
+    assert sum(observed) == n  # no pair outside the filtered support
+    expected, observed = np.array(expected), np.array(observed, float)
+    big = expected >= 5
+    e = np.append(expected[big], expected[~big].sum())
+    o = np.append(observed[big], observed[~big].sum())
+    e, o = (e, o) if e[-1] > 0 else (e[:-1], o[:-1])
+    chi2 = float(np.sum((o - e) ** 2 / e))
+    assert float(gammaincc((len(e) - 1) / 2, chi2 / 2)) > ALPHA, (o, e)
+
+
+def engine_model(engine):
+    """The model an engine runs (merged back from its state)."""
+    return nnx.merge(engine._programs.graphdef, engine.state)
