@@ -158,3 +158,30 @@ def test_make_tiny_dspark_round_trip(tmp_path):
     m = build_model(cfg, ModelOptions(dtype="float32", dspark=True), flat)
     np.testing.assert_array_equal(np.asarray(m.mtp[2].markov_head.embed.weight[...]),
                                   flat["mtp.2.markov_head.embed.weight"])
+
+
+@pytest.mark.parametrize("expert_format", ["dequantized", "fp4"])
+@pytest.mark.parametrize("name", ["tiny", "dsv41_flash"])
+def test_every_stage_tensor_matches_exactly_one_rule(name, expert_format):
+    """The stages shard like a backbone layer (MODEL.md §F.1); the Markov head on the vocabulary axis."""
+    from sharding import rules
+
+    cfg = load_named(name)
+    stage_tensors = {k: v for k, v in param_specs.model_tensors(cfg, expert_format, dspark=True).items()
+                     if k.startswith("mtp.")}
+    assert f"mtp.{cfg.num_nextn_predict_layers - 1}.markov_head.head.weight" in stage_tensors
+    for tensor, shape in stage_tensors.items():
+        hits = rules.matching_rules(tensor)
+        assert len(hits) == 1, (tensor, [h.pattern for h in hits])
+        for layout in rules.LAYOUTS:
+            assert len(rules.param_spec(tensor, len(shape), layout)) == len(shape)
+    assert rules.param_spec("mtp.2.markov_head.embed.weight", 2, "tp")[0] is not None
+
+
+def test_release_stage_inventory_counts_2401_tensors():
+    """VISION.md §V.H item 15: the release holds 2401 ``mtp.*`` tensors (3 × 798 + 7), of which the three
+    ``mtp.s.ffn.gate.bias_vl`` are image routing biases the stages never use (text bias only, item 8)."""
+    cfg = load_named("dsv41_flash")
+    names = [k for k in param_specs.expected_tensors(cfg, quantized=True, dspark=True) if k.startswith("mtp.")]
+    assert len(names) + 3 == 2401
+    assert param_specs.skip_reason("mtp.1.ffn.gate.bias_vl")
