@@ -326,7 +326,10 @@ class Speculator:
         self.engine = engine
         self.cfg = engine.cfg
         self._graphdef = engine._programs.graphdef
-        self._jits: dict = {}
+        # Jitted programs live beside the engine's program table, which engines over one model structure share.
+        if not hasattr(engine._programs, "speculative"):
+            engine._programs.speculative = {}
+        self._jits: dict = engine._programs.speculative
         state_paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(engine.state)}
         if not any(p.startswith(("mtp.", "inner.mtp.")) for p in state_paths):
             raise EngineInputError("this model has no DSpark stages (build it with ModelOptions(dspark=True) "

@@ -212,3 +212,17 @@ def test_speculative_sampling_matches_the_target_end_to_end(setup):
 def engine_model(engine):
     """The model an engine runs (merged back from its state)."""
     return nnx.merge(engine._programs.graphdef, engine.state)
+
+
+def test_end_id_inside_a_round_stops_like_the_engine(setup):
+    """An end id accepted mid-round ends the sequence there (the round's later tokens dropped), as the engine's
+    step does; forced accept-all puts it mid-round."""
+    cfg, engine, _, requests, reference = setup
+    eos = reference.generations[0].token_ids[12]
+    stopping = Engine(engine_model(engine), cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(eos,),
+                      segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+    want = stopping.generate(requests)
+    assert want.generations[0].finish_reason == "eos" and len(want.generations[0].token_ids) <= 13
+    ref = _oracle(requests, reference)
+    out = Speculator(stopping).generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
+    _same(out, want)
