@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from . import engine as _engine
 from .engine import Engine, EngineInputError, GenerateResult, Generation, Request, Timings, bucket_rows
 from .model.attention import updated_ring, window_in_order
 from .model.cache import Cache
@@ -325,23 +326,15 @@ class Speculator:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.cfg = engine.cfg
-        self._graphdef = engine._programs.graphdef
-        # Jitted programs live beside the engine's program table, which engines over one model structure share.
-        if not hasattr(engine._programs, "speculative"):
-            engine._programs.speculative = {}
-        self._jits: dict = engine._programs.speculative
         state_paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(engine.state)}
         if not any(p.startswith(("mtp.", "inner.mtp.")) for p in state_paths):
             raise EngineInputError("this model has no DSpark stages (build it with ModelOptions(dspark=True) "
                                    "from a checkpoint that has mtp.* tensors)")
 
-    def _jit(self, name, fn, static=(), donate=()):
-        if name not in self._jits:
-            import functools  # noqa: PLC0415
-
-            self._jits[name] = jax.jit(functools.partial(fn, self._graphdef), static_argnames=static,
-                                       donate_argnums=donate)
-        return self._jits[name]
+    def _program(self, name, fn, static: dict, args: tuple, donate=()):
+        """The compiled program for these arguments from the engine's table (compiled ahead of time on first use,
+        timed apart from running, shared by engines over one model structure)."""
+        return self.engine._programs.get(name, fn, static, args, donate, self.engine._replicated)
 
     def _empty(self, batch: int, k: int):
         """A fresh target cache (room for a verify step past ``max_context``) and empty rings, made by a program
@@ -364,6 +357,7 @@ class Speculator:
         timings.segments = tuple(sizes)
         eos, max_new, sampling = eng._stop_inputs(requests)
         cache, rings = self._empty(batch, k)
+        compile_before, count_before = eng._programs.compile_s, eng.compile_count
         t0 = time.perf_counter()
         lengths = np.array([len(r.prompt_ids) for r in requests], np.int32)
         padded = np.zeros((batch, int(lengths.max())), np.int32)
@@ -371,23 +365,26 @@ class Speculator:
             padded[b, : lengths[b]] = r.prompt_ids
         logits = jnp.zeros((batch, eng.vocab_size), jnp.float32)
         start, spec_cache = 0, (cache, rings)
-        prefill = self._jit("prefill", _prefill, donate=(1, 4))
         for size in sizes:
             t = bucket_rows(size, max(sizes))
             ids = np.zeros((batch, t), np.int32)
             ids[:, :size] = padded[:, start:start + size]
             seg = np.clip(lengths - start, 0, size).astype(np.int32)
-            spec_cache, logits = prefill(eng.state, spec_cache, ids, seg, logits)
+            args = (eng.state, spec_cache, ids, seg, logits)
+            spec_cache, logits = self._program("dspark_prefill", _prefill, {}, args, (1, 4))(*args)
             start += size
-        state, first = self._jit("start", _start, static=("k",))(eng.state, *spec_cache, logits, eos, max_new,
-                                                                    sampling, k=k)
+        args = (eng.state, *spec_cache, logits, eos, max_new, sampling)
+        state, first = self._program("dspark_start", _start, {"k": k}, args)(*args)
         first_np = np.asarray(first)
-        timings.prefill_s = time.perf_counter() - t0
+        timings.prefill_s = time.perf_counter() - t0 - (eng._programs.compile_s - compile_before)
         produced: list[list[int]] = [[int(first_np[b])] for b in range(batch)]
         if on_tokens:
             on_tokens(0, first_np, np.ones(batch, bool))
-        step_fn = self._jit("round", _round, static=("k",), donate=(1,))
         oracle_dev = None if oracle is None else tuple(jnp.asarray(x) for x in oracle)
+        step_fn = self._program("dspark_round", _round, {"k": k}, (eng.state, state, eos, max_new, sampling,
+                                                                    oracle_dev), (1,))
+        timings.compile_s = eng._programs.compile_s - compile_before
+        timings.programs_compiled = eng.compile_count - count_before
         t0 = time.perf_counter()
         running = np.asarray(state.running)
         pending: collections.deque = collections.deque()
@@ -395,7 +392,7 @@ class Speculator:
             # Rounds chain on the device; the host reads round r while round r+1 runs (a round queued past the
             # last stop commits nothing: every sequence has stopped, its rows have length 0).
             while len(pending) < ROUNDS_AHEAD:
-                out = step_fn(eng.state, state, eos, max_new, sampling, oracle_dev, k=k)
+                out = step_fn(eng.state, state, eos, max_new, sampling, oracle_dev)
                 state = out.state
                 pending.append((out.tokens, out.count, out.going))
             tokens, count, going = (np.asarray(x) for x in pending.popleft())
@@ -419,3 +416,7 @@ class Speculator:
             finish = "eos" if p and p[-1] in eng.eos_ids else "length"
             gens.append(Generation(tuple(r.prompt_ids), tuple(p), finish))
         return GenerateResult(gens, timings)
+
+
+# The round programs take the model state first, as the engine's own: its program table keys them without it.
+_engine._MODEL_PROGRAMS = (*_engine._MODEL_PROGRAMS, _prefill, _start, _round)
