@@ -507,10 +507,21 @@ def open_checkpoint_inputs(args) -> ModelInputs:
     if fmt == "auto":
         fmt = ckpt.stored_expert_format
     setup = engram_setup(ckpt.cfg, args, checkpoint_dir=path, expert_format=fmt)
-    has_stages = ckpt.cfg.num_nextn_predict_layers > 0 and any("DSpark" in line for line in ckpt.skipped)
+    has_stages = ckpt.cfg.num_nextn_predict_layers > 0 and any(
+        line.startswith("skipped") and "DSpark" in line for line in ckpt.skipped)
     dspark = wants_speculation(args, ckpt.cfg, has_stages, setup.hasher is not None)
-    if fmt != "dequantized" or dspark:  # fp4: refuses non-fp4 experts; dspark: the mtp.* tensors join
-        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram, dspark=dspark)
+    if dspark:  # the mtp.* tensors join the inventory (all of them, or auto falls back to plain decoding)
+        from .checkpoint import CheckpointError  # noqa: PLC0415
+
+        try:
+            ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram, dspark=True)
+        except CheckpointError as e:
+            if args.speculate == "dspark" or "fp4" in str(e):
+                raise
+            _say(f"note: speculative decoding off: the checkpoint's DSpark stages are incomplete ({e})")
+            dspark = False
+    if fmt != "dequantized" and not dspark:  # refuses non-fp4 experts
+        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram)
     for line in ckpt.skipped:
         if not line.startswith("not run by this engine"):
             _say(f"note: {line}")
