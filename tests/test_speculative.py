@@ -104,15 +104,17 @@ def test_refuses_bad_draft_tokens(setup):
 
 @pytest.mark.devices(2)
 @pytest.mark.slow
-def test_world_2_greedy_matches_plain_greedy(setup):
-    """The stages shard like the target's layers (Markov head on the vocabulary axis): at world 2 speculation
-    (random drafts, then forced accept-all) emits the sharded engine's own greedy tokens."""
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.devices(4))])
+def test_sharded_greedy_matches_plain_greedy(setup, world):
+    """The stages shard like the target's layers (Markov head on the vocabulary axis): at worlds 2 and 4
+    speculation (random drafts, then forced accept-all) emits the sharded engine's own greedy tokens."""
     import sharding
 
     cfg, _, _, requests, _ = setup
     requests = requests[1:]
     weights = make_tiny.random_weights(cfg, 0, dspark=True)
-    model, mesh = sharding.prepare(cfg, weights, 2, ModelOptions(dtype="float32", quant_rounding=False, dspark=True))
+    options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True)
+    model, mesh = sharding.prepare(cfg, weights, world, options)
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(), mesh=mesh,
                     segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
     reference = engine.generate(requests)
