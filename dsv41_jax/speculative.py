@@ -290,18 +290,18 @@ def _round_in(model, vocab, spec: SpecState, eos_ids, max_new, sampling: Samplin
 # ---------------------------------------------------------------------------------------------- driver
 @dataclass
 class SpecTimings(Timings):
-    """Engine timings plus the speculative counts: ``rounds`` (verify steps) and ``accepted`` (drafts accepted)."""
+    """Engine timings plus the speculative counts: ``rounds`` (verify steps), ``accepted`` (drafts accepted),
+    ``decode_tokens`` (tokens the rounds emitted) and ``seq_rounds`` (rounds summed over running sequences)."""
 
     rounds: int = 0
     accepted: int = 0
+    decode_tokens: int = 0
+    seq_rounds: int = 0
 
     @property
     def tokens_per_round(self) -> float:
-        """Mean tokens a round emitted per running sequence (accepted drafts + 1)."""
+        """Mean tokens a round emitted per running sequence (accepted drafts + 1, cut by stops)."""
         return self.decode_tokens / self.seq_rounds if self.seq_rounds else float("nan")
-
-    decode_tokens: int = 0
-    seq_rounds: int = 0
 
 
 def check_speculative(engine: Engine, requests: Sequence[Request], k: int) -> None:
