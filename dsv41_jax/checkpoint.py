@@ -137,12 +137,14 @@ class Checkpoint:
     expert_format: str = "dequantized"  # or "fp4": routed experts read packed (param_specs.model_tensors)
     vision: bool = False  # the image path's tensors are read too (param_specs.vision_tensors)
     engram: bool = True  # the engram layers' tensors are part of the model (False: skipped, --skip-engram)
+    dspark: bool = False  # the DSpark stages' mtp.* tensors are part of the model (param_specs.dspark_tensors)
     _files: _Files = field(default_factory=_Files, repr=False)
 
     @property
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
         """Model name → shape (`param_specs.model_tensors` in this checkpoint's ``expert_format``)."""
-        return param_specs.model_tensors(self.cfg, self.expert_format, vision=self.vision, engram=self.engram)
+        return param_specs.model_tensors(self.cfg, self.expert_format, vision=self.vision, engram=self.engram,
+                                         dspark=self.dspark)
 
     @property
     def stored_expert_format(self) -> str:
@@ -179,13 +181,13 @@ class Checkpoint:
             if name not in self.sources:
                 raise KeyError(f"{name} is not a tensor of this model")
             return self._decode(self.sources[name], out_dtype)
-        ids = range(self.cfg.n_routed_experts)
+        ids = range(param_specs.n_experts(self.cfg, layer))
         ids = ids[experts] if isinstance(experts, slice) else (ids if experts is None else list(experts))
-        first = self.sources[f"layers.{layer}.ffn.experts.0.{proj}.weight"]
+        first = self.sources[_expert(layer, 0, proj)]
         shape = _logical_shape(first)
         out = np.empty((len(ids), *shape), dtype=out_dtype)
         for i, e in enumerate(ids):
-            out[i] = self._decode(self.sources[f"layers.{layer}.ffn.experts.{e}.{proj}.weight"], out_dtype)
+            out[i] = self._decode(self.sources[_expert(layer, e, proj)], out_dtype)
         return out
 
     def read_window(self, name: str, index: tuple[slice, ...], *, dtype: str = "float32") -> np.ndarray:
@@ -241,20 +243,20 @@ class Checkpoint:
         raw = self._files.array(src.weight)
         return np.asarray(raw if rows is None else raw[rows])
 
-    def _read_packed(self, layer: int, proj: str, part: str, experts) -> np.ndarray:
+    def _read_packed(self, layer: int | str, proj: str, part: str, experts) -> np.ndarray:
         """Stacked fp4 codes or ue8m0 scale bytes of the chosen experts, uint8 ``[len(experts), out, ·]``."""
-        ids = range(self.cfg.n_routed_experts)
+        ids = range(param_specs.n_experts(self.cfg, layer))
         ids = ids[experts] if isinstance(experts, slice) else (ids if experts is None else list(experts))
         parts = []
         for e in ids:
-            src = self.sources[f"layers.{layer}.ffn.experts.{e}.{proj}.weight"]
+            src = self.sources[_expert(layer, e, proj)]
             if src.codec != "fp4":
                 raise CheckpointError(f"tensor {src.weight.name} is stored as {src.weight.dtype}, not packed fp4: "
                                       f"it cannot be held as fp4 experts")
             raw = self._files.array(src.weight if part == "codes" else src.scale)
             parts.append(raw.view(np.uint8) if raw.dtype.itemsize == 1 else _ue8m0_bytes(raw, src.scale.name))
         shape = param_specs.packed_expert_shapes((0, *_logical_shape(
-            self.sources[f"layers.{layer}.ffn.experts.0.{proj}.weight"])))[part][1:]
+            self.sources[_expert(layer, 0, proj)])))[part][1:]
         out = np.empty((len(parts), *shape), np.uint8)
         for i, p in enumerate(parts):
             out[i] = p
@@ -296,13 +298,25 @@ def _out_dtype(name: str, dtype: str):
     raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
 
 
-def _packed(name: str) -> tuple[int, str, str] | None:
-    """``layers.L.ffn.experts.wN.codes|scales`` → (L, "wN", part); None for any other name."""
+def _packed(name: str) -> tuple[int | str, str, str] | None:
+    """``layers.L.ffn.experts.wN.codes|scales`` → (L, "wN", part) (a DSpark stage: ("mtp.s", ...)); None for any
+    other name."""
     parts = name.split(".")
-    if (len(parts) == 6 and parts[0] == "layers" and parts[2:4] == ["ffn", "experts"]
+    if (len(parts) == 6 and parts[0] in ("layers", "mtp") and parts[2:4] == ["ffn", "experts"]
             and parts[4] in ("w1", "w2", "w3") and parts[5] in param_specs.PACKED_PARTS):
-        return int(parts[1]), parts[4], parts[5]
+        return _owner(parts), parts[4], parts[5]
     return None
+
+
+def _owner(parts: list[str]) -> int | str:
+    """A layer index, or a DSpark stage as ``"mtp.s"`` (`param_specs.expert_name`'s first item)."""
+    return int(parts[1]) if parts[0] == "layers" else f"mtp.{parts[1]}"
+
+
+def _expert(layer: int | str, e: int, proj: str) -> str:
+    """The official name of routed expert ``e``'s ``proj`` in ``layer`` (or stage ``"mtp.s"``)."""
+    owner = layer if isinstance(layer, str) else f"layers.{layer}"
+    return f"{owner}.ffn.experts.{e}.{proj}.weight"
 
 
 def _ue8m0_bytes(scale: np.ndarray, name: str) -> np.ndarray:
@@ -313,10 +327,11 @@ def _ue8m0_bytes(scale: np.ndarray, name: str) -> np.ndarray:
         raise CheckpointError(f"tensor {name}: fp4 {e}") from None
 
 
-def _stacked(name: str) -> tuple[int | None, str | None]:
+def _stacked(name: str) -> tuple[int | str | None, str | None]:
     parts = name.split(".")
-    if len(parts) == 6 and parts[2:4] == ["ffn", "experts"] and parts[4] in ("w1", "w2", "w3"):
-        return int(parts[1]), parts[4]
+    if (len(parts) == 6 and parts[0] in ("layers", "mtp") and parts[2:4] == ["ffn", "experts"]
+            and parts[4] in ("w1", "w2", "w3")):
+        return _owner(parts), parts[4]
     return None, None
 
 
@@ -329,13 +344,15 @@ def _logical_shape(src: Source) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------------------- opening
 def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
-                    expert_format: str = "dequantized", vision: bool = False, engram: bool = True) -> Checkpoint:
+                    expert_format: str = "dequantized", vision: bool = False, engram: bool = True,
+                    dspark: bool = False) -> Checkpoint:
     """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``).
 
     ``expert_format="fp4"``: routed experts are read packed; every one must be stored as fp4 (refused by name).
     ``vision=True``: the image path's tensors (VISION.md §V.F) are part of the inventory (missing or mis-shaped
     ones refused by name) instead of skipped; the config must have a ``vision_config``.
     ``engram=False``: the engram layers' tensors are skipped (the output is then not the model's).
+    ``dspark=True``: the DSpark stages' ``mtp.*`` tensors are part of the inventory (the config must have stages).
     """
     if expert_format not in param_specs.EXPERT_FORMATS:
         raise CheckpointError(f"expert format {expert_format!r} is not one of {param_specs.EXPERT_FORMATS}")
@@ -347,10 +364,11 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
     if vision and cfg.vision is None:
         raise CheckpointError(f"{path / 'config.json'} has no vision_config: this checkpoint cannot read images")
     stored = _stored_tensors(path)
-    specs = {s.name: s for s in param_specs.release_tensors(cfg, vision=vision, engram=engram)}
+    dspark = dspark and cfg.num_nextn_predict_layers > 0
+    specs = {s.name: s for s in param_specs.release_tensors(cfg, vision=vision, engram=engram, dspark=dspark)}
     skipped: dict[str, list[str]] = {}
     for name, t in stored.items():
-        if name in specs:
+        if name in specs or name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in specs:
             continue
         reason = param_specs.skip_reason(name)
         if reason is not None:
@@ -362,13 +380,13 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
     lines = [f"skipped {len(names)} tensors: {reason}" + ("" if reason.startswith("engram") else " (not supported yet)")
              for reason, names in skipped.items()]
     lines += [f"not run by this engine yet: {feature}" for feature in cfg.unsupported_features()
-              if engram or not feature.startswith("engram")]
+              if (engram or not feature.startswith("engram")) and not (dspark and feature.startswith("DSpark"))]
     if expert_format == "fp4":
         for name, src in sources.items():
             if param_specs.expert_name(name) is not None and src.codec != "fp4":
                 raise CheckpointError(f"expert format fp4 needs routed experts stored as packed fp4; tensor {name} "
                                       f"in {src.weight.file.name} is {src.weight.dtype}")
-    return Checkpoint(path, cfg, sources, lines, expert_format, vision, engram)
+    return Checkpoint(path, cfg, sources, lines, expert_format, vision, engram, dspark)
 
 
 def _read_config(path: Path) -> ModelConfig:
@@ -447,15 +465,16 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
 # -------------------------------------------------------------------------------------------------- loading
 def iter_tensors(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
                  progress: bool = True, expert_format: str = "dequantized",
-                 vision: bool = False, engram: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+                 vision: bool = False, engram: bool = True, dspark: bool = False
+                 ) -> Iterator[tuple[str, np.ndarray]]:
     """Validate, then yield ``(model name, array)`` one tensor at a time (see `Checkpoint.read`)."""
-    yield from open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram).iter_tensors(
-        dtype=dtype, progress=progress)
+    yield from open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram,
+                               dspark=dspark).iter_tensors(dtype=dtype, progress=progress)
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
                     progress: bool = True, expert_format: str = "dequantized", vision: bool = False,
-                    engram: bool = True
+                    engram: bool = True, dspark: bool = False
                     ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(cfg, {model name: array})`` for the whole text model, dequantised to ``dtype``.
 
@@ -464,7 +483,7 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: 
     ``expert_format="fp4"``: routed experts stay packed (uint8 ``.codes`` / ``.scales``, see `open_checkpoint`).
     ``vision=True``: the image path's tensors are returned too (see `open_checkpoint`).
     """
-    ckpt = open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram)
+    ckpt = open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram, dspark=dspark)
     if progress:
         for line in ckpt.skipped:
             print(f"{ckpt.path.name}: {line}", file=sys.stderr)

@@ -378,10 +378,11 @@ class ModelConfig:
         return (2 + self.hc_mult) * self.hc_mult
 
     def unsupported_features(self) -> list[str]:
-        """Parts of the config the model here does not run yet (DSpark)."""
+        """Parts of the config the plain model does not run (DSpark: only speculative decoding runs them)."""
         out = []
         if self.num_nextn_predict_layers:
-            out.append(f"DSpark draft stages ({self.num_nextn_predict_layers}); the target model runs without them")
+            out.append(f"DSpark draft stages ({self.num_nextn_predict_layers}); the target model runs without them "
+                       f"unless speculative decoding loads them (generate --speculate)")
         return out
 
     @property

@@ -150,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "step under a scan) and lets the host dispatch and read once per K tokens: on a 2-layer "
                           "H200 cut the loop went from 49%% to 97%% of the step rate at K = 8; streamed text then "
                           "arrives K tokens at a time. Engram models decode one step at a time")
+    gen.add_argument("--speculate", choices=("auto", "off", "dspark"), default="auto",
+                     help="DSpark speculative decoding (MODEL.md §B.13): draft with the checkpoint's mtp.* stages, "
+                          "verify K+1 rows in one step. auto (default): on when --checkpoint has the stages and the "
+                          "run allows it (no engram layers running, no images, no --logits-out, no --decode-chunk); dspark: "
+                          "on (the random tiny model too), refusing what it cannot run; off: never")
+    gen.add_argument("--draft-tokens", type=int, default=5, metavar="K",
+                     help="draft tokens a round with --speculate, 1..5 (default 5, what the stages are trained for)")
+    gen.add_argument("--speculate-baseline", action="store_true",
+                     help="with speculation, also decode the same requests without it and report both rates")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed, 0 .. 2^32 - 1 (prompt i uses (seed + i) mod 2^32)")
     model.add_argument("--compile-cache", metavar="DIR",
                        help="persistent compilation cache: a second run of the same command loads its programs "
@@ -397,6 +406,7 @@ class ModelInputs:
     hasher: object = None  # the engram hasher (token map + layout) when engram layers run
     engram_tables: str = "device"  # where the engram tables live ("device" | "host")
     host_tables: object = None  # engram.HostTables with "host": memory maps of the tables
+    dspark: bool = False  # the DSpark stages are loaded (speculative decoding runs)
 
 
 @dataclass(frozen=True)
@@ -498,8 +508,21 @@ def open_checkpoint_inputs(args) -> ModelInputs:
     if fmt == "auto":
         fmt = ckpt.stored_expert_format
     setup = engram_setup(ckpt.cfg, args, checkpoint_dir=path, expert_format=fmt)
-    if fmt != "dequantized":
-        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram)  # refuses non-fp4 experts
+    has_stages = ckpt.cfg.num_nextn_predict_layers > 0 and any(
+        line.startswith("skipped") and "DSpark" in line for line in ckpt.skipped)
+    dspark = wants_speculation(args, ckpt.cfg, has_stages, setup.hasher is not None)
+    if dspark:  # the mtp.* tensors join the inventory (all of them, or auto falls back to plain decoding)
+        from .checkpoint import CheckpointError  # noqa: PLC0415
+
+        try:
+            ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram, dspark=True)
+        except CheckpointError as e:
+            if args.speculate == "dspark" or "fp4" in str(e):
+                raise
+            _say(f"note: speculative decoding off: the checkpoint's DSpark stages are incomplete ({e})")
+            dspark = False
+    if fmt != "dequantized" and not dspark:  # refuses non-fp4 experts
+        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram)
     for line in ckpt.skipped:
         if not line.startswith("not run by this engine"):
             _say(f"note: {line}")
@@ -511,7 +534,7 @@ def open_checkpoint_inputs(args) -> ModelInputs:
 
         weights, host_tables = _without_tables(weights), HostTables.from_checkpoint(ckpt, ckpt.cfg)
     return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision, setup.hasher, setup.tables,
-                       host_tables)
+                       host_tables, dspark)
 
 
 def load_model_inputs(args) -> ModelInputs:
@@ -542,7 +565,9 @@ def load_model_inputs(args) -> ModelInputs:
     except ValueError as e:
         raise UsageError(str(e)) from None
     setup = engram_setup(cfg, args)
-    weights = random_weights(cfg, seed=0)
+    dspark = wants_speculation(args, cfg, cfg.num_nextn_predict_layers > 0, setup.hasher is not None,
+                               random=True)
+    weights = random_weights(cfg, seed=0, dspark=dspark)
     if args.skip_engram:
         weights = {k: v for k, v in weights.items() if ".engram." not in k}
     host_tables = None
@@ -552,7 +577,32 @@ def load_model_inputs(args) -> ModelInputs:
         weights, host_tables = _without_tables(weights), HostTables.from_weights(weights, cfg)
     return ModelInputs(cfg, weights, f"{name} with RANDOM weights (seed 0): the output is not language",
                        vision=_wants_images(args), hasher=setup.hasher, engram_tables=setup.tables,
-                       host_tables=host_tables)
+                       host_tables=host_tables, dspark=dspark)
+
+
+def wants_speculation(args, cfg, has_stages: bool, engram: bool, random: bool = False) -> bool:
+    """Whether this run decodes with DSpark (--speculate): auto = on for a checkpoint with the stages when
+    nothing in the run needs what speculation does not support; dspark = on or a UsageError naming why not."""
+    if args.speculate == "off" or (args.speculate == "auto" and random):
+        return False
+    blockers = []
+    if not has_stages:
+        blockers.append("the model has no DSpark stages (mtp.*)")
+    if engram:
+        blockers.append("engram layers run (their history rollback is not built; --skip-engram)")
+    if _wants_images(args):
+        blockers.append("image prompts are not supported with speculation")
+    if args.logits_out:
+        blockers.append("--logits-out records one-row decode steps")
+    if args.decode_chunk != 1:
+        blockers.append("--decode-chunk is the plain decode loop's")
+    if not 1 <= args.draft_tokens <= min(5, cfg.dspark_block_size):
+        raise UsageError(f"--draft-tokens must be in 1..{min(5, cfg.dspark_block_size)}, got {args.draft_tokens}")
+    if blockers and args.speculate == "dspark":
+        raise UsageError(f"--speculate dspark: {blockers[0]}")
+    if blockers and has_stages:
+        _say(f"note: speculative decoding off: {blockers[0]}")
+    return not blockers
 
 
 def kernel_impl(args) -> str:
@@ -564,7 +614,8 @@ def kernel_impl(args) -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def model_options(args, expert_format: str, vision: bool = False, engram_tables: str = "device"):
+def model_options(args, expert_format: str, vision: bool = False, engram_tables: str = "device",
+                  dspark: bool = False):
     """ModelOptions for the run (engram layers unless --skip-engram); says so when float32 experts would be
     computed in bf16 by the Pallas MoE."""
     from .model.transformer import ModelOptions  # noqa: PLC0415
@@ -575,14 +626,14 @@ def model_options(args, expert_format: str, vision: bool = False, engram_tables:
              "takes bf16 activations); use --impl xla for float32 experts")
     return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
                         quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl, hc_impl=impl,
-                        engram=not args.skip_engram, engram_tables=engram_tables)
+                        engram=not args.skip_engram, engram_tables=engram_tables, dspark=dspark)
 
 
 def build(inputs: ModelInputs, args):
     """(model, mesh | None) for --world; the weights are placed tensor by tensor."""
     from .loading import build_model  # noqa: PLC0415
 
-    options = model_options(args, inputs.expert_format, inputs.vision, inputs.engram_tables)
+    options = model_options(args, inputs.expert_format, inputs.vision, inputs.engram_tables, inputs.dspark)
     if args.world == 1:
         return build_model(inputs.cfg, options, inputs.weights), None
     import sharding  # noqa: PLC0415
@@ -635,8 +686,21 @@ def summary_line(t) -> str:
             f"compile {t.compile_s:.1f} s ({t.programs_compiled} programs)")
 
 
+def speculation_line(t, baseline=None) -> str:
+    """The closing line's speculative part: rounds, mean tokens a round, and the rates with and without."""
+    line = (f"dspark: {t.rounds} rounds, {t.tokens_per_round:.2f} tokens a round per sequence "
+            f"({t.accepted} drafts accepted) · decode with speculation {t.decode_tok_s:,.1f} tok/s")
+    if baseline is not None:
+        line += f" · without {baseline.decode_tok_s:,.1f} tok/s ({t.decode_tok_s / baseline.decode_tok_s:.2f}x)"
+    return line
+
+
 def _timings_dict(t) -> dict:
-    return {"prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens, "segments": list(t.segments),
+    extra = {}
+    if hasattr(t, "rounds"):
+        extra = {"speculative_rounds": t.rounds, "tokens_per_round": t.tokens_per_round,
+                 "drafts_accepted": t.accepted}
+    return {**extra, "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens, "segments": list(t.segments),
             "prefill_s": t.prefill_s, "prefill_tok_s": t.prefill_tok_s, "decode_s": t.decode_s,
             "decode_tok_s": t.decode_tok_s, "decode_steps": t.decode_steps, "compile_s": t.compile_s,
             "programs_compiled": t.programs_compiled}
@@ -757,9 +821,11 @@ def run(args) -> int:
     args.wants_images = any(s.images for s in specs)
     inputs = load_model_inputs(args)
     cfg, description = inputs.cfg, inputs.description
-    _say(f"model: {description}")
+    speculate = inputs.dspark
+    _say(f"model: {description}" + (f" · DSpark speculation, {args.draft_tokens} draft tokens" if speculate else ""))
     for feature in cfg.unsupported_features():
-        _say(f"note: not run by this engine: {feature}")
+        if not (speculate and feature.startswith("DSpark")):
+            _say(f"note: not run by this engine: {feature}")
     tokenizer, tokenizer_description = load_tokenizer(args.checkpoint)
     _say(f"tokenizer: {tokenizer_description}")
     prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size, cfg.image_token_id)
@@ -779,10 +845,26 @@ def run(args) -> int:
     del inputs
     engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
                     hasher=hasher, host_tables=host_tables, decode_chunk=args.decode_chunk)
-    result = generate_with_output(engine, requests, tokenizer, args)
+    if speculate:
+        result = speculate_with_output(engine, requests, tokenizer, args)
+    else:
+        result = generate_with_output(engine, requests, tokenizer, args)
     report(result, tokenizer, args, description, max_context, folded,
            [chat_messages(s, args) is not None for s in specs])
     return 0
+
+
+def speculate_with_output(engine, requests, tokenizer, args):
+    """`speculative.Speculator` with streamed text; the speculation line (and the plain rate with
+    --speculate-baseline) on stderr. Its programs compile on first use (inside the prefill and first round)."""
+    from .speculative import Speculator  # noqa: PLC0415
+
+    stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
+    result = Speculator(engine).generate(requests, args.draft_tokens, on_tokens=stream)
+    stream.close()
+    baseline = engine.generate(requests).timings if args.speculate_baseline else None
+    _say(speculation_line(result.timings, baseline))
+    return result
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

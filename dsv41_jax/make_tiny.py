@@ -1,6 +1,6 @@
 """Random DeepSeek-V4.1 checkpoints in the official format, for tests and parity runs.
 
-    python -m dsv41_jax.make_tiny OUT [--config FILE|tiny] [--seed N] [--quantize none|fp8|fp4] [--force]
+    python -m dsv41_jax.make_tiny OUT [--config FILE|tiny] [--seed N] [--quantize none|fp8|fp4] [--dspark] [--force]
 
 ``--quantize`` picks how the matrices the release quantises are stored (`MODEL.md` §E.1):
 
@@ -11,6 +11,8 @@
 Other tensors are bf16 or f32 as `param_specs.release_tensors` says. Engram tables are always fp8 rows (e4m3 +
 a ue8m0 byte per row and 32 dims, as released and as the model holds them), and a config with engram layers
 whose compressed vocabulary is its vocabulary (TINY-E) gets the identity ``engram_token_map.json``.
+``--dspark`` (``dspark=True``) also writes the config's DSpark draft stages ``mtp.*`` (`param_specs.dspark_tensors`,
+drawn after every other tensor, so the target's weights equal those of the same seed without them).
 `write_checkpoint` returns the values as stored (dequantised, float32, model names; engram tables as their
 codes and scale bytes), so a model and an oracle loading the directory see exactly them.
 """
@@ -42,9 +44,10 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "w
 RANDOM_LIMIT_BYTES = 4 << 30  # random float32 weights above this are not a "tiny" model: refused up front
 
 
-def random_weights_bytes(cfg: ModelConfig) -> int:
+def random_weights_bytes(cfg: ModelConfig, dspark: bool = False) -> int:
     """Bytes of ``random_weights(cfg)`` (float32, every model tensor)."""
-    return 4 * sum(math.prod(s) for s in param_specs.model_tensors(cfg, vision=cfg.has_vision).values())
+    shapes = param_specs.model_tensors(cfg, vision=cfg.has_vision, dspark=dspark)
+    return 4 * sum(math.prod(s) for s in shapes.values())
 
 
 def check_random_size(cfg: ModelConfig) -> None:
@@ -56,7 +59,7 @@ def check_random_size(cfg: ModelConfig) -> None:
                          f"smaller config (e.g. tiny) or real weights")
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+def random_weights(cfg: ModelConfig, seed: int = 0, *, dspark: bool = False) -> dict[str, np.ndarray]:
     """Model name → float32 random weights scaled so activations stay O(1) through every layer.
 
     Linear weights ~ N(0, 1/fan_in); norm weights ~ 1 ± 0.1; the HC ``fn`` small (mix logits of std ≈ 0.3, so
@@ -67,9 +70,10 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """
     rng = np.random.default_rng(seed)
     vision = cfg.has_vision
-    kinds = {_model_name(s.name): s.stored for s in param_specs.release_tensors(cfg, vision=vision)}
+    dspark = dspark and cfg.num_nextn_predict_layers > 0
+    kinds = {_model_name(s.name): s.stored for s in param_specs.release_tensors(cfg, vision=vision, dspark=dspark)}
     out = {}
-    for name, shape in param_specs.model_tensors(cfg, vision=vision).items():
+    for name, shape in param_specs.model_tensors(cfg, vision=vision, dspark=dspark).items():
         if param_specs.is_engram_table(name):  # codes and scale bytes as stored; rows ~ N(0, 1)
             if name.endswith(".weight"):
                 codes, scale = formats.fp8_rows_quantize(rng.standard_normal(shape).astype(np.float32))
@@ -110,12 +114,12 @@ def _init(name: str, shape: tuple[int, ...], cfg: ModelConfig, rng: np.random.Ge
 
 
 # ------------------------------------------------------------------------------------------------- storage
-def storage_kinds(cfg: ModelConfig, quantize: str) -> dict[str, str]:
+def storage_kinds(cfg: ModelConfig, quantize: str, dspark: bool = False) -> dict[str, str]:
     """Official name → how ``write_checkpoint`` stores it under ``quantize`` (see the module docstring)."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, not {quantize!r}")
     out = {}
-    for spec in param_specs.release_tensors(cfg, vision=cfg.has_vision):
+    for spec in param_specs.release_tensors(cfg, vision=cfg.has_vision, dspark=dspark):
         kind = spec.stored
         if kind == "fp4" and quantize != "fp4" or kind == "fp8" and quantize == "none":
             kind = "bf16"
@@ -128,8 +132,10 @@ def storage_kinds(cfg: ModelConfig, quantize: str) -> dict[str, str]:
 
 def encode(cfg: ModelConfig, weights: dict[str, np.ndarray],
            quantize: str) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-    """Yield ``(official name, {checkpoint name: stored array})`` for every text tensor, in inventory order."""
-    for name, kind in storage_kinds(cfg, quantize).items():
+    """Yield ``(official name, {checkpoint name: stored array})`` for every text tensor (and the DSpark stages'
+    when ``weights`` hold them), in inventory order."""
+    dspark = any(k.startswith("mtp.") for k in weights)
+    for name, kind in storage_kinds(cfg, quantize, dspark).items():
         hit = param_specs.expert_name(name)
         src = weights[_model_name(name)]
         w = src[hit[1]] if hit else src
@@ -166,7 +172,7 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, weights: dict[str, n
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    missing = set(param_specs.model_tensors(cfg, vision=cfg.has_vision)) - set(weights)
+    missing = set(param_specs.model_tensors(cfg, vision=cfg.has_vision)) - set(weights)  # stages: optional
     if missing:
         raise ValueError(f"weights lack {sorted(missing)[0]} (and {len(missing) - 1} more)")
     stored_values: dict[str, np.ndarray] = {}
@@ -206,7 +212,7 @@ def _place(out: dict[str, np.ndarray], cfg: ModelConfig, official: str, value: n
         return
     name = param_specs.stacked_expert_name(hit[0], hit[2])
     if name not in out:
-        out[name] = np.empty((cfg.n_routed_experts, *value.shape), dtype=np.float32)
+        out[name] = np.empty((param_specs.n_experts(cfg, hit[0]), *value.shape), dtype=np.float32)
     out[name][hit[1]] = value
 
 
@@ -226,11 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
                         help="none: all bf16; fp8: dense fp8; fp4: dense fp8 + fp4 experts (the release)")
+    parser.add_argument("--dspark", action="store_true",
+                        help="also write the config's DSpark draft stages (mtp.*, MODEL.md §B.13)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
         cfg = load_named(args.config)
+        if args.dspark and not cfg.num_nextn_predict_layers:
+            raise ValueError("--dspark: this config has no DSpark stages (num_nextn_predict_layers is 0)")
         check_random_size(cfg)  # before touching the output directory
         if out.exists() and not out.is_dir():
             raise ValueError(f"{out} exists and is not a directory")
@@ -238,12 +248,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.force:
                 raise ValueError(f"{out} is not empty (pass --force to replace it)")
             shutil.rmtree(out)
-        storage_kinds(cfg, args.quantize)  # refuse a bad config before writing anything
-        write_checkpoint(out, cfg, random_weights(cfg, args.seed), args.quantize)
+        storage_kinds(cfg, args.quantize, args.dspark)  # refuse a bad config before writing anything
+        write_checkpoint(out, cfg, random_weights(cfg, args.seed, dspark=args.dspark), args.quantize)
     except (ConfigError, ValueError, OSError) as e:
         print(f"make_tiny: error: {e}", file=sys.stderr)
         return 2
-    n = sum(math.prod(s) for s in param_specs.model_tensors(cfg, vision=cfg.has_vision).values())
+    n = sum(math.prod(s) for s in param_specs.model_tensors(cfg, vision=cfg.has_vision,
+                                                            dspark=args.dspark).values())
     print(f"wrote {out} ({n:,} parameters, quantize={args.quantize}, seed={args.seed})")
     return 0
 

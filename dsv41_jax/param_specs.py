@@ -18,8 +18,10 @@ engram table is held as stored in both schemes (kind "fp8r": e4m3 rows ``layers.
 with one ue8m0 byte per row and 32 dims ``layers.L.engram.embed.scale [rows, d/32]``): 98 GB a layer in the
 release, never dequantised. ``vision=True`` adds the image path (VISION.md §V.F): ``vision.*``, ``aligner.*``,
 ``image_start`` / ``image_newline`` / ``image_end`` and every backbone ``layers.L.ffn.gate.bias_vl`` (same names in
-both schemes), after the text tensors. DSpark (``mtp.*``) tensors are not part of it yet: `skip_reason` names why
-a checkpoint tensor is left out.
+both schemes), after the text tensors. ``dspark=True`` adds the DSpark draft stages (`MODEL.md` §B.13, §E.2:
+``mtp.s.*`` laid out as a window-only layer with ``dspark_n_routed_experts`` experts, plus ``mtp.0.main_proj`` /
+``main_norm`` and the last stage's ``norm``, ``markov_head.{embed,head}`` and ``confidence_head.proj``); a stage's
+routed experts stack as ``mtp.s.ffn.experts.wN.weight``. `skip_reason` names why a checkpoint tensor is left out.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def stored_form(name: str, shape: tuple[int, ...], kind: str) -> dict[str, Tenso
 
 
 # ------------------------------------------------------------------------------------------------ inventory
-def release_tensors(cfg: ModelConfig, *, vision: bool = False, engram: bool = True) -> list[TensorSpec]:
+def release_tensors(cfg: ModelConfig, *, vision: bool = False, engram: bool = True,
+                    dspark: bool = False) -> list[TensorSpec]:
     """Every text-model tensor in official naming with its **logical** shape and the release's kind.
 
     Kinds: "fp8" / "fp4" for the matrices the release quantises, "fp8r" for engram tables, "bf16" / "f32"
@@ -116,7 +119,37 @@ def release_tensors(cfg: ModelConfig, *, vision: bool = False, engram: bool = Tr
         out.append(TensorSpec("head.weight", (cfg.vocab_size, cfg.hidden_size), "bf16"))
     if vision:
         out += vision_tensors(cfg)
+    if dspark:
+        out += dspark_tensors(cfg)
     return out
+
+
+def dspark_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+    """``mtp.s.*`` for every stage (§B.13, §E.2): a window-only layer's tensors with the stage experts, then
+    ``mtp.0.main_proj`` fp8 [D, n·D] and ``main_norm``, and the last stage's ``norm``, Markov head [V, R] ×2
+    and ``confidence_head.proj`` [1, D + R]."""
+    D, V, R = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+    out: list[TensorSpec] = []
+    last = cfg.num_nextn_predict_layers - 1
+    for s in range(cfg.num_nextn_predict_layers):
+        p = f"mtp.{s}."
+        layer = [TensorSpec(p + t.name.split(".", 2)[2], t.shape, t.stored)
+                 for t in _layer_tensors(cfg, cfg.num_hidden_layers + s, cfg.dspark_n_routed_experts)]
+        out += layer
+        if s == 0:
+            out += [TensorSpec(p + "main_proj.weight", (D, len(cfg.dspark_target_layer_ids) * D), "fp8"),
+                    TensorSpec(p + "main_norm.weight", (D,), "bf16")]
+        if s == last:
+            out += [TensorSpec(p + "norm.weight", (D,), "bf16"),
+                    TensorSpec(p + "markov_head.embed.weight", (V, R), "bf16"),
+                    TensorSpec(p + "markov_head.head.weight", (V, R), "bf16"),
+                    TensorSpec(p + "confidence_head.proj.weight", (1, D + R), "bf16")]
+    return out
+
+
+def n_experts(cfg: ModelConfig, owner) -> int:
+    """Routed experts of ``owner``: a layer index, or a stage prefix ``"mtp.s"`` (`expert_name`'s first item)."""
+    return cfg.dspark_n_routed_experts if isinstance(owner, str) else cfg.n_routed_experts
 
 
 def vision_tensors(cfg: ModelConfig) -> list[TensorSpec]:
@@ -160,7 +193,7 @@ def is_engram_table(name: str) -> bool:
     return re.fullmatch(r"layers\.\d+\.engram\.embed\.(?:weight|scale)", name) is not None
 
 
-def _layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
+def _layer_tensors(cfg: ModelConfig, layer: int, n_routed: int | None = None) -> list[TensorSpec]:
     D, hd, H, G = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.o_groups
     p = f"layers.{layer}."
     specs: list[tuple[str, tuple[int, ...], str]] = []
@@ -193,7 +226,7 @@ def _layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
     if index_source:
         specs += [("attn.indexer.wq_b.weight", (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank), "fp8"),
                   ("attn.indexer.weights_proj.weight", (cfg.index_n_heads, D), "bf16")]
-    E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+    E, F = n_routed or cfg.n_routed_experts, cfg.moe_intermediate_size
     specs += [("ffn.gate.weight", (E, D), "bf16"), ("ffn.gate.bias", (E,), "f32")]
     for e in range(E):
         specs += [(f"ffn.experts.{e}.w1.weight", (F, D), "fp4"),
@@ -208,7 +241,7 @@ def _layer_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
 
 
 def expected_tensors(cfg: ModelConfig, *, quantized: bool, vision: bool = False,
-                     engram: bool = True) -> dict[str, TensorSpec]:
+                     engram: bool = True, dspark: bool = False) -> dict[str, TensorSpec]:
     """Official name → stored spec of every text-model checkpoint tensor.
 
     ``quantized=True``: the release layout (fp8 dense, fp4 routed experts, each with its ``.scale``).
@@ -216,25 +249,33 @@ def expected_tensors(cfg: ModelConfig, *, quantized: bool, vision: bool = False,
     stay fp8 rows). Skipped parts (see `skip_reason`) are not listed.
     """
     out: dict[str, TensorSpec] = {}
-    for spec in release_tensors(cfg, vision=vision, engram=engram):
+    for spec in release_tensors(cfg, vision=vision, engram=engram, dspark=dspark):
         kind = spec.stored if quantized or spec.stored in (*PLAIN_KINDS, TABLE_KIND) else "bf16"
         out.update(stored_form(spec.name, spec.shape, kind))
     return out
 
 
 # ----------------------------------------------------------------------------------------------- model names
-_EXPERT_NAME = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+_EXPERT_NAME = re.compile(r"(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 
 
-def expert_name(name: str) -> tuple[int, int, str] | None:
-    """``layers.L.ffn.experts.e.wN.weight`` → (L, e, "wN"); None for any other name."""
+def expert_name(name: str) -> tuple[int | str, int, str] | None:
+    """``layers.L.ffn.experts.e.wN.weight`` → (L, e, "wN"); a DSpark stage's ``mtp.s.ffn.experts.e.wN.weight`` →
+    ("mtp.s", e, "wN"); None for any other name."""
     m = _EXPERT_NAME.fullmatch(name)
-    return (int(m[1]), int(m[2]), m[3]) if m else None
+    if not m:
+        return None
+    return (int(m[2]) if m[1] == "layers" else f"mtp.{m[2]}"), int(m[3]), m[4]
 
 
-def stacked_expert_name(layer: int, proj: str) -> str:
-    """The model name of the stacked routed-expert tensor ``proj`` ∈ {w1, w2, w3} of ``layer``."""
-    return f"layers.{layer}.ffn.experts.{proj}.weight"
+def _owner(layer: int | str) -> str:
+    return layer if isinstance(layer, str) else f"layers.{layer}"
+
+
+def stacked_expert_name(layer: int | str, proj: str) -> str:
+    """The model name of the stacked routed-expert tensor ``proj`` ∈ {w1, w2, w3} of ``layer`` (or stage
+    ``"mtp.s"``)."""
+    return f"{_owner(layer)}.ffn.experts.{proj}.weight"
 
 
 def model_name(official: str) -> str:
@@ -247,9 +288,9 @@ EXPERT_FORMATS = ("dequantized", "fp4")
 PACKED_PARTS = ("codes", "scales")
 
 
-def packed_expert_name(layer: int, proj: str, part: str) -> str:
+def packed_expert_name(layer: int | str, proj: str, part: str) -> str:
     """The model name of the packed routed-expert ``part`` ∈ {codes, scales} of ``proj`` in ``layer``."""
-    return f"layers.{layer}.ffn.experts.{proj}.{part}"
+    return f"{_owner(layer)}.ffn.experts.{proj}.{part}"
 
 
 def packed_expert_shapes(stacked: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -258,7 +299,7 @@ def packed_expert_shapes(stacked: tuple[int, ...]) -> dict[str, tuple[int, ...]]
 
 
 def model_tensors(cfg: ModelConfig, expert_format: str = "dequantized", *,
-                  vision: bool = False, engram: bool = True) -> dict[str, tuple[int, ...]]:
+                  vision: bool = False, engram: bool = True, dspark: bool = False) -> dict[str, tuple[int, ...]]:
     """Model name → shape; routed experts stacked (w1, w3 ``[E, F, D]``, w2 ``[E, D, F]``), dequantised or,
     with ``expert_format="fp4"``, as packed ``.codes`` / ``.scales`` (see the module docstring); engram tables
     as their codes and ``.scale`` bytes (``engram=False``: no engram tensors). ``vision=True`` appends the image
@@ -266,17 +307,17 @@ def model_tensors(cfg: ModelConfig, expert_format: str = "dequantized", *,
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert format {expert_format!r} must be one of {EXPERT_FORMATS}")
     out: dict[str, tuple[int, ...]] = {}
-    for spec in release_tensors(cfg, vision=vision, engram=engram):
+    for spec in release_tensors(cfg, vision=vision, engram=engram, dspark=dspark):
         hit = expert_name(spec.name)
         if spec.stored == TABLE_KIND:
             out.update({n: t.shape for n, t in stored_form(spec.name, spec.shape, TABLE_KIND).items()})
         elif hit is None:
             out[spec.name] = spec.shape
         elif hit[1] == 0 and expert_format == "fp4":
-            for part, shape in packed_expert_shapes((cfg.n_routed_experts, *spec.shape)).items():
+            for part, shape in packed_expert_shapes((n_experts(cfg, hit[0]), *spec.shape)).items():
                 out[packed_expert_name(hit[0], hit[2], part)] = shape
         elif hit[1] == 0:
-            out[stacked_expert_name(hit[0], hit[2])] = (cfg.n_routed_experts, *spec.shape)
+            out[stacked_expert_name(hit[0], hit[2])] = (n_experts(cfg, hit[0]), *spec.shape)
     if cfg.tie_word_embeddings:
         out["head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     return out
@@ -290,10 +331,10 @@ def model_dtype_kind(name: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ skipped parts
 _SKIPPED = (
-    (re.compile(r"mtp\."), "DSpark draft stages (mtp.*)"),
+    (re.compile(r".*\.gate\.bias_vl$"), "image routing bias (gate.bias_vl)"),
+    (re.compile(r"mtp\."), "DSpark draft stages (mtp.*; generate --speculate loads them)"),
     (re.compile(r"(.*\.)?engram\."), "engram (--skip-engram)"),
     (re.compile(r"(vision\.|aligner\.|image_)"), "vision tower"),
-    (re.compile(r".*\.gate\.bias_vl$"), "image routing bias (gate.bias_vl)"),
 )
 
 

@@ -112,6 +112,13 @@ PARAM_RULES: tuple[Rule, ...] = (
     # world does not divide are zero-padded per rank (sharding/layout.py, as the text model pads its expert
     # width): a zero head's q = k = v = 0 gives o = 0 and wo's zero columns add nothing; a zero MLP column gives
     # silu(0)·0 = 0. The aligner's D columns split evenly (D = the text hidden size). ----
+    Rule(r"mtp\.\d+\.markov_head\.(?:embed|head)\.weight", (VOCAB, None),
+         "DSpark Markov head [V, R] (§B.13): vocabulary rows like embed / head, so the bias is a logits slice "
+         "per rank and the previous token's row is looked up as the embedding is"),
+    Rule(r"mtp\.\d+\.(?:main_proj|confidence_head\.proj)\.weight", (None, None),
+         "DSpark tap projection [D, 3D] and confidence [1, D + R]: once a round over few rows, replicated"),
+    Rule(r"mtp\.\d+\.(?:main_norm|norm)\.weight", (None,),
+         "DSpark tap and output norms: every rank needs the whole normed row"),
     Rule(r"vision\.blocks\.\d+\.attn\.wqkv\.weight", (VISION_QKV, None),
          "column-parallel by heads: each rank computes q, k, v of its heads only; its rows are one contiguous "
          "block because the model reads the fused rows grouped rank by rank (VisionConfig.shard_groups)"),

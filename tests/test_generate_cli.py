@@ -219,3 +219,31 @@ def test_world_2_matches_world_1(mini_config_file, tmp_path, capsys):
     assert runs[1][0] == runs[2][0]
     for name in ("prefill", "decode"):
         np.testing.assert_allclose(runs[2][1][name], runs[1][1][name], atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def dspark_config_file(tmp_path_factory):
+    """The mini model with the tiny config's three DSpark stages (window-only, tapping layers 2, 3, 4)."""
+    cfg = mini_config().replace(compress_ratios=(0, 2, 1, 1, 1, 0, 0, 0), num_nextn_predict_layers=3,
+                                dspark_target_layer_ids=(2, 3, 4))
+    path = tmp_path_factory.mktemp("dspark") / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    return path
+
+
+def test_speculate_dspark_emits_the_greedy_tokens(dspark_config_file, capsys):
+    """--speculate dspark (random weights: drafts nearly always rejected) emits --speculate off's greedy ids, and
+    the closing lines report the rounds and tokens a round; bad --draft-tokens and engram refused in one line."""
+    runs = {}
+    for mode in ("off", "dspark"):
+        rc = main(["--config", str(dspark_config_file), "--prompt-ids", "0,17,33,250", "--max-new-tokens", "9",
+                   "--dtype", "float32", "--json", "--speculate", mode, "--draft-tokens", "3"])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        runs[mode] = json.loads(captured.out)
+    assert runs["off"]["results"][0]["generated_ids"] == runs["dspark"]["results"][0]["generated_ids"]
+    assert runs["dspark"]["timings"]["speculative_rounds"] >= 1
+    assert "dspark:" in captured.err and "tokens a round" in captured.err
+    rc = main(["--config", str(dspark_config_file), "--prompt-ids", "0,17", "--speculate", "dspark",
+               "--draft-tokens", "6"])
+    assert rc == 2 and "--draft-tokens must be in 1..5" in capsys.readouterr().err

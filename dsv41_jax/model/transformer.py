@@ -50,6 +50,7 @@ class ModelOptions:
     engram: bool = True  # run the config's engram layers (False = --skip-engram: no engram parameters either)
     engram_tables: str = "device"  # "host": no table parameters; each call brings its gathered rows (§B.12)
     tiles: KernelTiles | None = None  # the plan's kernel tiles (planner.kernel_tiles); None: the ops' defaults
+    dspark: bool = False  # build the config's DSpark draft stages ``mtp.*`` (§B.13; `model/dspark.py`)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -62,6 +63,18 @@ class ModelOptions:
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+
+class Taps(NamedTuple):
+    """What ``Transformer.forward(..., taps=True)`` hands DSpark and the speculative rollback (§B.13).
+
+    ``context`` [B,T,n·D] (model dtype): τ_t, the mean of the 4 streams entering each ``dspark_target_layer_ids``
+    layer (after its engram), concatenated in that order. ``pending`` {layer: u [B,T,D]}: the normed attention
+    input of every ratio-2 compressor layer, from which a rolled-back cache rebuilds its pending row.
+    """
+
+    context: jnp.ndarray
+    pending: dict
 
 
 class ImageRows(NamedTuple):
@@ -127,17 +140,23 @@ class Block(nnx.Module):
             self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs, tables=options.engram_tables)
 
     def __call__(self, streams, pre_prev, seg: Segment, cache, csa: CsaState, is_image=None,
-                 engram: EngramInput | None = None):
+                 engram: EngramInput | None = None, taps: dict | None = None):
         """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4), the CSA state of the
         layers before, is_image bool [B,T] or None (all text), engram rows (engram layers) -> (streams, pre of
-        the FFN mix, new LayerCache, CSA state with this layer's entries)."""
+        the FFN mix, new LayerCache, CSA state with this layer's entries). ``taps``: a dict this layer adds its
+        taps to ("entering": the stream mean after the engram; "u": the normed attention input)."""
         if hasattr(self, "engram"):
             with jax.named_scope("engram"):  # §B.4: before the attention HC mix
                 streams = self.engram(streams, engram)
+        if taps is not None:  # §B.13 / VISION.md §V.H item 1: the mean of the streams entering the layer
+            taps["entering"] = jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
         with jax.named_scope("attn"):
             pre_a, post_a, comb_a = hc_mix(streams, self.hc_attn_fn[...], self.hc_attn_base[...],
                                            self.hc_attn_scale[...], **self.hc_kwargs)
-            y, cache, csa = self.attn(self.attn_norm(collapse(streams, pre_prev)), seg, cache, csa)
+            u = self.attn_norm(collapse(streams, pre_prev))
+            if taps is not None:
+                taps["u"] = u
+            y, cache, csa = self.attn(u, seg, cache, csa)
             streams = expand(y, streams, post_a, comb_a)
         with jax.named_scope("moe"):
             pre_f, post_f, comb_f = hc_mix(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...],
@@ -164,6 +183,10 @@ class Transformer(nnx.Module):
         self.head = Head(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         if options.vision:
             self._init_vision(cfg, dtype, rngs)
+        if options.dspark and cfg.num_nextn_predict_layers:
+            from .dspark import Stage  # noqa: PLC0415
+
+            self.mtp = nnx.List([Stage(cfg, s, options, rngs=rngs) for s in range(cfg.num_nextn_predict_layers)])
 
     def _init_vision(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> None:
         """``vision.*`` (ViT), ``aligner.*`` and the span delimiters ``image_start/newline/end`` [D] (§V.F)."""
@@ -201,9 +224,10 @@ class Transformer(nnx.Module):
         return logits, cache
 
     def forward(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None,
-                engram: EngramInput | None = None, logit_rows=None):
+                engram: EngramInput | None = None, logit_rows=None, taps: bool = False):
         """``__call__`` plus the per-call selections (for tests and diagnostics): returns
-        (logits [B,T,V] f32, new Cache, {index-source layer: top-k [B,T,K] int32, −1 = none}).
+        (logits [B,T,V] f32, new Cache, {index-source layer: top-k [B,T,K] int32, −1 = none}), and with
+        ``taps=True`` a fourth item, the ``Taps`` of this call (DSpark context and rollback rows, no extra pass).
 
         ``images``: the segment's image rows and roles (None: text only; needs ``ModelOptions.vision``).
         ``engram``: the host-hashed rows of this call (`dsv41_jax.engram.Hasher`), required when the model runs
@@ -227,17 +251,28 @@ class Transformer(nnx.Module):
         pre = jnp.broadcast_to(jax.nn.one_hot(0, s, dtype=jnp.float32), (b, t, s))  # §B.2: pre⁻¹ = stream 0
         csa = CsaState.empty(len(self.layers))
         new_layers = []
+        entering, pending = {}, {}
         for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
+            tap = {} if taps else None
             with jax.named_scope(f"layer_{i}"):  # per-layer op names for traces (profiling/trace.py)
-                streams, pre, layer_cache, csa = block(streams, pre, seg, layer_cache, csa, is_image, engram)
+                streams, pre, layer_cache, csa = block(streams, pre, seg, layer_cache, csa, is_image, engram, tap)
             new_layers.append(layer_cache)
+            if taps:
+                entering[i] = tap["entering"]
+                if layer_cache.pending_kv is not None:
+                    pending[i] = tap["u"]
         hidden = collapse(streams, pre)  # [B,T,D]
         if logit_rows is not None:
             rows = jnp.clip(jnp.asarray(logit_rows, jnp.int32), 0, t - 1)
             hidden = jnp.take_along_axis(hidden, rows[:, None, None], axis=1)[:, 0]  # [B,D]
         logits = self.head(self.norm(hidden))
         selections = {layer: topk for layer, topk in enumerate(csa.topk) if topk is not None}
-        return logits, Cache(offset=offset + lengths, layers=tuple(new_layers)), selections
+        new_cache = Cache(offset=offset + lengths, layers=tuple(new_layers))
+        if not taps:
+            return logits, new_cache, selections
+        ids_ = self.cfg.dspark_target_layer_ids
+        context = jnp.concatenate([entering[i] for i in ids_], axis=-1) if ids_ else None
+        return logits, new_cache, selections, Taps(context, pending)
 
 
 class WeightsError(ValueError):

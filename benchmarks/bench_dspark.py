@@ -1,0 +1,225 @@
+"""DSpark speculative decoding costs (issue 17, "Measured"): the 1-row decode step, the 6-row verify step, the
+draft round and what acceptance lengths would buy, on a cut of the model with random weights drawn on the devices
+(`dsv41_jax.profiling.build`) and a random cache filled to the position.
+
+    python benchmarks/bench_dspark.py                              # H200: flash 2-layer cut, worlds 1,2
+    python benchmarks/bench_dspark.py --worlds 1 --json-out r.json
+    python benchmarks/bench_dspark.py --config tiny --steps 2      # CPU smoke run (tests/test_bench_dspark.py)
+
+Per world it prints (device-bound: each program chained ``--steps`` times, one wait at the end, after a warm-up):
+
+* ``step1 ms``: the engine's one-row decode step (`Engine.step_seconds`: forward + sampling + stop flags);
+* ``step6 ms``: the same program over 6 rows a sequence (what a verify step of 5 drafts costs the target), and
+  ``ratio`` = step6 / step1 (issue target ≤ 1.3);
+* ``round ms``: one whole speculative round, the program ``generate --speculate`` runs (`speculative._round`:
+  the verify forward with taps and every row's logits, acceptance, rollback and the next draft);
+* ``draft ms``: the draft round alone (`speculative._draft`: three stages, head, Markov head), ``stage ms`` one
+  stage's forward, and ``head ms`` the final norm + head over B rows (for the extrapolation);
+* ``draft %``: the draft round as a share of a full-depth target step extrapolated from the per-layer figure:
+  ``full1 = head1 + N · (step1 − head1) / L`` (N = the config's layers, L = the cut's), target ≤ 25 %;
+* ``× at a``: the speed-up of acceptance length a (tokens a round) at full depth, ``a · full1 / (full6 +
+  draft)`` with ``full6 = head1 + N · (step6 − head1) / L`` (+ the 5 extra head rows), for a = 1.5, 2.5, 3.5.
+
+Random weights accept nothing: the end-to-end speed-up needs the released weights; these are the costs this
+engine controls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.config import ConfigError, load_named
+from dsv41_jax.engine import STEP, Engine, Request
+from dsv41_jax.model import ModelOptions
+from dsv41_jax.profiling import build
+from dsv41_jax.profiling.cut import cut_layers
+from dsv41_jax.sampling import SamplingParams, sampling_arrays
+from dsv41_jax.speculative import SpecState, _draft, _round, _unwrap, empty_rings
+
+ACCEPTANCE = (1.5, 2.5, 3.5)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="dsv41_flash", help="tiny, dsv41_flash, or a config.json")
+    p.add_argument("--layers", type=int, default=2, help="cut the target to K layers (keeps its layer roles)")
+    p.add_argument("--worlds", default="1,2", help="comma-separated worlds (default 1,2)")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--position", type=int, default=4096, help="cache position (default 4096)")
+    p.add_argument("--draft-tokens", type=int, default=5, help="K drafts a round (verify rows K + 1)")
+    p.add_argument("--steps", type=int, default=50, help="chained calls per timing (default 50)")
+    p.add_argument("--impl", choices=("auto", "reference", "pallas"), default="auto")
+    p.add_argument("--json-out", metavar="FILE", help="write the rows as JSON")
+    args = p.parse_args(argv)
+    try:
+        args.worlds = [int(w) for w in args.worlds.split(",")]
+    except ValueError:
+        p.error(f"--worlds {args.worlds!r}: comma-separated integers")
+    if min(args.worlds) < 1 or args.batch < 1 or args.steps < 1 or args.layers < 1 or args.position < 0:
+        p.error("--worlds, --batch, --steps and --layers must be positive, --position >= 0")
+    if not 1 <= args.draft_tokens <= 5:
+        p.error("--draft-tokens must be in 1..5")
+    return args
+
+
+def with_stages(full, layers: int):
+    """The ``layers``-layer cut of ``full`` with its DSpark stages back (tapping the cut's last layers)."""
+    cut = cut_layers(full, layers)
+    n = full.num_nextn_predict_layers or 3
+    taps = len(full.dspark_target_layer_ids) or 3
+    last = cut.num_hidden_layers - 1
+    return cut.replace(num_nextn_predict_layers=n, compress_ratios=tuple(cut.compress_ratios) + (0,) * n,
+                       dspark_target_layer_ids=tuple(max(0, last - taps + 1 + i) for i in range(taps)))
+
+
+def _chained(fn, first_args, next_args, steps: int) -> float:
+    """Seconds per call of ``fn``: one warm-up, then ``steps`` calls each on ``next_args(previous output)``."""
+    out = fn(*first_args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = fn(*next_args(out))
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / steps
+
+
+def measure(cfg, full_layers: int, world: int, args) -> dict:
+    impl = args.impl if args.impl != "auto" else ("pallas" if jax.default_backend() == "gpu" else "reference")
+    options = ModelOptions(dtype="bfloat16", attention_impl=impl, moe_impl=impl, indexer_impl=impl, hc_impl=impl,
+                           dspark=True)
+    model, mesh = build.build_model(cfg, world, options)
+    b, k, steps = args.batch, args.draft_tokens, args.steps
+    capacity = args.position + (k + 1) * (3 * steps + 8)
+    engine = Engine(model, cfg, max_context=capacity, eos_ids=(), mesh=mesh)
+    last = np.random.default_rng(0).integers(0, cfg.vocab_size, b).astype(np.int32)
+
+    def cache():
+        return build.build_cache(cfg, mesh, batch=b, position=args.position, rows=capacity - args.position,
+                                 dtype="bfloat16")
+
+    step1 = engine.step_seconds(cache(), last, steps).seconds
+    stop = engine._stop_inputs([Request((0,), 10**8)] * b)
+    ids6 = np.tile(last[:, None], (1, k + 1))
+    lengths6 = np.full(b, k + 1, np.int32)
+    sargs, _ = engine._step_args(None, cache(), ids6, lengths6, np.zeros((b, cfg.vocab_size), np.float32),
+                                 np.ones(b, bool), np.int32(0), stop, None)
+    run6 = engine._programs.get(STEP, {"keep_first_row": False}, sargs, engine._replicated)
+    ids6_d, len6_d = jax.device_put((ids6, lengths6), engine._replicated)
+    step6 = _chained(run6, sargs, lambda o: (engine.state, o.cache, ids6_d, len6_d, o.last_logits, o.keep_going,
+                                             o.next_step, *stop, None, None), steps)
+
+    graphdef, state = engine._programs.graphdef, engine.state
+    sampling = jax.device_put(sampling_arrays([SamplingParams()] * b), engine._replicated)
+    rings = jax.device_put(empty_rings(cfg, b, jnp.bfloat16), engine._replicated)
+    bonus = jax.device_put(last, engine._replicated)
+    offset = jax.device_put(np.full(b, args.position, np.int32), engine._replicated)
+    produced = jax.device_put(np.zeros(b, np.int32), engine._replicated)
+
+    def draft_only(state, rings, bonus, offset, sampling, produced):
+        model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+        with ctx:
+            return _draft(model, rings, bonus, offset, sampling, produced, k, vocab).tokens
+
+    draft_fn = jax.jit(draft_only)
+    dargs = (state, rings, bonus, offset, sampling, produced)
+    draft_s = _chained(draft_fn, dargs, lambda o: (state, rings, o[:, 0], offset, sampling, produced), steps)
+
+    def one_stage(state, x, rings, offset):
+        model, ctx, _ = _unwrap(nnx.merge(graphdef, state))
+        with ctx:
+            pos = offset[:, None] + jnp.arange(cfg.dspark_block_size)[None, :]
+            pre = jnp.full(x.shape[:3], 1.0 / cfg.hc_mult, jnp.float32)
+            return model.mtp[1](x, pre, pos, rings[1], offset)[0]
+
+    x = jax.device_put(jnp.ones((b, cfg.dspark_block_size, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16),
+                       engine._replicated)
+    stage_fn = jax.jit(one_stage)
+    stage_s = _chained(stage_fn, (state, x, rings, offset), lambda o: (state, o, rings, offset), steps)
+
+    def head_only(state, h):
+        model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+        with ctx:
+            logits = model.head(model.norm(h))
+            return h + 1e-3 * (vocab[1](logits) if vocab else logits)[..., :1].astype(h.dtype)
+
+    head_fn = jax.jit(head_only)
+    heads = {}
+    for rows in (1, k + 1):
+        h = jax.device_put(jnp.ones((b, rows, cfg.hidden_size), jnp.bfloat16), engine._replicated)
+        heads[rows] = _chained(head_fn, (state, h), lambda o: (state, o), steps)
+
+    spec = SpecState(cache(), rings, bonus, jnp.tile(bonus[:, None], (1, k)),
+                     jnp.zeros((b, k, cfg.vocab_size), jnp.float32), jnp.ones((b,), bool), produced)
+    spec = jax.device_put(spec, engine._replicated)
+    eos, max_new, _ = stop
+    round_fn = jax.jit(functools.partial(_round, graphdef), static_argnames=("k",), donate_argnums=(1,))
+    round_s = _chained(lambda *a: round_fn(*a, k=k), (state, spec, eos, max_new, sampling, None),
+                       lambda o: (state, o.state, eos, max_new, sampling, None), steps)
+
+    n, layers = full_layers, cfg.num_hidden_layers
+    full1 = heads[1] + n * (step1 - heads[1]) / layers
+    full6 = heads[k + 1] + n * (step6 - heads[1]) / layers
+    row = {"world": world, "batch": b, "position": args.position, "draft_tokens": k, "layers": layers,
+           "full_layers": n, "step1_ms": step1 * 1e3, "step6_ms": step6 * 1e3, "ratio": step6 / step1,
+           "round_ms": round_s * 1e3, "draft_ms": draft_s * 1e3, "stage_ms": stage_s * 1e3,
+           "head1_ms": heads[1] * 1e3, "head6_ms": heads[k + 1] * 1e3, "full1_ms": full1 * 1e3,
+           "full6_ms": full6 * 1e3, "draft_pct_of_full_step": 100 * draft_s / full1,
+           "speedup_full": {str(a): a * full1 / (full6 + draft_s) for a in ACCEPTANCE},
+           "speedup_cut": {str(a): a * step1 / round_s for a in ACCEPTANCE}}
+    return row
+
+
+def fmt(r: dict) -> str:
+    sp = " ".join(f"{v:5.2f}x" for v in r["speedup_full"].values())
+    return (f"{r['world']:>5} {r['step1_ms']:8.3f} {r['step6_ms']:8.3f} {r['ratio']:6.2f} {r['round_ms']:8.3f} "
+            f"{r['draft_ms']:8.3f} {r['stage_ms']:8.3f} {r['head1_ms']:7.3f} {r['full1_ms']:8.2f} "
+            f"{r['draft_pct_of_full_step']:6.1f}% {sp}")
+
+
+HEADER = (f"{'world':>5} {'step1 ms':>8} {'step6 ms':>8} {'ratio':>6} {'round ms':>8} {'draft ms':>8} {'stage ms':>8} "
+          f"{'head ms':>7} {'full1 ms':>8} {'draft %':>7} " + " ".join(f"{'x@' + str(a):>6}" for a in ACCEPTANCE))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        full = load_named(args.config)
+    except ConfigError as e:
+        print(f"bench_dspark: error: {e}", file=sys.stderr)
+        return 2
+    if not full.num_nextn_predict_layers:
+        print(f"bench_dspark: error: config {args.config} has no DSpark stages", file=sys.stderr)
+        return 2
+    cfg = with_stages(full, args.layers)
+    worlds = [w for w in args.worlds if w <= jax.device_count()]
+    if not worlds:
+        print(f"bench_dspark: error: worlds {args.worlds} need more than the {jax.device_count()} devices here",
+              file=sys.stderr)
+        return 2
+    print(f"{args.config}: {cfg.num_hidden_layers}-layer cut + {cfg.num_nextn_predict_layers} DSpark stages, "
+          f"random weights, batch {args.batch}, position {args.position}, {args.draft_tokens} drafts a round; "
+          f"full depth = {full.num_hidden_layers} layers; speed-ups at acceptance {', '.join(map(str, ACCEPTANCE))} "
+          f"tokens a round (random weights accept nothing: the real speed-up needs the released weights)")
+    print(HEADER)
+    rows = []
+    for world in worlds:
+        rows.append(measure(cfg, full.num_hidden_layers, world, args))
+        print(fmt(rows[-1]), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"config": args.config, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""DSpark speculative decoding (issue 17): greedy with speculation emits exactly the engine's greedy tokens, on
+the random drafts (nearly every draft rejected), with the target's own tokens forced in as proposals (accept-all,
+and a pattern of rejections that exercises every rollback length), and with forced wrong proposals (reject-all);
+batches are ragged (prompt lengths and max new tokens differ). The rejection sampler's next-token distribution is
+the target's (chi-square at a stated significance) at temperature 1 and with top-k / top-p.
+
+The model is the 5-layer cut of the tiny config that keeps every layer role (window, full r=2, full r=1 as the
+candidate source, reindex with candidates, reuse) plus the three stages, in float32 with the rounding points off,
+so a 6-row verify step and 1-row decode steps agree to f32 summation order and greedy tokens match exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.scipy.special import gammaincc
+
+from dsv41_jax import make_tiny
+from dsv41_jax.config import load_named
+from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
+from dsv41_jax.model.transformer import ModelOptions, Transformer
+from dsv41_jax.sampling import SamplingParams, filtered_logits, sampling_arrays
+from dsv41_jax.speculative import Speculator, accept
+
+MAX_CONTEXT = 96
+ALPHA = 1e-3  # chi-square significance: a correct sampler fails one run in a thousand
+
+
+def spec_config():
+    return load_named("tiny").replace(
+        num_hidden_layers=5, compress_ratios=(0, 2, 1, 1, 1, 0, 0, 0), kv_source_layer_ids=(1, 2),
+        index_source_layer_ids=(1, 2, 3), candidate_source_layer_id=2, dspark_target_layer_ids=(2, 3, 4))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = spec_config()
+    model = Transformer(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), rngs=nnx.Rngs(0))
+    engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+    rng = np.random.default_rng(1)
+    prompts = [tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n)) for n in (37, 20, 9)]
+    requests = [Request(p, n) for p, n in zip(prompts, (40, 33, 29))]
+    reference = engine.generate(requests)
+    return cfg, engine, Speculator(engine), requests, reference
+
+
+def _oracle(requests, reference, batch_len=MAX_CONTEXT + 16):
+    ref = np.zeros((len(requests), batch_len), np.int32)
+    for i, (r, g) in enumerate(zip(requests, reference.generations)):
+        seq = list(r.prompt_ids) + list(g.token_ids)
+        ref[i, : len(seq)] = seq
+    return ref
+
+
+def _same(out, reference):
+    for got, want in zip(out.generations, reference.generations, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason
+
+
+def test_greedy_random_drafts_match_plain_greedy(setup):
+    _, _, spec, requests, reference = setup
+    out = spec.generate(requests, 5)
+    _same(out, reference)
+    assert out.timings.rounds >= 28  # random drafts: ~1 token a round
+
+
+def test_forced_accept_all_and_partial_rejections(setup):
+    """Proposals are the reference tokens (accept-all: 6 tokens a round), then the same with every position
+    ≡ b (mod 3 + b) left to the (wrong) draft, so rollbacks of every length happen in one batch."""
+    _, _, spec, requests, reference = setup
+    ref = _oracle(requests, reference)
+    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
+    _same(out, reference)
+    assert out.timings.tokens_per_round > 4.0  # the first draft is the stages' and last rounds are cut short
+    use = np.ones(ref.shape, bool)
+    for b in range(len(requests)):
+        use[b, (np.arange(ref.shape[1]) % (3 + b)) == b] = False
+    out = spec.generate(requests, 5, oracle=(ref, use))
+    _same(out, reference)
+    assert 1.5 < out.timings.tokens_per_round < 5.0
+
+
+def test_forced_reject_all_and_fewer_draft_tokens(setup):
+    cfg, _, spec, requests, reference = setup
+    ref = (_oracle(requests, reference) + 1) % cfg.vocab_size  # every proposal wrong
+    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
+    _same(out, reference)
+    assert out.timings.tokens_per_round == 1.0
+    out = spec.generate(requests, 2, oracle=(_oracle(requests, reference), np.ones(ref.shape, bool)))
+    _same(out, reference)
+    assert out.timings.tokens_per_round > 2.5
+
+
+def test_refuses_bad_draft_tokens(setup):
+    _, _, spec, requests, _ = setup
+    with pytest.raises(EngineInputError, match="draft-tokens"):
+        spec.generate(requests, 6)
+
+
+@pytest.mark.devices(2)
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.devices(4))])
+def test_sharded_greedy_matches_plain_greedy(setup, world):
+    """The stages shard like the target's layers (Markov head on the vocabulary axis): at worlds 2 and 4
+    speculation (random drafts, then forced accept-all) emits the sharded engine's own greedy tokens."""
+    import sharding
+
+    cfg, _, _, requests, _ = setup
+    requests = requests[1:]
+    weights = make_tiny.random_weights(cfg, 0, dspark=True)
+    options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True)
+    model, mesh = sharding.prepare(cfg, weights, world, options)
+    engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(), mesh=mesh,
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+    reference = engine.generate(requests)
+    spec = Speculator(engine)
+    _same(spec.generate(requests, 5), reference)
+    ref = _oracle(requests, reference)
+    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
+    _same(out, reference)
+    assert out.timings.tokens_per_round > 4.0
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+def _accept_distribution(params: SamplingParams, n: int, vocab: int = 6, k: int = 3, seed: int = 0):
+    """Empirical distribution of the first token a round emits, over ``n`` seeds, for fixed target / draft
+    logits; the drafts are drawn from the (filtered) draft distribution as the stages draw them. Returns
+    (counts [V], the target's filtered probabilities of row 0 [V])."""
+    rng = np.random.default_rng(seed)
+    target = jnp.asarray(rng.normal(0, 1.5, (1, k + 1, vocab)), jnp.float32)
+    draft = jnp.asarray(rng.normal(0, 1.5, (1, k, vocab)), jnp.float32)
+    sampling = sampling_arrays([SamplingParams(params.temperature, params.top_k, params.top_p, s) for s in range(n)])
+    sampling = jax.tree.map(jnp.asarray, sampling)
+    target_b, draft_b = jnp.broadcast_to(target, (n, k + 1, vocab)), jnp.broadcast_to(draft, (n, k, vocab))
+
+    @jax.jit
+    def run(sampling):
+        produced = jnp.ones((n,), jnp.int32)
+        keys = jax.vmap(lambda kd: jax.random.wrap_key_data(kd, impl="threefry2x32"))(sampling.keys)
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 99))(keys)
+        q = filtered_logits(draft_b.reshape(-1, vocab), *(jnp.repeat(x, k) for x in
+                                                           (sampling.temperature, sampling.top_k, sampling.top_p)))
+        drafts = jax.vmap(lambda key, row: jax.random.categorical(key, row.reshape(k, vocab), axis=-1))(
+            keys, q.reshape(n, k, vocab)).astype(jnp.int32)
+        n_acc, fix = accept(target_b, drafts, draft_b, sampling, produced)
+        return jnp.where(n_acc > 0, drafts[:, 0], fix), jnp.mean(n_acc)
+
+    first, mean_acc = run(sampling)
+    p = jax.nn.softmax(filtered_logits(target[:, 0], jnp.full((1,), params.temperature),
+                                       jnp.full((1,), params.top_k, jnp.int32), jnp.full((1,), params.top_p)))[0]
+    return np.bincount(np.asarray(first), minlength=vocab), np.asarray(p, np.float64), float(mean_acc)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=4, top_p=0.9)],
+                         ids=["t1", "topk-topp"])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    counts, p, mean_acc = _accept_distribution(params, 20000)
+    kept = p > 0
+    assert counts[~kept].sum() == 0  # filtered-out tokens never come out
+    expected = p[kept] * counts.sum()
+    chi2 = float(np.sum((counts[kept] - expected) ** 2 / expected))
+    pvalue = float(gammaincc((kept.sum() - 1) / 2, chi2 / 2))  # the chi-square survival function
+    assert pvalue > ALPHA, (counts, expected)
+    assert 0.2 < mean_acc  # the drafts are accepted sometimes: both branches of the sampler ran
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_the_target_end_to_end(setup):
+    """The whole path (stage drafts drawn after the filters, Markov-corrected, rejection-sampled against the
+    6-row verify step): over N seeds of one prompt, the joint distribution of the first two tokens (the prompt's
+    draw, then the first round's) is the target's, p(t0) · p(t1 | t0), at temperature 1 with top-k 4 (chi-square
+    at ALPHA over the cells expecting ≥ 5, the rest pooled)."""
+    cfg, engine, spec, requests, _ = setup
+    n, params = 1500, dict(temperature=1.0, top_k=4)
+    prompt = requests[2].prompt_ids
+    reqs = [Request(prompt, 2, SamplingParams(**params, seed=s)) for s in range(n)]
+    out = spec.generate(reqs, 5)
+    pairs = np.array([g.token_ids[:2] for g in out.generations])
+    graphdef, state = nnx.split(engine_model(engine))
+
+    @jax.jit
+    def probs(ids):
+        model = nnx.merge(graphdef, state)
+        from dsv41_jax.model.cache import init_cache
+
+        logits = model(ids, init_cache(cfg, ids.shape[0], MAX_CONTEXT, "float32"))[0][:, -1]
+        m = ids.shape[0]
+        f = filtered_logits(logits, jnp.full((m,), 1.0), jnp.full((m,), 4, jnp.int32), jnp.full((m,), 1.0))
+        return jax.nn.softmax(f, axis=-1)
+
+    p0 = np.asarray(probs(jnp.asarray([prompt], jnp.int32)))[0]
+    firsts = np.flatnonzero(p0 > 0)
+    p1 = np.asarray(probs(jnp.asarray([list(prompt) + [int(t)] for t in firsts], jnp.int32)))
+    expected, observed = [], []
+    for i, t0 in enumerate(firsts):
+        for t1 in np.flatnonzero(p1[i] > 0):
+            expected.append(n * p0[t0] * p1[i, t1])
+            observed.append(int(np.sum((pairs[:, 0] == t0) & (pairs[:, 1] == t1))))
+    assert sum(observed) == n  # no pair outside the filtered support
+    expected, observed = np.array(expected), np.array(observed, float)
+    big = expected >= 5
+    e = np.append(expected[big], expected[~big].sum())
+    o = np.append(observed[big], observed[~big].sum())
+    e, o = (e, o) if e[-1] > 0 else (e[:-1], o[:-1])
+    chi2 = float(np.sum((o - e) ** 2 / e))
+    assert float(gammaincc((len(e) - 1) / 2, chi2 / 2)) > ALPHA, (o, e)
+
+
+def engine_model(engine):
+    """The model an engine runs (merged back from its state)."""
+    return nnx.merge(engine._programs.graphdef, engine.state)
+
+
+def test_end_id_inside_a_round_stops_like_the_engine(setup):
+    """An end id accepted mid-round ends the sequence there (the round's later tokens dropped), as the engine's
+    step does; forced accept-all puts it mid-round."""
+    cfg, engine, _, requests, reference = setup
+    eos = reference.generations[0].token_ids[12]
+    stopping = Engine(engine_model(engine), cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(eos,),
+                      segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+    want = stopping.generate(requests)
+    assert want.generations[0].finish_reason == "eos" and len(want.generations[0].token_ids) <= 13
+    ref = _oracle(requests, reference)
+    out = Speculator(stopping).generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
+    _same(out, want)
