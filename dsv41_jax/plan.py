@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pf4k", action="store_true", help="4K mode (4,096-row segments; implies the acknowledgement)")
     p.add_argument("--replay", action="store_true",
                    help="CED bounded replay (plans the encoder segment) [planned only: no engine path replays]")
+    p.add_argument("--speculate", action="store_true",
+                   help="weights include the DSpark stages (mtp.*, resident while generate --speculate runs)")
     p.add_argument("--images", action="store_true",
                    help="plan image prompts: image roles (image_rows = -1) and, with a vision tower, its buckets, "
                         "weights and workspace (counted by R10)")
@@ -132,7 +134,7 @@ def _options(args: argparse.Namespace, cfg, budget: MemoryBudget | None = None) 
     options = PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
                           experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
                           index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer,
-                          vision_images=args.vision_images)
+                          vision_images=args.vision_images, dspark=args.speculate)
     tables = args.engram_tables
     if tables == "auto":
         tables = engram_placement(cfg, args.world, options, budget or MemoryBudget())
@@ -204,7 +206,8 @@ def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, vi
                                                 f"{ip.launches} launches × {ip.splits} splits, {b(ip.scratch_bytes)}"))
     rows += [(f"workspace {role}", b(n)) for role, n in plan.workspace]
     rows += [("workspace total", b(plan.workspace_total)), ("cache", b(plan.cache_bytes)),
-             (f"weights ({options.experts} experts, {options.dense} dense)", b(plan.weight_bytes)), ("total", b(plan.total_bytes))]
+             (f"weights ({options.experts} experts, {options.dense} dense"
+              f"{', DSpark stages' if options.dspark else ''})", b(plan.weight_bytes)), ("total", b(plan.total_bytes))]
     if vision is not None:
         rows += [("vision patch buckets", ", ".join(f"{n:,}" for n in vision.patch_buckets)),
                  ("vision token buckets", ", ".join(f"{n:,}" for n in vision.token_buckets)),

@@ -29,6 +29,23 @@ def test_json_fields_world4_rank2(capsys):
     assert out["admission"]["expert_columns_padded"] == [1280, 1792]
 
 
+def test_speculate_counts_the_dspark_stages(capsys):
+    """``--speculate``: the weights include the three DSpark stages (§B.13), split like backbone layers; their bytes
+    are those of the stages' tensors in the inventory (``param_specs.model_tensors(dspark=True)``)."""
+    from dsv41_jax.config import load_named
+    from dsv41_jax.param_specs import model_tensors
+    from dsv41_jax.planner import param_bytes_per_rank
+
+    args = ("--config", "dsv41_flash", "--world", "4", "--rows", "2048", "--position", "0")
+    plain, spec = _json(capsys, *args), _json(capsys, *args, "--speculate")
+    cfg = load_named("dsv41_flash")
+    stages = param_bytes_per_rank(cfg, 4, 0, experts="fp4", dense="fp8", dspark=True) - plain["weight_bytes"]
+    assert spec["weight_bytes"] - plain["weight_bytes"] == stages
+    # 3 stages of 128 experts (fp4) + attention: a few GB at world 4, a sliver of the 77 GiB a rank holds
+    assert 1 << 30 < stages < 4 << 30
+    assert any(n.startswith("mtp.2.") for n in model_tensors(cfg, dspark=True))
+
+
 def test_json_tiny_world8_replay_4k(capsys):
     out = _json(capsys, "--config", "tiny", "--world", "8", "--rows", "1024", "--position", "0", "--replay",
                 "--pf4k", "--images")

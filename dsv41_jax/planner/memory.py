@@ -111,8 +111,10 @@ def tensor_bytes_per_param(name: str, experts: str, dense: str) -> float:
 
 def param_bytes_per_rank(cfg: ModelConfig, world: int, rank: int, *, experts: str = "bf16",
                          dense: str = "bf16", padded: bool = True, block: int = 128, uneven: bool = True,
-                         split: str = "all") -> int:
-    """Per-rank weight bytes of the text model (`param_specs.model_tensors`) under MODEL.md §F.1.
+                         split: str = "all", dspark: bool = False) -> int:
+    """Per-rank weight bytes of the text model (`param_specs.model_tensors`) under MODEL.md §F.1; with
+    ``dspark`` also the DSpark stages' (``mtp.*``, §B.13: split like a backbone layer, resident while
+    speculating).
 
     ``experts`` ∈ f32 | bf16 | fp8 | fp4; ``dense`` ∈ f32 | bf16 | fp8 (fp8 applies to the release's fp8
     matrices; embed, head, norms stay 16-bit). ``padded=True`` counts the padding of uneven expert and vocab
@@ -123,22 +125,22 @@ def param_bytes_per_rank(cfg: ModelConfig, world: int, rank: int, *, experts: st
                                  ("dense", dense, ("f32", "bf16", "fp8"))):
         if value not in allowed:
             raise PlanRefused("admission", f"{what} format {value!r} is unknown: use one of {', '.join(allowed)}.")
-    return _param_bytes(cfg, world, rank, experts, dense, padded, block, uneven, split)
+    return _param_bytes(cfg, world, rank, experts, dense, padded, block, uneven, split, dspark)
 
 
 @functools.lru_cache(maxsize=8)
-def _model_tensors(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _model_tensors(cfg: ModelConfig, dspark: bool = False) -> tuple[tuple[str, tuple[int, ...]], ...]:
     from dsv41_jax.param_specs import model_tensors  # stdlib-only module; imported late to keep this one light
 
-    return tuple(model_tensors(cfg, engram=False).items())  # engram: `engram_bytes_per_rank`
+    return tuple(model_tensors(cfg, engram=False, dspark=dspark).items())  # engram: `engram_bytes_per_rank`
 
 
 @functools.lru_cache(maxsize=256)
 def _param_bytes(cfg: ModelConfig, world: int, rank: int, experts: str, dense: str, padded: bool, block: int,
-                 uneven: bool, split: str) -> int:
+                 uneven: bool, split: str, dspark: bool = False) -> int:
     adm = admit(cfg, world, block=block, uneven=uneven)
     total = 0.0
-    for name, shape in _model_tensors(cfg):
+    for name, shape in _model_tensors(cfg, dspark):
         is_expert = ".ffn.experts." in name
         if (split == "experts" and not is_expert) or (split == "dense" and is_expert):
             continue
@@ -204,7 +206,8 @@ def engram_placement(cfg: ModelConfig, world: int, options: PlanOptions = PlanOp
 
 def _weight_bytes(cfg: ModelConfig, world: int, rank: int, options: PlanOptions) -> int:
     return param_bytes_per_rank(cfg, world, rank, experts=options.experts, dense=options.dense,
-                                padded=options.padded, block=options.block, uneven=options.uneven)
+                                padded=options.padded, block=options.block, uneven=options.uneven,
+                                dspark=options.dspark)
 
 
 # ------------------------------------------------------------------------------------------ buffer plan

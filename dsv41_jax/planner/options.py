@@ -65,6 +65,7 @@ class PlanOptions:
     index_keys: str = "fp8"  # fp8 (132 B) | fp4 (68 B)
     padded: bool = True  # size expert/vocab shards at the padded (widest) width, as JAX allocates them
     engram_tables: str = "host"  # engram tables: "host" (memory-mapped, §F: the default) | "device"
+    dspark: bool = False  # the DSpark stages' weights resident (generate --speculate; MODEL.md §B.13)
     vision_images: int = 1  # with ``images``: images one tower call encodes, each planned at the largest bucket
 
 
