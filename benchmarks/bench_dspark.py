@@ -16,7 +16,9 @@ Per world it prints (device-bound: each program chained ``--steps`` times, one w
 * ``draft ms``: the draft round alone (`speculative._draft`: three stages, head, Markov head), ``stage ms`` one
   stage's forward, and ``head ms`` the final norm + head over B rows (for the extrapolation);
 * ``draft %``: the draft round as a share of a full-depth target step extrapolated from the per-layer figure:
-  ``full1 = head1 + N · (step1 − head1) / L`` (N = the config's layers, L = the cut's), target ≤ 25 %;
+  ``full1 = head1 + N · (step1 − head1) / L`` (N = the config's layers, L = the cut's), target ≤ 25 %; and
+  ``rest %``: the round less its verify step (draft + acceptance + rollback inside the round's program, an upper
+  bound of the draft as `generate` runs it) as the same share;
 * ``× at a``: the speed-up of acceptance length a (tokens a round) at full depth, ``a · full1 / (full6 +
   draft)`` with ``full6 = head1 + N · (step6 − head1) / L`` (+ the 5 extra head rows), for a = 1.5, 2.5, 3.5.
 
@@ -174,6 +176,10 @@ def measure(cfg, full_layers: int, world: int, args) -> dict:
            "round_ms": round_s * 1e3, "draft_ms": draft_s * 1e3, "stage_ms": stage_s * 1e3,
            "head1_ms": heads[1] * 1e3, "head6_ms": heads[k + 1] * 1e3, "full1_ms": full1 * 1e3,
            "full6_ms": full6 * 1e3, "draft_pct_of_full_step": 100 * draft_s / full1,
+           # the round less its verify step: what the round's draft, acceptance and rollback cost together (an
+           # upper bound of the draft as generate runs it, inside the round's one program)
+           "round_less_verify_ms": (round_s - step6) * 1e3,
+           "round_less_verify_pct_of_full_step": 100 * (round_s - step6) / full1,
            "speedup_full": {str(a): a * full1 / (full6 + draft_s) for a in ACCEPTANCE},
            "speedup_cut": {str(a): a * step1 / round_s for a in ACCEPTANCE}}
     return row
@@ -183,11 +189,12 @@ def fmt(r: dict) -> str:
     sp = " ".join(f"{v:5.2f}x" for v in r["speedup_full"].values())
     return (f"{r['world']:>5} {r['step1_ms']:8.3f} {r['step6_ms']:8.3f} {r['ratio']:6.2f} {r['round_ms']:8.3f} "
             f"{r['draft_ms']:8.3f} {r['stage_ms']:8.3f} {r['head1_ms']:7.3f} {r['full1_ms']:8.2f} "
-            f"{r['draft_pct_of_full_step']:6.1f}% {sp}")
+            f"{r['draft_pct_of_full_step']:6.1f}% {r['round_less_verify_pct_of_full_step']:6.1f}% {sp}")
 
 
 HEADER = (f"{'world':>5} {'step1 ms':>8} {'step6 ms':>8} {'ratio':>6} {'round ms':>8} {'draft ms':>8} {'stage ms':>8} "
-          f"{'head ms':>7} {'full1 ms':>8} {'draft %':>7} " + " ".join(f"{'x@' + str(a):>6}" for a in ACCEPTANCE))
+          f"{'head ms':>7} {'full1 ms':>8} {'draft %':>7} {'rest %':>7} "
+          + " ".join(f"{'x@' + str(a):>6}" for a in ACCEPTANCE))
 
 
 def main(argv: list[str] | None = None) -> int:
