@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculate", choices=("auto", "off", "dspark"), default="auto",
                      help="DSpark speculative decoding (MODEL.md §B.13): draft with the checkpoint's mtp.* stages, "
                           "verify K+1 rows in one step. auto (default): on when --checkpoint has the stages and the "
-                          "run allows it (no engram layers running, no images, no --logits-out, no --decode-chunk); dspark: "
+                          "run allows it (no images, no --logits-out, no --decode-chunk); dspark: "
                           "on (the random tiny model too), refusing what it cannot run; off: never")
     gen.add_argument("--draft-tokens", type=int, default=5, metavar="K",
                      help="draft tokens a round with --speculate, 1..5 (default 5, what the stages are trained for)")
@@ -510,7 +510,7 @@ def open_checkpoint_inputs(args) -> ModelInputs:
     setup = engram_setup(ckpt.cfg, args, checkpoint_dir=path, expert_format=fmt)
     has_stages = ckpt.cfg.num_nextn_predict_layers > 0 and any(
         line.startswith("skipped") and "DSpark" in line for line in ckpt.skipped)
-    dspark = wants_speculation(args, ckpt.cfg, has_stages, setup.hasher is not None)
+    dspark = wants_speculation(args, ckpt.cfg, has_stages)
     if dspark:  # the mtp.* tensors join the inventory (all of them, or auto falls back to plain decoding)
         from .checkpoint import CheckpointError  # noqa: PLC0415
 
@@ -565,8 +565,7 @@ def load_model_inputs(args) -> ModelInputs:
     except ValueError as e:
         raise UsageError(str(e)) from None
     setup = engram_setup(cfg, args)
-    dspark = wants_speculation(args, cfg, cfg.num_nextn_predict_layers > 0, setup.hasher is not None,
-                               random=True)
+    dspark = wants_speculation(args, cfg, cfg.num_nextn_predict_layers > 0, random=True)
     weights = random_weights(cfg, seed=0, dspark=dspark)
     if args.skip_engram:
         weights = {k: v for k, v in weights.items() if ".engram." not in k}
@@ -580,7 +579,7 @@ def load_model_inputs(args) -> ModelInputs:
                        host_tables=host_tables, dspark=dspark)
 
 
-def wants_speculation(args, cfg, has_stages: bool, engram: bool, random: bool = False) -> bool:
+def wants_speculation(args, cfg, has_stages: bool, random: bool = False) -> bool:
     """Whether this run decodes with DSpark (--speculate): auto = on for a checkpoint with the stages when
     nothing in the run needs what speculation does not support; dspark = on or a UsageError naming why not."""
     if args.speculate == "off" or (args.speculate == "auto" and random):
@@ -588,8 +587,6 @@ def wants_speculation(args, cfg, has_stages: bool, engram: bool, random: bool = 
     blockers = []
     if not has_stages:
         blockers.append("the model has no DSpark stages (mtp.*)")
-    if engram:
-        blockers.append("engram layers run (their history rollback is not built; --skip-engram)")
     if _wants_images(args):
         blockers.append("image prompts are not supported with speculation")
     if args.logits_out:

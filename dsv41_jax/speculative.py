@@ -22,8 +22,14 @@ A round (`_round`):
    rings take the committed rows' context rows only.
 4. **Draft** the next round from the new bonus token (``model.dspark.draft``).
 
-Per-sequence acceptance, ragged advance: every sequence has its own offset and count. Engram and image prompts
-are refused (their history rollback is not built).
+Per-sequence acceptance, ragged advance: every sequence has its own offset and count. Image prompts are refused.
+
+Engram layers (`MODEL.md` §B.12): their rows are hashed on the host from token ids, so the prompt segments take
+their rows as the engine's prefill does (history carried across segments), and each round takes the rows of its
+verify ids ``[b, d_0 … d_{K−1}]``, which the host knows only after reading the previous round (its bonus and
+drafts): one round in flight at a time. The rollback of the hash history is on the host: it keeps the history
+of committed tokens only, advancing each sequence by its own ``count`` (b, d_0 … d_{n−1}), not by the rejected
+drafts.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from .model.dspark import Draft, context_rows, draft
 from .sampling import SamplingArrays, filtered_logits, sample
 
 MAX_DRAFT = 5  # the stages are trained for a block of 5 (dspark_block_size)
-ROUNDS_AHEAD = 2  # rounds dispatched before the host reads the oldest
+ROUNDS_AHEAD = 2  # rounds dispatched before the host reads the oldest (1 with engram layers: module docstring)
 _DRAFT_TAG, _ACCEPT_TAG, _FIX_TAG = 1 << 20, 2 << 20, 3 << 20  # key-stream offsets (fold_in after the count)
 
 
@@ -207,18 +213,20 @@ def _draft(model, rings, bonus, offset, sampling, produced, k: int, vocab=None) 
 
 
 # ---------------------------------------------------------------------------------------------- programs
-def _prefill(graphdef, state, spec_cache, ids, lengths, last_logits):
-    """One prompt segment with taps: (cache, rings) updated, last_logits [B,V] of each sequence's last row."""
+def _prefill(graphdef, state, spec_cache, ids, lengths, last_logits, engram):
+    """One prompt segment with taps: (cache, rings) updated, last_logits [B,V] of each sequence's last row.
+    ``engram``: the segment's rows (EngramInput) when the model runs engram layers, else None."""
     model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
     with ctx:
-        return _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits)
+        return _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram)
 
 
-def _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits):
+def _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram):
     cache, rings = spec_cache
     last_row = jnp.clip(lengths - 1, 0, ids.shape[1] - 1)
     pad_ids, real = vocab or ((lambda x: x), (lambda x: x))
-    logits, new, _, taps = model.forward(pad_ids(ids), cache, lengths, logit_rows=last_row, taps=True)
+    logits, new, _, taps = model.forward(pad_ids(ids), cache, lengths, engram=engram, logit_rows=last_row,
+                                         taps=True)
     logits = real(logits)
     positions = cache.offset[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     ctx = context_rows(model.mtp, taps.context, positions)
@@ -241,23 +249,23 @@ def _start(graphdef, state, cache, rings, last_logits, eos_ids, max_new, samplin
     return SpecState(cache, rings, token, d.tokens, d.logits, running, produced), token
 
 
-def _round(graphdef, state, spec: SpecState, eos_ids, max_new, sampling: SamplingArrays, oracle, k: int
+def _round(graphdef, state, spec: SpecState, eos_ids, max_new, sampling: SamplingArrays, oracle, engram, k: int
            ) -> RoundOut:
     """One speculative round (module docstring) as one program. ``oracle`` (tests): None, or (tokens [B,L],
     use [B,L] bool): the proposal for position p is ``tokens[b, p]`` where ``use[b, p]`` (forced accept/reject
-    paths)."""
+    paths). ``engram``: the verify rows' EngramInput ([B,K+1], hashed on the host) or None (no engram layers)."""
     model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
     with ctx:
-        return _round_in(model, vocab, spec, eos_ids, max_new, sampling, oracle, k)
+        return _round_in(model, vocab, spec, eos_ids, max_new, sampling, oracle, engram, k)
 
 
-def _round_in(model, vocab, spec: SpecState, eos_ids, max_new, sampling: SamplingArrays, oracle, k: int
+def _round_in(model, vocab, spec: SpecState, eos_ids, max_new, sampling: SamplingArrays, oracle, engram, k: int
               ) -> RoundOut:
     cache, running = spec.cache, spec.running
     ids = jnp.concatenate([spec.bonus[:, None], spec.drafts], axis=1)  # [B,K+1] at P … P+K
     lengths = (k + 1) * running.astype(jnp.int32)
     pad_ids, real = vocab or ((lambda x: x), (lambda x: x))
-    logits, new_cache, _, taps = model.forward(pad_ids(ids), cache, lengths, taps=True)
+    logits, new_cache, _, taps = model.forward(pad_ids(ids), cache, lengths, engram=engram, taps=True)
     logits = real(logits).astype(jnp.float32)
     n, fix = accept(logits, spec.drafts, spec.draft_logits, sampling, spec.produced)
     j = jnp.arange(k + 1)[None, :]
@@ -309,9 +317,6 @@ def check_speculative(engine: Engine, requests: Sequence[Request], k: int) -> No
     cfg = engine.cfg
     if not 1 <= k <= min(MAX_DRAFT, cfg.dspark_block_size):
         raise EngineInputError(f"--draft-tokens must be in 1..{min(MAX_DRAFT, cfg.dspark_block_size)}, got {k}")
-    if engine.hasher is not None:
-        raise EngineInputError("speculative decoding with engram layers is not built (the engram history "
-                               "would need a rollback); use --speculate off or --skip-engram")
     if any(r.images is not None for r in requests):
         raise EngineInputError("speculative decoding with image prompts is not built; use --speculate off")
     if cfg.sliding_window < k + 1:
@@ -346,6 +351,21 @@ class Speculator:
             return cache, empty_rings(self.cfg, batch, cache.layers[0].window.dtype)
         return jax.jit(make, out_shardings=eng._replicated)()
 
+    def _verify_rows(self, state: SpecState, running: np.ndarray, history, k: int):
+        """(verify ids [B,K+1] ``[b, d_0 … d_{K−1}]`` read from ``state`` (before it is donated), their engram rows
+        hashed after the committed ``history`` [B,H]) for the next round; (None, None) without engram layers."""
+        if self.engine.hasher is None:
+            return None, None
+        ids = np.concatenate([np.asarray(state.bonus)[:, None], np.asarray(state.drafts)], axis=1).astype(np.int32)
+        engram, _ = self.engine._engram_rows(ids, (k + 1) * running.astype(np.int32), history)
+        return ids, engram
+
+    def _committed(self, history, ids: np.ndarray, count: np.ndarray):
+        """The engram history [B,H] after each sequence's ``count[b]`` committed verify rows of ``ids`` [B,K+1]
+        (the rejected drafts never enter it: the rollback of the hash history)."""
+        hasher = self.engine.hasher
+        return hasher.advance(np.concatenate([history, hasher.compress(ids)], axis=1), count)
+
     def generate(self, requests: Sequence[Request], k: int = MAX_DRAFT, *, on_tokens=None,
                  oracle=None) -> GenerateResult:
         eng = self.engine
@@ -364,13 +384,14 @@ class Speculator:
         for b, r in enumerate(requests):
             padded[b, : lengths[b]] = r.prompt_ids
         logits = jnp.zeros((batch, eng.vocab_size), jnp.float32)
-        start, spec_cache = 0, (cache, rings)
+        start, spec_cache, history = 0, (cache, rings), eng._empty_history(batch)
         for size in sizes:
             t = bucket_rows(size, max(sizes))
             ids = np.zeros((batch, t), np.int32)
             ids[:, :size] = padded[:, start:start + size]
             seg = np.clip(lengths - start, 0, size).astype(np.int32)
-            args = (eng.state, spec_cache, ids, seg, logits)
+            engram, history = eng._engram_rows(ids, seg, history)  # carried across segments, as the engine's
+            args = (eng.state, spec_cache, ids, seg, logits, engram)
             spec_cache, logits = self._program(PREFILL, {}, args)(*args)
             start += size
         args = (eng.state, *spec_cache, logits, eos, max_new, sampling)
@@ -381,20 +402,26 @@ class Speculator:
         if on_tokens:
             on_tokens(0, first_np, np.ones(batch, bool))
         oracle_dev = None if oracle is None else tuple(jnp.asarray(x) for x in oracle)
-        step_fn = self._program(ROUND, {"k": k}, (eng.state, state, eos, max_new, sampling, oracle_dev))
+        running = np.asarray(state.running)
+        verify_ids, engram = self._verify_rows(state, running, history, k)
+        step_fn = self._program(ROUND, {"k": k}, (eng.state, state, eos, max_new, sampling, oracle_dev, engram))
         timings.compile_s = eng._programs.compile_s - compile_before
         timings.programs_compiled = eng.compile_count - count_before
         t0 = time.perf_counter()
-        running = np.asarray(state.running)
+        ahead = ROUNDS_AHEAD if eng.hasher is None else 1  # engram: the next verify rows need this round's drafts
         pending: collections.deque = collections.deque()
         while running.any():
             # Rounds chain on the device; the host reads round r while round r+1 runs (a round queued past the
             # last stop commits nothing: every sequence has stopped, its rows have length 0).
-            while len(pending) < ROUNDS_AHEAD:
-                out = step_fn(eng.state, state, eos, max_new, sampling, oracle_dev)
-                state = out.state
+            while len(pending) < ahead:
+                if engram is None and eng.hasher is not None:
+                    verify_ids, engram = self._verify_rows(state, running, history, k)
+                out = step_fn(eng.state, state, eos, max_new, sampling, oracle_dev, engram)
+                state, engram = out.state, None
                 pending.append((out.tokens, out.count, out.going))
             tokens, count, going = (np.asarray(x) for x in pending.popleft())
+            if eng.hasher is not None:
+                history = self._committed(history, verify_ids, count)
             timings.rounds += 1
             timings.seq_rounds += int(running.sum())
             timings.accepted += int(np.sum(np.where(running, count - 1, 0)))

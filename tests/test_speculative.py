@@ -7,6 +7,8 @@ the target's (chi-square at a stated significance) at temperature 1 and with top
 The model is the 5-layer cut of the tiny config that keeps every layer role (window, full r=2, full r=1 as the
 candidate source, reindex with candidates, reuse) plus the three stages, in float32 with the rounding points off,
 so a 6-row verify step and 1-row decode steps agree to f32 summation order and greedy tokens match exactly.
+The same cut of the engram config (an engram layer at 1) checks the engram path: the verify rows hashed on the
+host after the committed history only (prompts that repeat n-grams, so the hashed rows matter).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ MAX_CONTEXT = 96
 ALPHA = 1e-3  # chi-square significance: a correct sampler fails one run in a thousand
 
 
-def spec_config():
-    return load_named("tiny").replace(
+def spec_config(name: str = "tiny"):
+    return load_named(name).replace(
         num_hidden_layers=5, compress_ratios=(0, 2, 1, 1, 1, 0, 0, 0), kv_source_layer_ids=(1, 2),
         index_source_layer_ids=(1, 2, 3), candidate_source_layer_id=2, dspark_target_layer_ids=(2, 3, 4))
 
@@ -228,3 +230,47 @@ def test_end_id_inside_a_round_stops_like_the_engine(setup):
     ref = _oracle(requests, reference)
     out = Speculator(stopping).generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, want)
+
+
+# ----------------------------------------------------------------------------------------------- engram
+@pytest.fixture(scope="module")
+def engram_setup():
+    """The 5-layer cut with an engram layer (1) and the stages; two ragged prompts that repeat n-grams."""
+    cfg = spec_config("tiny_engram")
+    assert cfg.engram_layer_ids == (1,)
+    model = Transformer(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), rngs=nnx.Rngs(3))
+    engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+    assert engine.hasher is not None
+    base = np.random.default_rng(5).integers(3, cfg.image_token_id, 10)
+    prompts = [np.concatenate([base, base[2:8], base, base[:5]]), np.concatenate([base[4:], base[:7], base[4:]])]
+    requests = [Request(tuple(int(t) for t in p), n) for p, n in zip(prompts, (30, 23))]
+    reference = engine.generate(requests)
+    return cfg, Speculator(engine), requests, reference
+
+
+def test_engram_greedy_matches_plain_greedy(engram_setup):
+    """Random drafts (mostly rejected), forced accept-all, and a pattern of rejections of every length: the
+    engram history advances by the committed tokens only, so every path emits the engine's greedy tokens."""
+    _, spec, requests, reference = engram_setup
+    _same(spec.generate(requests, 5), reference)
+    ref = _oracle(requests, reference)
+    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
+    _same(out, reference)
+    assert out.timings.tokens_per_round > 4.0
+    use = np.ones(ref.shape, bool)
+    for b in range(len(requests)):
+        use[b, (np.arange(ref.shape[1]) % (3 + b)) == b] = False
+    out = spec.generate(requests, 5, oracle=(ref, use))
+    _same(out, reference)
+    assert 1.5 < out.timings.tokens_per_round < 5.0
+
+
+def test_engram_reject_all_matches_plain_greedy(engram_setup):
+    """Every proposal wrong: each round commits only its bonus token; the rejected drafts' ids never reach the
+    hash history (they would change the next rows' n-grams)."""
+    cfg, spec, requests, reference = engram_setup
+    ref = (_oracle(requests, reference) + 1) % cfg.image_token_id
+    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
+    _same(out, reference)
+    assert out.timings.tokens_per_round == 1.0
