@@ -274,3 +274,27 @@ def test_engram_reject_all_matches_plain_greedy(engram_setup):
     out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, reference)
     assert out.timings.tokens_per_round == 1.0
+
+
+def test_engram_host_tables_match_plain_greedy(engram_setup):
+    """Host tables (``engram_tables="host"``: each call's rows gathered on the host and sent with it): a round's
+    verify rows are gathered like a step's; greedy with a pattern of rejections = the same engine's greedy."""
+    from dsv41_jax.engram import HostTables
+    from dsv41_jax.loading import build_model
+    from dsv41_jax.param_specs import is_engram_table
+
+    cfg, _, requests, _ = engram_setup
+    weights = make_tiny.random_weights(cfg, 2, dspark=True)
+    options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True, engram_tables="host")
+    model = build_model(cfg, options, {k: v for k, v in weights.items() if not is_engram_table(k)})
+    engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0,
+                    host_tables=HostTables.from_weights(weights, cfg))
+    reference = engine.generate(requests)
+    ref = _oracle(requests, reference)
+    use = np.ones(ref.shape, bool)
+    for b in range(len(requests)):
+        use[b, (np.arange(ref.shape[1]) % (3 + b)) == b] = False
+    out = Speculator(engine).generate(requests, 5, oracle=(ref, use))
+    _same(out, reference)
+    assert 1.5 < out.timings.tokens_per_round < 5.0
