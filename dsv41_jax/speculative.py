@@ -249,8 +249,8 @@ def _start(graphdef, state, cache, rings, last_logits, eos_ids, max_new, samplin
     return SpecState(cache, rings, token, d.tokens, d.logits, running, produced), token
 
 
-def _round(graphdef, state, spec: SpecState, eos_ids, max_new, sampling: SamplingArrays, oracle, engram, k: int
-           ) -> RoundOut:
+def _round(graphdef, state, spec: SpecState, eos_ids, max_new, sampling: SamplingArrays, oracle, engram=None, *,
+           k: int) -> RoundOut:
     """One speculative round (module docstring) as one program. ``oracle`` (tests): None, or (tokens [B,L],
     use [B,L] bool): the proposal for position p is ``tokens[b, p]`` where ``use[b, p]`` (forced accept/reject
     paths). ``engram``: the verify rows' EngramInput ([B,K+1], hashed on the host) or None (no engram layers)."""
