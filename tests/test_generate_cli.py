@@ -233,7 +233,7 @@ def dspark_config_file(tmp_path_factory):
 
 def test_speculate_dspark_emits_the_greedy_tokens(dspark_config_file, capsys):
     """--speculate dspark (random weights: drafts nearly always rejected) emits --speculate off's greedy ids, and
-    the closing lines report the rounds and tokens a round; bad --draft-tokens and engram refused in one line."""
+    the closing lines report the rounds and tokens a round; a bad --draft-tokens is refused in one line."""
     runs = {}
     for mode in ("off", "dspark"):
         rc = main(["--config", str(dspark_config_file), "--prompt-ids", "0,17,33,250", "--max-new-tokens", "9",
