@@ -581,8 +581,10 @@ def load_model_inputs(args) -> ModelInputs:
 
 def wants_speculation(args, cfg, has_stages: bool, random: bool = False) -> bool:
     """Whether this run decodes with DSpark (--speculate): auto = on for a checkpoint with the stages when
-    nothing in the run needs what speculation does not support; dspark = on or a UsageError naming why not."""
-    if args.speculate == "off" or (args.speculate == "auto" and random):
+    nothing in the run needs what speculation does not support; dspark = on or a UsageError naming why not. A CLI
+    without --speculate (serve: its slot loop does not speculate) never does."""
+    speculate = getattr(args, "speculate", "off")
+    if speculate == "off" or (speculate == "auto" and random):
         return False
     blockers = []
     if not has_stages:
@@ -595,7 +597,7 @@ def wants_speculation(args, cfg, has_stages: bool, random: bool = False) -> bool
         blockers.append("--decode-chunk is the plain decode loop's")
     if not 1 <= args.draft_tokens <= min(5, cfg.dspark_block_size):
         raise UsageError(f"--draft-tokens must be in 1..{min(5, cfg.dspark_block_size)}, got {args.draft_tokens}")
-    if blockers and args.speculate == "dspark":
+    if blockers and speculate == "dspark":
         raise UsageError(f"--speculate dspark: {blockers[0]}")
     if blockers and has_stages:
         _say(f"note: speculative decoding off: {blockers[0]}")
