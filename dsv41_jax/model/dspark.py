@@ -17,7 +17,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from .attention import Attention, window_in_order
-from .hc import collapse, expand, hc_mix
+from .hc import collapse, expand, hc_mix, mix_kwargs, mix_params
 from .moe import MoE
 from .norms import HIGHEST, Linear, RMSNorm, random_normal
 from .quant import round_window_kv
@@ -68,15 +68,9 @@ class Stage(nnx.Module):
         layer = cfg.num_hidden_layers + stage
         if cfg.ratio(layer) != 0:
             raise ValueError(f"DSpark stage {stage} (compress_ratios[{layer}]) must be window-only (ratio 0)")
-        mix, width = cfg.hc_mix_width, cfg.hc_mult * cfg.hidden_size
-        self.hc_kwargs = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
-                              impl=options.hc_impl)
-        self.hc_attn_fn = nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32))
-        self.hc_attn_base = nnx.Param(jnp.zeros((mix,), jnp.float32))
-        self.hc_attn_scale = nnx.Param(jnp.ones((3,), jnp.float32))
-        self.hc_ffn_fn = nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32))
-        self.hc_ffn_base = nnx.Param(jnp.zeros((mix,), jnp.float32))
-        self.hc_ffn_scale = nnx.Param(jnp.ones((3,), jnp.float32))
+        self.hc_kwargs = mix_kwargs(cfg, options.hc_impl)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = mix_params(cfg, rngs)  # the two HC mixes (§B.3)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = mix_params(cfg, rngs)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding, impl="reference", rngs=rngs)

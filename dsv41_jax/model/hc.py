@@ -8,10 +8,24 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from pallas_kernels.hc_mix.ops import comb as comb_op
 
-from .norms import HIGHEST, rms_normalize
+from .norms import HIGHEST, random_normal, rms_normalize
+
+
+def mix_params(cfg, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.Param, nnx.Param]:
+    """One HC mix's parameters (§B.3): fn f32 [(2+S)·S, S·D], base f32 [(2+S)·S], scale f32 [3] (pre, post, comb);
+    a layer (and a DSpark stage) declares two, ``hc_attn_*`` and ``hc_ffn_*``."""
+    mix, width = cfg.hc_mix_width, cfg.hc_mult * cfg.hidden_size
+    return (nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32)),
+            nnx.Param(jnp.zeros((mix,), jnp.float32)), nnx.Param(jnp.ones((3,), jnp.float32)))
+
+
+def mix_kwargs(cfg, impl: str) -> dict:
+    """The static arguments of ``hc_mix`` for ``cfg`` (eps, Sinkhorn iterations) and the op's implementation."""
+    return dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, impl=impl)
 
 
 def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn_iters: int,

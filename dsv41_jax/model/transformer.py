@@ -17,7 +17,7 @@ from ..planner import KernelTiles
 from .attention import Attention, CsaState, Segment
 from .cache import Cache
 from .engram import Engram, EngramInput
-from .hc import collapse, expand, hc_mix
+from .hc import collapse, expand, hc_mix, mix_kwargs, mix_params
 from .moe import MoE
 from .norms import HIGHEST, RMSNorm, random_normal
 
@@ -119,16 +119,9 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, options: ModelOptions, *, rngs: nnx.Rngs):
         dtype = options.jnp_dtype
-        mix, width = cfg.hc_mix_width, cfg.hc_mult * cfg.hidden_size
-        self.hc_kwargs = dict(hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
-                              impl=options.hc_impl)
-        # The two HC mixes (§B.3): fn f32 [(2+S)·S, S·D], base f32 [(2+S)·S], scale f32 [3] (pre, post, comb).
-        self.hc_attn_fn = nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32))
-        self.hc_attn_base = nnx.Param(jnp.zeros((mix,), jnp.float32))
-        self.hc_attn_scale = nnx.Param(jnp.ones((3,), jnp.float32))
-        self.hc_ffn_fn = nnx.Param(random_normal(rngs, (mix, width), width**-0.5, jnp.float32))
-        self.hc_ffn_base = nnx.Param(jnp.zeros((mix,), jnp.float32))
-        self.hc_ffn_scale = nnx.Param(jnp.ones((3,), jnp.float32))
+        self.hc_kwargs = mix_kwargs(cfg, options.hc_impl)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = mix_params(cfg, rngs)  # the two HC mixes (§B.3)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = mix_params(cfg, rngs)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
