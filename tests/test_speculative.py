@@ -71,10 +71,9 @@ def test_greedy_random_drafts_match_plain_greedy(setup):
     assert out.timings.rounds >= 28  # random drafts: ~1 token a round
 
 
-def test_forced_accept_all_and_partial_rejections(setup):
-    """Proposals are the reference tokens (accept-all: 6 tokens a round), then the same with every position
-    ≡ b (mod 3 + b) left to the (wrong) draft, so rollbacks of every length happen in one batch."""
-    _, _, spec, requests, reference = setup
+def _forced_accept_all_then_partial(spec, requests, reference):
+    """Proposals are the reference tokens (accept-all), then the same with every position ≡ b (mod 3 + b) left to
+    the (wrong) draft, so rollbacks of every length happen in one batch: both emit the reference tokens."""
     ref = _oracle(requests, reference)
     out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, reference)
@@ -85,6 +84,13 @@ def test_forced_accept_all_and_partial_rejections(setup):
     out = spec.generate(requests, 5, oracle=(ref, use))
     _same(out, reference)
     assert 1.5 < out.timings.tokens_per_round < 5.0
+
+
+def test_forced_accept_all_and_partial_rejections(setup):
+    """Proposals are the reference tokens (accept-all: 6 tokens a round), then the same with every position
+    ≡ b (mod 3 + b) left to the (wrong) draft, so rollbacks of every length happen in one batch."""
+    _, _, spec, requests, reference = setup
+    _forced_accept_all_then_partial(spec, requests, reference)
 
 
 def test_forced_reject_all_and_fewer_draft_tokens(setup):
@@ -254,16 +260,7 @@ def test_engram_greedy_matches_plain_greedy(engram_setup):
     engram history advances by the committed tokens only, so every path emits the engine's greedy tokens."""
     _, spec, requests, reference = engram_setup
     _same(spec.generate(requests, 5), reference)
-    ref = _oracle(requests, reference)
-    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
-    _same(out, reference)
-    assert out.timings.tokens_per_round > 4.0
-    use = np.ones(ref.shape, bool)
-    for b in range(len(requests)):
-        use[b, (np.arange(ref.shape[1]) % (3 + b)) == b] = False
-    out = spec.generate(requests, 5, oracle=(ref, use))
-    _same(out, reference)
-    assert 1.5 < out.timings.tokens_per_round < 5.0
+    _forced_accept_all_then_partial(spec, requests, reference)
 
 
 def test_engram_reject_all_matches_plain_greedy(engram_setup):
