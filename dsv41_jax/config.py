@@ -358,6 +358,26 @@ class ModelConfig:
             return "reindex"
         return "reuse"
 
+    def layer_units(self) -> tuple[tuple[int, ...], ...]:
+        """The layers grouped as the model holds and runs them (docs/DESIGN.md "Scanned layers"): each run of
+        two or more consecutive reuse layers of one signature (ratio, kv source, index source; no engram) is one
+        unit, its weights stacked ``[n, ...]`` and run by one ``lax.scan``; every other layer is a unit alone.
+        A reuse layer only reads the CSA state of layers before its run and publishes nothing (§B.9), so the
+        layers of a run are independent of each other except through the residual streams."""
+        def signature(layer: int):
+            if self.role(layer) != "reuse" or layer in self.engram_layer_ids:
+                return None
+            return self.ratio(layer), self.kv_source(layer), self.index_source(layer)
+
+        units: list[list[int]] = []
+        for layer in range(self.num_hidden_layers):
+            sig = signature(layer)
+            if units and sig is not None and signature(units[-1][-1]) == sig:
+                units[-1].append(layer)
+            else:
+                units.append([layer])
+        return tuple(tuple(u) for u in units)
+
     # -------------------------------------------------------------- derived
     @property
     def rope_dim(self) -> int:

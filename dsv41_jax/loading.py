@@ -30,13 +30,46 @@ from sharding.load import place
 from sharding.mesh import replicated
 
 from .config import ModelConfig
-from .model.transformer import Transformer, WeightsError
+from .model.transformer import Transformer, WeightsError, layer_names
 from .planner import kernel_tiles
 
 
 def param_name(path: tuple) -> str:
-    """A module-tree state path as its model name (``layers.3.attn.wq_a.weight``)."""
+    """A module-tree state path as its model name (``layers.3.attn.wq_a.weight``; a stacked run's
+    ``layers.3-7.attn.wq_a.weight`` holds the per-layer tensors ``layer_names`` lists, stacked on axis 0)."""
     return ".".join(map(str, path))
+
+
+class StackedHost:
+    """The per-layer host tensors of a stacked parameter as one array-like ``[n, ...]`` (``shape``, basic
+    slicing, ``release``): a slice reads only the layers and rows it asks for, so ``place`` builds each
+    device's shard without the stacked tensor existing whole on the host."""
+
+    def __init__(self, name: str, parts: list):
+        shapes = {tuple(p.shape) for p in parts}
+        if len(shapes) != 1:
+            raise WeightsError(f"the layers of {name!r} have different shapes {sorted(shapes)}")
+        self.parts = parts
+        self.shape = (len(parts), *shapes.pop())
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        if any(i is Ellipsis for i in index):
+            index = ()
+        head, rest = (index[0], index[1:]) if index else (slice(None), ())
+        rows = range(len(self.parts))[head]
+        read = [np.asarray(self.parts[r][rest] if rest else self.parts[r][()]) for r in
+                ([rows] if isinstance(rows, int) else rows)]
+        return read[0] if isinstance(rows, int) else np.stack(read)
+
+    def release(self) -> None:
+        for part in self.parts:
+            if hasattr(part, "release"):
+                part.release()
+
+
+def _per_layer(names: Iterable[str]) -> list[str]:
+    return [n for name in names for n in layer_names(name)]
 
 
 def check_names(expected: Iterable[str], given: Iterable[str]) -> None:
@@ -81,12 +114,11 @@ def build_model(cfg: ModelConfig, options, flat: Mapping[str, Any]) -> Transform
     if options.tiles is None:
         options = dataclasses.replace(options, tiles=kernel_tiles(cfg, 1))
     construct, graphdef, flat_params, rest = abstract_params(cfg, options)
-    check_names((param_name(path) for path, _ in flat_params), flat)
+    check_names(_per_layer(param_name(path) for path, _ in flat_params), flat)
     placed = []
     for path, var in flat_params:
         name = param_name(path)
-        host = flat[name]
-        check_shape(name, host.shape, var.shape)
+        host = _host(name, flat, var.shape)
         value = np.asarray(host if isinstance(host, np.ndarray) else host[()])
         placed.append((path, var.replace(jax.device_put(value.astype(var.dtype, copy=False)))))
         del value
@@ -97,6 +129,17 @@ def build_model(cfg: ModelConfig, options, flat: Mapping[str, Any]) -> Transform
     return nnx.merge(graphdef, nnx.from_flat_state(placed), rest)
 
 
+def _host(name: str, flat: Mapping[str, Any], shape: tuple[int, ...]):
+    """The host tensor(s) of model parameter ``name`` from ``flat`` (per-layer names), shape-checked."""
+    parts = layer_names(name)
+    if len(parts) == 1:
+        check_shape(name, flat[name].shape, shape)
+        return flat[name]
+    for part in parts:
+        check_shape(part, flat[part].shape, shape[1:])
+    return StackedHost(name, [flat[part] for part in parts])
+
+
 def build_sharded(run_cfg: ModelConfig, options, flat: Mapping[str, Any] | Iterable[tuple[str, Any]], mesh,
                   plan) -> Transformer:
     """The ``Transformer`` of the padded ``run_cfg`` (``ShardPlan.run_config``) with every parameter placed
@@ -104,20 +147,32 @@ def build_sharded(run_cfg: ModelConfig, options, flat: Mapping[str, Any] | Itera
     ``sharding.ShardPlan``). An iterator is consumed one tensor at a time."""
     construct, graphdef, flat_params, _ = abstract_params(run_cfg, options)
     targets = {param_name(path): var for path, var in flat_params}
+    owner = {part: (name, i) for name in targets for i, part in enumerate(layer_names(name))}
     if isinstance(flat, Mapping):
-        check_names(targets, flat)  # before any tensor is read; an iterator is checked once consumed
+        check_names(owner, flat)  # before any tensor is read; an iterator is checked once consumed
         flat = flat.items()
     placed: dict[str, jax.Array] = {}
+    gathering: dict[str, list] = {}  # a stacked parameter's per-layer tensors until its last layer arrives
     unexpected = []
-    for name, host in flat:
-        if name not in targets:
-            unexpected.append(name)
+    for part, host in flat:
+        if part not in owner:
+            unexpected.append(part)
             continue
+        name, i = owner[part]
+        n = len(layer_names(name))
+        if n > 1:
+            parts = gathering.setdefault(name, [None] * n)
+            parts[i] = host
+            if any(p is None for p in parts):
+                continue
+            host = StackedHost(name, gathering.pop(name))
         target = targets[name]
         placed[name] = place(name, host, tuple(target.shape), target.dtype, mesh, plan)
         if hasattr(host, "release"):
             host.release()  # a lazily read tensor drops its host copy once every shard is placed
-    check_names(targets, [*placed, *unexpected])
+    given = [*_per_layer(placed), *(layer_names(n)[i] for n, ps in gathering.items()
+                                    for i, p in enumerate(ps) if p is not None)]
+    check_names(owner, [*given, *unexpected])
     params = nnx.from_flat_state([(path, var.replace(placed[param_name(path)])) for path, var in flat_params])
     return nnx.merge(graphdef, params, non_params(construct, mesh))
 
@@ -128,8 +183,7 @@ def load_weights(model: Transformer, flat: Mapping[str, np.ndarray]) -> None:
     Raises ``WeightsError`` naming the first missing, unexpected or mis-shaped tensor (nothing is changed then).
     """
     names = {param_name(path): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    check_names(names, flat)
-    for name, var in names.items():
-        check_shape(name, flat[name].shape, var.shape)
+    check_names(_per_layer(names), flat)
+    hosts = {name: _host(name, flat, var.shape) for name, var in names.items()}
     for name, var in names.items():  # the Variables of the state are the model's own
-        var.set_value(jnp.asarray(flat[name]).astype(var.dtype))
+        var.set_value(jnp.asarray(np.asarray(hosts[name][()])).astype(var.dtype))

@@ -65,6 +65,7 @@ class Request:
     expert_format: str = "dequantized"
     compile_cache: str | None = None
     engram: bool = False
+    unrolled: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--compile-only", action="store_true", help="abstract weights: compile and analyse, no runs")
     p.add_argument("--fast-compile", action="store_true",
                    help="XLA CPU: LLVM optimisation off (quick smoke runs; step times not representative)")
+    p.add_argument("--unrolled", action="store_true",
+                   help="run stacked runs of layers unrolled instead of scanned (same weights; to compare compile "
+                        "and step times, docs/DESIGN.md 'Scanned layers')")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent compilation cache (default: $DSV41_JAX_COMPILE_CACHE or ~/.cache/dsv41_jax/xla; "
                         "'off' disables it). Compile seconds then show a cache hit on a second run")
@@ -129,7 +133,8 @@ def parse_args(argv: list[str] | None) -> Request:
     admit(cfg, a.world)  # PlanRefused names the rule and the worlds that work
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
-                   Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache, a.engram)
+                   Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache, a.engram,
+                   a.unrolled)
 
 
 def _check_writable(path: Path) -> None:
@@ -198,7 +203,7 @@ def run(req: Request, on_step=None) -> dict:
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
     options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl, indexer_impl=req.impl,
-                           hc_impl=req.impl, expert_format=req.expert_format)
+                           hc_impl=req.impl, expert_format=req.expert_format, scan_layers=not req.unrolled)
     _check_fits(req, jax.devices()[0])
     start = time.perf_counter()
     model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)
@@ -261,6 +266,7 @@ def _header(req: Request, jax) -> dict:
             "engram": [{"layer": req.layers[i], "table_rows": n}
                        for i, n in zip(req.cfg.engram_layer_ids, req.cfg.engram_num_embeddings)],
             "compile_only": req.compile_only, "fast_compile": req.fast_compile,
+            "units": [list(u) for u in req.cfg.layer_units()], "scanned": not req.unrolled,
             "platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "steps": []}

@@ -57,11 +57,12 @@ BF16_ON = ModelOptions(dtype="bfloat16", quant_rounding=True)
 
 
 def variant_config():
-    """A second layer pattern: a ratio-2 full layer first (layer 0), a window layer between, a ratio-1
-    candidate source at 3, reuse layers, a candidate-masked reindex layer at 5, other widths and limits."""
+    """A second layer pattern: a ratio-2 full layer first (layer 0), two reuse layers run as one scan (1-2), a
+    window layer between, a ratio-1 candidate source at 4, a candidate-masked reindex layer at 6, two more
+    scanned reuse layers (7-8), other widths and limits."""
     return load_named("tiny").replace(
-        num_hidden_layers=8, compress_ratios=(2, 2, 0, 1, 1, 1, 1, 0), kv_source_layer_ids=(0, 3),
-        index_source_layer_ids=(0, 3, 5), candidate_source_layer_id=3, candidate_block_size=4,
+        num_hidden_layers=10, compress_ratios=(2, 2, 2, 0, 1, 1, 1, 1, 1, 0), kv_source_layer_ids=(0, 4),
+        index_source_layer_ids=(0, 4, 6), candidate_source_layer_id=4, candidate_block_size=4,
         candidate_topk_blocks=3, index_topk=6, sliding_window=6, num_attention_heads=8, o_groups=4,
         n_routed_experts=4, num_experts_per_tok=3, swiglu_limit=10.0, num_nextn_predict_layers=0,
         dspark_target_layer_ids=())

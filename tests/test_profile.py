@@ -187,5 +187,23 @@ def test_per_layer_view_from_the_model_scopes():
     assert any(label.startswith("L3/moe") for label in sources.values()), sources
     ops = [OpTime("a", "L3/moe moe.py:_routed", 2.0, 1), OpTime("b", "L10/attn attention.py:_attend", 1.0, 1),
            OpTime("c", "L3/moe hc.py:hc_mix", 1.0, 1), OpTime("d", "transformer.py:forward", 0.5, 1),
-           OpTime("e", "L3 transformer.py:forward", 0.25, 1)]
-    assert by_layer(ops) == [("L3", 0.25), ("L3/moe", 3.0), ("L10/attn", 1.0), ("other", 0.5)]
+           OpTime("e", "L3 transformer.py:forward", 0.25, 1), OpTime("f", "L4-7/moe moe.py:_routed", 4.0, 1)]
+    assert by_layer(ops) == [("L3", 0.25), ("L3/moe", 3.0), ("L4-7/moe", 4.0), ("L10/attn", 1.0), ("other", 0.5)]
+
+
+def test_scanned_run_scope():
+    """A scanned run's ops sit under ``layers_A-B`` (`Transformer.forward`), inside the scan's body."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.profiling.trace import instruction_sources
+
+    def f(x):
+        with jax.named_scope("layers_4-7"):
+            def body(c, w):
+                with jax.named_scope("attn"):
+                    return jnp.sin(c) * w, None
+            return jax.lax.scan(body, x, jnp.arange(4.0))[0]
+
+    sources = instruction_sources(jax.jit(f).lower(jnp.ones(4)).compile().as_text())
+    assert any(label.startswith("L4-7/attn") for label in sources.values()), sources

@@ -62,9 +62,18 @@ def _small(**change):
         compress_ratios=(0,), kv_source_layer_ids=(), index_source_layer_ids=(), **change)
 
 
+def _scanned():
+    """A ratio-2 full layer and a stacked run of two reuse layers (``layers.1-2.*``, docs/DESIGN.md "Scanned
+    layers"): every stacked tensor kind, fp4 experts included, read layer by layer and placed as one."""
+    return load_named("tiny").replace(
+        num_hidden_layers=3, compress_ratios=(2, 2, 2), kv_source_layer_ids=(0,), index_source_layer_ids=(0,),
+        candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=())
+
+
 # name → (config, how the checkpoint stores its matrices: make_tiny's --quantize)
 GEOMETRIES = {
     "even": (lambda: _small(), "fp8"),
+    "scanned": (_scanned, "fp4"),
     "release": (lambda: _small(vocab_size=1280, moe_intermediate_size=2304), "fp4"),
     "vocab320": (lambda: _small(vocab_size=320, eos_token_id=319), "none"),
     "experts288": (lambda: _small(moe_intermediate_size=288), "fp4"),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -51,6 +52,7 @@ class ModelOptions:
     engram_tables: str = "device"  # "host": no table parameters; each call brings its gathered rows (§B.12)
     tiles: KernelTiles | None = None  # the plan's kernel tiles (planner.kernel_tiles); None: the ops' defaults
     dspark: bool = False  # build the config's DSpark draft stages ``mtp.*`` (§B.13; `model/dspark.py`)
+    scan_layers: bool = True  # run a stacked run of layers with one lax.scan (False: unrolled, same weights)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -158,6 +160,84 @@ class Block(nnx.Module):
             return expand(y, streams, post_f, comb_f), pre_f, cache, csa
 
 
+def unit_name(unit: tuple[int, ...]) -> str:
+    """A unit's name under ``layers``: ``"L"`` for a layer alone, ``"A-B"`` for the stacked run A..B."""
+    return str(unit[0]) if len(unit) == 1 else f"{unit[0]}-{unit[-1]}"
+
+
+def layer_names(name: str) -> list[str]:
+    """A model name as the per-layer names it holds: ``layers.3-7.attn.wq_a.weight`` [5, ...] →
+    ``layers.3.attn.wq_a.weight`` … ``layers.7.attn.wq_a.weight`` (row i is layer 3 + i); any other name → [name]."""
+    m = _STACKED.fullmatch(name)
+    if m is None:
+        return [name]
+    return [f"layers.{layer}.{m[3]}" for layer in range(int(m[1]), int(m[2]) + 1)]
+
+
+_STACKED = re.compile(r"layers\.(\d+)-(\d+)\.(.+)")
+
+
+def _stacked_block(cfg: ModelConfig, unit: tuple[int, ...], options: ModelOptions, rngs: nnx.Rngs) -> Block:
+    """One ``Block`` whose every Variable is its layers' values stacked ``[n, ...]`` (the unit's layers share
+    one signature, so one graph definition serves them all; ``cfg.layer_units``)."""
+    blocks = [Block(cfg, layer, options, rngs=rngs) for layer in unit]
+    graphdef, _ = nnx.split(blocks[0])
+    return nnx.merge(graphdef, jax.tree.map(lambda *w: jnp.stack(w), *(nnx.state(b) for b in blocks)))
+
+
+class Layers(nnx.Module):
+    """``layers.*``: one ``Block`` per unit of ``cfg.layer_units()``, named ``unit_name(unit)``; a run's Block
+    holds its layers' weights stacked (docs/DESIGN.md "Scanned layers"). ``layers[L]`` is layer L's own Block
+    (a layer alone; a layer of a stacked run has none: ``units``/``unit`` reach the run)."""
+
+    def __init__(self, cfg: ModelConfig, options: ModelOptions, *, rngs: nnx.Rngs):
+        self.units = cfg.layer_units()
+        for unit in self.units:
+            block = Block(cfg, unit[0], options, rngs=rngs) if len(unit) == 1 else _stacked_block(
+                cfg, unit, options, rngs)
+            setattr(self, unit_name(unit), block)
+
+    def unit(self, unit: tuple[int, ...]) -> Block:
+        return getattr(self, unit_name(unit))
+
+    def __len__(self) -> int:
+        return sum(len(u) for u in self.units)
+
+    def __getitem__(self, layer: int) -> Block:
+        if not 0 <= layer < len(self):
+            raise IndexError(f"layer {layer} out of range (the model has {len(self)} layers)")
+        unit = next(u for u in self.units if layer in u)
+        if len(unit) > 1:
+            raise KeyError(f"layer {layer} is row {unit.index(layer)} of the stacked run layers.{unit_name(unit)}")
+        return self.unit(unit)
+
+
+def _run_stacked(block: Block, caches: list, streams, pre, seg: Segment, csa: CsaState, is_image, taps: bool,
+                 scan: bool):
+    """The stacked run ``block`` (n layers) over ``streams``/``pre`` with its layers' caches: one ``lax.scan``
+    (``scan``) or n unrolled calls of the same weights. A reuse layer reads ``csa`` (published before the run)
+    and publishes nothing. Returns (streams, pre, the n new LayerCaches, entering [n,B,T,D] or None)."""
+    graphdef, weights = nnx.split(block)
+    stacked_caches = jax.tree.map(lambda *c: jnp.stack(c), *caches)
+
+    def body(carry, xs):
+        layer_weights, layer_cache = xs
+        tap = {} if taps else None
+        s, p, layer_cache, _ = nnx.merge(graphdef, layer_weights)(*carry, seg, layer_cache, csa, is_image, None, tap)
+        return (s, p), (layer_cache, tap["entering"] if taps else None)
+
+    if scan:
+        (streams, pre), (new, entering) = jax.lax.scan(body, (streams, pre), (weights, stacked_caches))
+    else:
+        outs = []
+        for i in range(len(caches)):
+            (streams, pre), out = body((streams, pre), jax.tree.map(lambda a: a[i], (weights, stacked_caches)))
+            outs.append(out)
+        new = jax.tree.map(lambda *c: jnp.stack(c), *(o[0] for o in outs))
+        entering = jnp.stack([o[1] for o in outs]) if taps else None
+    return streams, pre, [jax.tree.map(lambda a: a[i], new) for i in range(len(caches))], entering
+
+
 class Transformer(nnx.Module):
     """The text model. ``logits, cache = model(ids [B,T], cache, lengths=None)``; logits [B,T,V] f32.
 
@@ -171,7 +251,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.options = options
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, i, options, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layers = Layers(cfg, options, rngs=rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.head = Head(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         if options.vision:
@@ -242,13 +322,26 @@ class Transformer(nnx.Module):
             e, is_image = self.merge_images(e, images), images.is_image
         streams = jnp.broadcast_to(e[:, :, None, :], (b, t, s, e.shape[-1]))
         pre = jnp.broadcast_to(jax.nn.one_hot(0, s, dtype=jnp.float32), (b, t, s))  # §B.2: pre⁻¹ = stream 0
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"the cache holds {len(cache.layers)} layers, the model {len(self.layers)}")
         csa = CsaState.empty(len(self.layers))
         new_layers = []
         entering, pending = {}, {}
-        for i, (block, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
+        for unit in self.layers.units:
+            block, i = self.layers.unit(unit), unit[0]
+            if len(unit) > 1:
+                with jax.named_scope(f"layers_{unit_name(unit)}"):
+                    streams, pre, caches, run_entering = _run_stacked(
+                        block, [cache.layers[j] for j in unit], streams, pre, seg, csa, is_image, taps,
+                        self.options.scan_layers)
+                new_layers += caches
+                if taps:
+                    entering.update({j: run_entering[k] for k, j in enumerate(unit)})
+                continue
             tap = {} if taps else None
             with jax.named_scope(f"layer_{i}"):  # per-layer op names for traces (profiling/trace.py)
-                streams, pre, layer_cache, csa = block(streams, pre, seg, layer_cache, csa, is_image, engram, tap)
+                streams, pre, layer_cache, csa = block(streams, pre, seg, cache.layers[i], csa, is_image, engram,
+                                                       tap)
             new_layers.append(layer_cache)
             if taps:
                 entering[i] = tap["entering"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,15 +169,16 @@ def _int_after(text: str, key: str) -> int:
 
 
 def _layer_scope(line: str) -> str | None:
-    """``L<n>`` or ``L<n>/<sublayer>`` from the instruction's ``op_name`` scopes; None outside any layer."""
+    """``L<n>`` or ``L<n>/<sublayer>`` (a scanned run: ``L<a>-<b>``) from the instruction's ``op_name`` scopes;
+    None outside any layer."""
     if 'op_name="' not in line:
         return None
     parts = line.split('op_name="', 1)[1].split('"', 1)[0].split("/")
     for i, part in enumerate(parts):
-        for prefix in ("layers.", "layer_", "layers_", "layer"):
-            if part.startswith(prefix) and part[len(prefix):].isdigit():
-                sub = parts[i + 1] if i + 1 < len(parts) and parts[i + 1] in _SUBLAYERS else None
-                return f"L{int(part[len(prefix):])}" + (f"/{sub}" if sub else "")
+        m = re.fullmatch(r"(?:layers\.|layers_|layer_|layer)(\d+)(-\d+)?", part)
+        if m:
+            sub = next((p for p in parts[i + 1:] if p in _SUBLAYERS), None)
+            return f"L{int(m[1])}{m[2] or ''}" + (f"/{sub}" if sub else "")
     return None
 
 
@@ -189,13 +191,13 @@ def by_layer(ops: list[OpTime]) -> list[tuple[str, float]]:
     out: dict[str, float] = {}
     for op in ops:
         head = op.source.split(" ", 1)[0]
-        key = head if head.startswith("L") and head[1:].split("/", 1)[0].isdigit() else "other"
+        key = head if re.fullmatch(r"L\d+(?:-\d+)?(?:/\w+)?", head) else "other"
         out[key] = out.get(key, 0.0) + op.seconds
 
     def order(kv):
         if kv[0] == "other":
             return (1 << 30, "")
         number, _, sub = kv[0][1:].partition("/")
-        return (int(number), sub)
+        return (int(number.split("-")[0]), sub)
 
     return sorted(out.items(), key=order)

@@ -1,0 +1,117 @@
+"""Scanned layer runs (docs/DESIGN.md "Scanned layers", issue #14).
+
+A run of consecutive reuse layers of one signature is held stacked (``layers.A-B.*`` [n, ...]) and run by one
+``lax.scan``. Checked here:
+
+* the grouping of the release config (``ModelConfig.layer_units``);
+* the scan computes exactly what the same stacked weights compute unrolled (``scan_layers=False``: n calls of
+  one Block) — logits, every cache array and the DSpark taps. Both run the same f32 ops per layer; the only
+  freedom XLA has is fusion across the loop boundary, so the bound is 1e-6 (observed: bitwise equal). The
+  unrolled path itself is checked against mlx-lm on a config with two runs (``test_parity_mlx.variant_config``);
+* the compiled program does not grow with the number of layers in a run (the point of the scan);
+* the loader maps per-layer tensors onto stacked parameters and names a missing or mis-shaped layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv41_jax.config import load_named
+from dsv41_jax.loading import build_model, param_name
+from dsv41_jax.model import ModelOptions, Transformer, WeightsError, init_cache
+from dsv41_jax.model.transformer import layer_names
+
+F32 = ModelOptions(dtype="float32", quant_rounding=True)
+
+
+def scan_config(run: int = 3):
+    """A window layer, a ratio-2 full layer and one stacked run of ``run`` reuse layers (layers 2 .. run + 1),
+    whose last three layers are the DSpark taps (so the taps come out of the scan)."""
+    n = 2 + run
+    return load_named("tiny").replace(
+        num_hidden_layers=n, compress_ratios=(0,) + (2,) * (1 + run), kv_source_layer_ids=(1,),
+        index_source_layer_ids=(1,), candidate_source_layer_id=-1, num_nextn_predict_layers=0,
+        dspark_target_layer_ids=(n - 3, n - 2, n - 1))
+
+
+def test_release_units():
+    units = load_named("dsv41_flash").layer_units()
+    assert [u for u in units if len(u) > 1] == [tuple(range(3, 8)), tuple(range(9, 14)), tuple(range(15, 20)),
+                                                 (21, 22, 23), (25, 26, 27), (29, 30, 31), (33, 34, 35),
+                                                 (37, 38, 39)]
+    assert [layer for u in units for layer in u] == list(range(40))
+    assert load_named("tiny").layer_units() == tuple((i,) for i in range(10))  # no two reuse layers adjacent
+
+
+def _run(cfg, options, state):
+    """A 12-row prefill of 2 sequences (one padded to 9 rows; the window of 8 wraps), with taps."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, options, rngs=nnx.Rngs(0))))
+
+    @jax.jit
+    def call(state, ids, cache, lengths):
+        return nnx.merge(graphdef, state).forward(ids, cache, lengths, taps=True)
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 12)), jnp.int32)
+    cache = init_cache(cfg, 2, 32, "float32")
+    cache = cache.replace(offset=jnp.array([5, 0], jnp.int32))  # one sequence starts mid-window
+    logits, cache, selections, taps = call(state, ids, cache, jnp.array([12, 9], jnp.int32))
+    return logits, cache, selections, taps.context
+
+
+def test_scan_equals_unrolled():
+    cfg = scan_config()
+    assert cfg.layer_units() == ((0,), (1,), (2, 3, 4))
+    state = nnx.state(Transformer(cfg, F32, rngs=nnx.Rngs(1)))
+    scanned = _run(cfg, F32, state)
+    unrolled = _run(cfg, dataclasses.replace(F32, scan_layers=False), state)
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def _step_hlo(cfg, options) -> str:
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, options, rngs=nnx.Rngs(0))))
+    cache = jax.eval_shape(lambda: init_cache(cfg, 1, 32, "float32"))
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.jit(lambda s, i, c: nnx.merge(graphdef, s)(i, c)).lower(state, ids, cache).as_text()
+
+
+def _ops(hlo: str) -> int:
+    return len(re.findall(r"= stablehlo\.\w+", hlo))
+
+
+def test_program_does_not_grow_with_the_run():
+    """A decode step with a run of 2 and of 6 reuse layers lowers to the same ops but for stacking and
+    unstacking the 4 extra layers' window rings (3 ops a layer); unrolled, each extra layer adds a whole
+    layer's ops (hundreds: the count discriminates)."""
+    short, deep = scan_config(2), scan_config(6)
+    assert _ops(_step_hlo(deep, F32)) - _ops(_step_hlo(short, F32)) <= 4 * 4
+    unrolled = dataclasses.replace(F32, scan_layers=False)
+    assert _ops(_step_hlo(deep, unrolled)) - _ops(_step_hlo(short, unrolled)) > 4 * 100
+
+
+def test_loader_stacks_per_layer_tensors():
+    cfg = scan_config(2)
+    model = Transformer(cfg, F32, rngs=nnx.Rngs(3))
+    stacked = {param_name(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert "layers.2-3.attn.wq_a.weight" in stacked and "layers.2.attn.wq_a.weight" not in stacked
+    flat = {name: a[i] if len(layer_names(stacked_name)) > 1 else a
+            for stacked_name, a in stacked.items()
+            for i, name in enumerate(layer_names(stacked_name))}
+    assert "layers.3.ffn.experts.w1.weight" in flat
+    built = build_model(cfg, F32, flat)
+    for path, var in nnx.to_flat_state(nnx.state(built, nnx.Param)):
+        np.testing.assert_array_equal(np.asarray(var[...]), stacked[param_name(path)])
+
+    missing = {k: v for k, v in flat.items() if k != "layers.3.attn.wkv.weight"}
+    with pytest.raises(WeightsError, match=r"layers\.3\.attn\.wkv\.weight"):
+        build_model(cfg, F32, missing)
+    bad = dict(flat, **{"layers.2.attn.wkv.weight": flat["layers.2.attn.wkv.weight"][:, :-1]})
+    with pytest.raises(WeightsError, match=r"layers\.2\.attn\.wkv\.weight"):
+        build_model(cfg, F32, bad)
