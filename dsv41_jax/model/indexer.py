@@ -58,6 +58,8 @@ class Indexer(nnx.Module):
         b, t = u.shape[:2]
         q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
         q = round_index(apply_rope(q, positions[..., None], inv_freq), rounding)
+        if rounding:  # fp4-grid values (§C.2) are exact in the keys' dtype: the XLA path's product stays in it
+            q = q.astype(keys.dtype)
         w = self.weights_proj(u).astype(jnp.float32) * self.n_heads**-0.5  # [B,T,H_I]
         kw = dict(ratio=self.ratio, k=self.index_topk, block_size=self.block,
                   keep_blocks=self.keep_blocks if self.is_candidate_source else 0)

@@ -20,9 +20,16 @@ HIGHEST = lax.Precision.HIGHEST
 def scores(q, w, keys, positions, ratio: int):
     """I [B,T,N] f32 (−∞ where not visible): Σ_h w[h] · ReLU(q_h · k) · d_I^(−1/2) (MODEL.md §B.8).
 
-    q [B,T,H_I,d_I] (roped, rounded); w f32 [B,T,H_I] (already × H_I^(−1/2)); keys f32 [B,N,d_I];
-    positions [B,T]: entry j is visible at p iff j < ⌊(p+1)/r⌋."""
-    s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys, precision=HIGHEST)
+    q [B,T,H_I,d_I] (roped, rounded); w f32 [B,T,H_I] (already × H_I^(−1/2)); keys [B,N,d_I];
+    positions [B,T]: entry j is visible at p iff j < ⌊(p+1)/r⌋.
+
+    Both bf16: one bf16 product with f32 accumulation (tensor cores; a bf16 × bf16 product is exact in f32, so
+    this equals the f32 HIGHEST product up to summation order, without an f32 copy of every key). Otherwise
+    both in f32 at HIGHEST."""
+    if q.dtype == keys.dtype == jnp.bfloat16:
+        s = jnp.einsum("bthd,bnd->bthn", q, keys, preferred_element_type=jnp.float32)
+    else:
+        s = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=HIGHEST)
     s = jnp.maximum(s, 0.0) * q.shape[-1] ** -0.5
     s = jnp.sum(s * w[..., None], axis=2)
     n_visible = (positions + 1) // ratio
@@ -62,7 +69,6 @@ def index_topk_xla(q, w, keys, positions, *, ratio: int, k: int, kept_blocks=Non
                    block_size: int = 1, rows_per_block: int | None = None):
     """The op's contract (``ops.index_topk``), computed over blocks of ``rows_per_block`` query rows."""
     b, t = q.shape[:2]
-    keys = keys.astype(jnp.float32)
     n = keys.shape[1]
 
     def rows(q, w, positions, kept):
