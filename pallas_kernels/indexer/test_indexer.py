@@ -252,3 +252,35 @@ def test_bad_shapes_are_refused():
         index_topk(q, w[..., :2], keys, positions, ratio=1, k=4)
     with pytest.raises(ValueError, match="impl"):
         index_topk(q, w, keys, positions, ratio=1, k=4, impl="cuda")
+
+
+@pytest.mark.parametrize("n,k", [(1000, 64), (777, 777), (300, 1), (4096, 512)])
+def test_radix_top_k_equals_lax_top_k(n, k):
+    """The GPU's radix selection picks exactly ``lax.top_k``'s entries (same order of floats, same tie rule:
+    lower index), on rows full of ReLU ties (zeros of both signs), −∞ (not visible) and negative scores."""
+    from jax import lax
+
+    from pallas_kernels.indexer.xla import radix_top_k
+
+    rng = np.random.default_rng(n + k)
+    s = np.maximum(rng.standard_normal((4, n)), 0).astype(np.float32)  # ~half exact zeros
+    s[0, rng.integers(0, n, n // 3)] = -np.inf
+    s[1] = np.round(s[1] * 4) / 4  # coarse values: ties above zero too
+    s[2] = -np.abs(s[2]) - rng.integers(0, 3, n)  # all negative, integer-spaced ties
+    s[3, ::2] = -0.0
+    want = np.sort(np.asarray(lax.top_k(jnp.asarray(s), k)[1]), axis=1)
+    got = np.sort(np.asarray(jax.jit(radix_top_k, static_argnums=1)(jnp.asarray(s), k)), axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_select_by_radix_marks_invisible_picks(monkeypatch):
+    """``select`` on the radix path: −1 for picks whose score is −∞, like the top_k path."""
+    from pallas_kernels.indexer import xla
+
+    s = jnp.asarray(np.where(np.arange(40) < 5, np.arange(40, dtype=np.float32), -np.inf)[None, None])
+    want = np.sort(np.asarray(xla.select(s, 8)), axis=-1)
+    monkeypatch.setattr(xla, "RADIX_MIN_ENTRIES", 1)
+    monkeypatch.setattr(xla.jax, "default_backend", lambda: "gpu")
+    got = np.sort(np.asarray(xla.select(s, 8)), axis=-1)
+    np.testing.assert_array_equal(got, want)
+    assert (got == -1).sum() == 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -58,11 +59,61 @@ def block_maxima(s, block_size: int):
     return padded.reshape(b, t, n_blocks, block_size).max(axis=-1)
 
 
+# From this many entries a GPU selects by radix (``radix_top_k``), below it by ``lax.top_k``: measured on the
+# H200 (docs/BENCHMARKS.md, issue 15) K = 512 of 300 K entries took 0.13 / 0.68 ms by lax.top_k for 1 / 8
+# rows, 0.11 / 0.31 ms by radix; on CPU lax.top_k is the faster one.
+RADIX_MIN_ENTRIES = 32768
+RADIX_BITS = 4  # digits per pass: 8 passes of 16 bins (8-bit digits measured slower: 256 compares an entry)
+
+
 def select(s, k: int):
-    """Top-K entries per query (K = min(k, N)); a pick with score −∞ becomes −1. ``lax.top_k`` prefers the
-    lower index among equal scores (the op's tie rule). s [B,T,N] -> int32 [B,T,K]."""
-    best, chosen = lax.top_k(s, min(k, s.shape[-1]))
+    """Top-K entries per query (K = min(k, N)); a pick with score −∞ becomes −1. Among equal scores the lower
+    index is selected (the op's tie rule: ``lax.top_k``'s, and ``radix_top_k``'s by construction).
+    s [B,T,N] -> int32 [B,T,K] (picks in no particular order)."""
+    n = s.shape[-1]
+    k = min(k, n)
+    if n >= RADIX_MIN_ENTRIES and jax.default_backend() == "gpu":
+        chosen = radix_top_k(s.reshape(-1, n), k).reshape(*s.shape[:-1], k)
+        best = jnp.take_along_axis(s, chosen, axis=-1)
+    else:
+        best, chosen = lax.top_k(s, k)
     return jnp.where(best > -jnp.inf, chosen, -1).astype(jnp.int32)
+
+
+def _sortable(s):
+    """f32 -> uint32 whose unsigned order is the floats' order (−∞ lowest; −0 just below +0)."""
+    u = lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
+    return jnp.where((u >> 31) == 1, ~u, u | jnp.uint32(1 << 31))
+
+
+def radix_top_k(s, k: int):
+    """Exact top-K of each row without sorting: s [R,N] f32 -> int32 [R,K] indices (K ≤ N), in index order.
+
+    Radix select on the scores' order-preserving bits (``_sortable``), RADIX_BITS at a time from the top: each
+    pass counts, among the entries that share the prefix found so far, how many fall in each digit, and keeps
+    the digit holding the K-th largest. After 32 bits the prefix *is* the K-th largest key v; every entry above
+    v is taken, and of the entries equal to v the lowest-indexed ones, as many as K still needs (the tie rule).
+    Each pass is a compare-and-count over the row (no scatter), so the cost is linear in N."""
+    r, n = s.shape
+    key = _sortable(s)
+    bins = jnp.arange(1 << RADIX_BITS, dtype=jnp.uint32)
+    prefix = jnp.zeros((r,), jnp.uint32)
+    need = jnp.full((r,), k, jnp.int32)  # how many of the entries sharing ``prefix`` K still needs
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        digit = (key >> shift) & (bins.size - 1)
+        high = shift + RADIX_BITS
+        match = (key >> high) == (prefix[:, None] >> high) if high < 32 else jnp.ones(key.shape, bool)
+        count = jnp.sum((digit[:, None, :] == bins[None, :, None]) & match[:, None, :], axis=-1,
+                        dtype=jnp.int32)  # [R, bins]
+        above = jnp.cumsum(count[:, ::-1], axis=1)[:, ::-1] - count  # entries with a larger digit
+        d = jnp.argmax((above < need[:, None]) & (above + count >= need[:, None]), axis=1)
+        need = need - jnp.take_along_axis(above, d[:, None], axis=1)[:, 0]
+        prefix = prefix | (d.astype(jnp.uint32) << shift)
+    ties = key == prefix[:, None]
+    take = (key > prefix[:, None]) | (ties & (jnp.cumsum(ties, axis=1, dtype=jnp.int32) <= need[:, None]))
+    slot = jnp.where(take, jnp.cumsum(take, axis=1, dtype=jnp.int32) - 1, k)
+    entries = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (r, n))
+    return jnp.zeros((r, k), jnp.int32).at[jnp.arange(r)[:, None], slot].set(entries, mode="drop")
 
 
 def index_topk_xla(q, w, keys, positions, *, ratio: int, k: int, kept_blocks=None, keep_blocks: int = 0,
