@@ -220,8 +220,10 @@ def run(req: Request, on_step=None) -> dict:
         cache_bytes = build.bytes_per_device(cache)
         makers = [("prefill", lambda: measure.prefill_step(model, cache, rows=req.rows, position=position,
                                                              hasher=hasher))]
-        if req.decode:
-            makers.append(("decode", lambda: measure.decode_step(model, cache, position=position, hasher=hasher)))
+        if req.decode:  # the last user of this cache: it is donated when it has a free row for every run
+            donate = req.rows >= req.repeats + _EXTRA_DECODE_RUNS
+            makers.append(("decode", lambda: measure.decode_step(model, cache, position=position, hasher=hasher,
+                                                                 donate=donate)))
         for kind, make in makers:
             step = make()
             if not req.compile_only:
@@ -235,6 +237,9 @@ def run(req: Request, on_step=None) -> dict:
             del step
         del cache
     return report
+
+
+_EXTRA_DECODE_RUNS = 5  # a decode step's runs beyond --repeats: the warm-up and up to 3 traced, +1 spare
 
 
 def _params(model):
@@ -288,7 +293,7 @@ def _step_report(req: Request, step, weights: int, cache: int) -> dict:
         "temporaries": _pair(plan["workspace"], mem.get("temp")),
     }
     return {
-        "kind": r.kind, "rows": r.rows, "position": r.position, "compile_s": r.compile_s,
+        "kind": r.kind, "rows": r.rows, "position": r.position, "compile_s": r.compile_s, "donated": step.chained,
         "flops": {"xla": r.xla_flops, "spec": spec_total, "spec_parts": spec,
                   "xla_over_spec": (r.xla_flops / spec_total) if r.xla_flops and spec_total else None},
         "bytes_accessed_xla": r.xla_bytes_accessed,

@@ -58,6 +58,8 @@ def _check_step(step: dict, world: int) -> None:
 def test_profile_tiny_world_1_and_4(capsys):
     one = _run(capsys, "--world", "1", "--rows", "64", "--position", "40", "--decode")
     assert [s["kind"] for s in one["steps"]] == ["prefill", "decode"]
+    # the decode step donates its cache as the engine's does (a run does not copy the whole cache)
+    assert [s["donated"] for s in one["steps"]] == [False, True]
     for step in one["steps"]:
         _check_step(step, 1)
     four = _run(capsys, "--world", "4", "--rows", "64", "--position", "40")
