@@ -171,6 +171,15 @@ def check_requests(requests: Sequence[Request], vocab_size: int, max_context: in
 
 
 # ------------------------------------------------------------------------------------------------ programs
+def image_rows(images):
+    """A segment's ``(table [R, D], row [B,T] i32 (−1: none), roles [B,T] i32)`` (`segment_images`) as the model's
+    ``ImageRows`` (inside a program)."""
+    from .model.transformer import ImageRows  # noqa: PLC0415
+
+    table, row, roles = images
+    return ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
+
+
 def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, keep_first_row: bool):
     """The model part of ``_step``.
 
@@ -185,10 +194,7 @@ def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, 
     model = nnx.merge(graphdef, state)
     kwargs = {} if engram is None else {"engram": engram}
     if images is not None:
-        from .model.transformer import ImageRows  # noqa: PLC0415
-
-        table, row, roles = images
-        kwargs["images"] = ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
+        kwargs["images"] = image_rows(images)
     last_row = jnp.clip(lengths - 1, 0, ids.shape[1] - 1)
     if keep_first_row:  # every row of sequence 0 is recorded: the head runs on every row
         logits, cache = model(ids, cache, lengths=lengths, **kwargs)
@@ -518,7 +524,7 @@ class Engine:
         stop = self._stop_inputs(requests)
         out, prefill_logits, history = self._prefill(requests, cache, stop, sizes, rows, timings, on_prefill,
                                                      record_logits, images)
-        step_images = _segment_images(images, 0, 0, 1)
+        step_images = segment_images(images, 0, 0, 1)
         if step_images is not None:  # the same every decode step: placed once
             step_images = jax.device_put(step_images, self._replicated)
         first_row = prefill_logits[-1:] if record_logits else None  # token 0's distribution
@@ -642,7 +648,7 @@ class Engine:
                 ids[:, :sub_size] = padded[:, sub_start : sub_start + sub_size]
                 sub_lengths = np.clip(lengths - sub_start, 0, sub_size).astype(np.int32)
                 args, history = self._step_args(out, cache, ids, sub_lengths, logits, running, step0, stop, history,
-                                                _segment_images(images, sub_start, sub_size, t))
+                                                segment_images(images, sub_start, sub_size, t))
                 out = self._call(record, args)
                 if record:
                     first_rows.append(np.asarray(out.first)[: min(sub_size, max(0, int(lengths[0]) - sub_start))])
@@ -725,7 +731,7 @@ class Engine:
         return generations, (np.stack(recorded) if record else None)
 
 
-def _segment_images(images, start: int, size: int, rows: int):
+def segment_images(images, start: int, size: int, rows: int):
     """The slice [start, start + size) of `Engine._encode`'s per-position arrays, padded to ``rows`` rows (None
     when the batch has no images). A slice without span positions still goes this way (all TEXT), so one
     program per row count serves a request with images, decode steps included."""

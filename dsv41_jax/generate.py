@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculate", choices=("auto", "off", "dspark"), default="auto",
                      help="DSpark speculative decoding (MODEL.md §B.13): draft with the checkpoint's mtp.* stages, "
                           "verify K+1 rows in one step. auto (default): on when --checkpoint has the stages and the "
-                          "run allows it (no images, no --logits-out, no --decode-chunk); dspark: "
+                          "run allows it (no --logits-out, no --decode-chunk); dspark: "
                           "on (the random tiny model too), refusing what it cannot run; off: never")
     gen.add_argument("--draft-tokens", type=int, default=5, metavar="K",
                      help="draft tokens a round with --speculate, 1..5 (default 5, what the stages are trained for)")
@@ -589,8 +589,6 @@ def wants_speculation(args, cfg, has_stages: bool, random: bool = False) -> bool
     blockers = []
     if not has_stages:
         blockers.append("the model has no DSpark stages (mtp.*)")
-    if _wants_images(args):
-        blockers.append("image prompts are not supported with speculation")
     if args.logits_out:
         blockers.append("--logits-out records one-row decode steps")
     if args.decode_chunk != 1:

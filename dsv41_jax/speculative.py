@@ -22,7 +22,10 @@ A round (`_round`):
    rings take the committed rows' context rows only.
 4. **Draft** the next round from the new bonus token (``model.dspark.draft``).
 
-Per-sequence acceptance, ragged advance: every sequence has its own offset and count. Image prompts are refused.
+Per-sequence acceptance, ragged advance: every sequence has its own offset and count. Image prompts: the prompt
+segments take their image rows as the engine's prefill does (the tower runs once; VISION.md §V.E), so the stage
+rings hold context rows of image positions too (taps of the target's own forward, §V.H item 3); verify rows are
+generated text.
 
 Engram layers (`MODEL.md` §B.12): their rows are hashed on the host from token ids, so the prompt segments take
 their rows as the engine's prefill does (history carried across segments), and each round takes the rows of its
@@ -46,7 +49,7 @@ import numpy as np
 from flax import nnx, struct
 
 from .engine import (Engine, EngineInputError, GenerateResult, Generation, Program, Request, Timings,
-                     bucket_rows)
+                     bucket_rows, image_rows, segment_images)
 from .model.attention import updated_ring, window_in_order
 from .model.cache import Cache
 from .model.dspark import Draft, context_rows, draft
@@ -213,20 +216,21 @@ def _draft(model, rings, bonus, offset, sampling, produced, k: int, vocab=None) 
 
 
 # ---------------------------------------------------------------------------------------------- programs
-def _prefill(graphdef, state, spec_cache, ids, lengths, last_logits, engram):
+def _prefill(graphdef, state, spec_cache, ids, lengths, last_logits, engram, images):
     """One prompt segment with taps: (cache, rings) updated, last_logits [B,V] of each sequence's last row.
-    ``engram``: the segment's rows (EngramInput) when the model runs engram layers, else None."""
+    ``engram``: the segment's rows (EngramInput) when the model runs engram layers, else None; ``images``: the
+    segment's image rows (`engine.segment_images`) for a batch with image prompts, else None."""
     model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
     with ctx:
-        return _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram)
+        return _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram, images)
 
 
-def _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram):
+def _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram, images):
     cache, rings = spec_cache
     last_row = jnp.clip(lengths - 1, 0, ids.shape[1] - 1)
     pad_ids, real = vocab or ((lambda x: x), (lambda x: x))
     logits, new, _, taps = model.forward(pad_ids(ids), cache, lengths, engram=engram, logit_rows=last_row,
-                                         taps=True)
+                                         taps=True, images=None if images is None else image_rows(images))
     logits = real(logits)
     positions = cache.offset[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
     ctx = context_rows(model.mtp, taps.context, positions)
@@ -317,8 +321,6 @@ def check_speculative(engine: Engine, requests: Sequence[Request], k: int) -> No
     cfg = engine.cfg
     if not 1 <= k <= min(MAX_DRAFT, cfg.dspark_block_size):
         raise EngineInputError(f"--draft-tokens must be in 1..{min(MAX_DRAFT, cfg.dspark_block_size)}, got {k}")
-    if any(r.images is not None for r in requests):
-        raise EngineInputError("speculative decoding with image prompts is not built; use --speculate off")
     if cfg.sliding_window < k + 1:
         raise EngineInputError(f"the sliding window ({cfg.sliding_window}) must hold a verify step's {k + 1} rows")
 
@@ -385,13 +387,17 @@ class Speculator:
             padded[b, : lengths[b]] = r.prompt_ids
         logits = jnp.zeros((batch, eng.vocab_size), jnp.float32)
         start, spec_cache, history = 0, (cache, rings), eng._empty_history(batch)
+        images = eng._encode(requests)
         for size in sizes:
             t = bucket_rows(size, max(sizes))
             ids = np.zeros((batch, t), np.int32)
             ids[:, :size] = padded[:, start:start + size]
             seg = np.clip(lengths - start, 0, size).astype(np.int32)
-            engram, history = eng._engram_rows(ids, seg, history)  # carried across segments, as the engine's
-            args = (eng.state, spec_cache, ids, seg, logits, engram)
+            seg_images = segment_images(images, start, size, t)
+            is_image = None if seg_images is None else seg_images[2] >= 0
+            # engram rows: history carried across segments, image positions DEAD, as the engine's prefill
+            engram, history = eng._engram_rows(ids, seg, history, is_image)
+            args = (eng.state, spec_cache, ids, seg, logits, engram, seg_images)
             spec_cache, logits = self._program(PREFILL, {}, args)(*args)
             start += size
         args = (eng.state, *spec_cache, logits, eos, max_new, sampling)
