@@ -165,6 +165,9 @@ def unit_name(unit: tuple[int, ...]) -> str:
     return str(unit[0]) if len(unit) == 1 else f"{unit[0]}-{unit[-1]}"
 
 
+_STACKED = re.compile(r"layers\.(\d+)-(\d+)\.(.+)")  # a stacked run's tensor: layers.A-B.<rest>
+
+
 def layer_names(name: str) -> list[str]:
     """A model name as the per-layer names it holds: ``layers.3-7.attn.wq_a.weight`` [5, ...] →
     ``layers.3.attn.wq_a.weight`` … ``layers.7.attn.wq_a.weight`` (row i is layer 3 + i); any other name → [name]."""
@@ -172,9 +175,6 @@ def layer_names(name: str) -> list[str]:
     if m is None:
         return [name]
     return [f"layers.{layer}.{m[3]}" for layer in range(int(m[1]), int(m[2]) + 1)]
-
-
-_STACKED = re.compile(r"layers\.(\d+)-(\d+)\.(.+)")
 
 
 def _stacked_block(cfg: ModelConfig, unit: tuple[int, ...], options: ModelOptions, rngs: nnx.Rngs) -> Block:
