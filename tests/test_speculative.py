@@ -13,6 +13,8 @@ host after the committed history only (prompts that repeat n-grams, so the hashe
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -25,6 +27,7 @@ from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions, Transformer
 from dsv41_jax.sampling import SamplingParams, filtered_logits, sampling_arrays
+from dsv41_jax import speculative
 from dsv41_jax.speculative import Speculator, accept
 
 MAX_CONTEXT = 96
@@ -123,8 +126,11 @@ def test_sharded_greedy_matches_plain_greedy(setup, world):
     weights = make_tiny.random_weights(cfg, 0, dspark=True)
     options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True)
     model, mesh = sharding.prepare(cfg, weights, world, options)
+    # The prompts (20 and 9 tokens) in one segment: one prefill program for the engine and one for the
+    # speculator instead of two each (15 s a world). Prompts over several segments (the rings and the cache
+    # carried from one segment program to the next) are the single-device tests' (`setup`: 16 + 16 + 5 rows).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(), mesh=mesh,
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+                    segment_plan=lambda n: fixed_segments(n, 32), short_rows=0)
     reference = engine.generate(requests)
     spec = Speculator(engine)
     _same(spec.generate(requests, 5), reference)
@@ -178,15 +184,22 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
 
 
 @pytest.mark.slow
-def test_speculative_sampling_matches_the_target_end_to_end(setup):
+def test_speculative_sampling_matches_the_target_end_to_end(setup, monkeypatch):
     """The whole path (stage drafts drawn after the filters, Markov-corrected, rejection-sampled against the
     6-row verify step): over N seeds of one prompt, the joint distribution of the first two tokens (the prompt's
     draw, then the first round's) is the target's, p(t0) · p(t1 | t0), at temperature 1 with top-k 4 (chi-square
     at ALPHA over the cells expecting ≥ 5, the rest pooled)."""
     cfg, engine, spec, requests, _ = setup
+    # n = 1500 keeps the power: the random stages' drafts rarely fall in the target's top 4 (acceptance 0.19 after
+    # one first token, 0 after the others), so a sampler that never accepts moves the pair distribution by only
+    # Cohen's w = 0.19; at n = 1500 the test (15 degrees of freedom, ALPHA) catches it with power 0.98 (0.38 at
+    # n = 600). A sampler drawing t1 from the drafts (w = 0.98) fails at any n here.
     n, params = 1500, dict(temperature=1.0, top_k=4)
     prompt = requests[2].prompt_ids
     reqs = [Request(prompt, 2, SamplingParams(**params, seed=s)) for s in range(n)]
+    # One round in flight: every sequence stops in the first round, and the second round the driver would queue
+    # before reading it (ROUNDS_AHEAD) runs 1500 rows for nothing (a third of this test's time on CPU).
+    monkeypatch.setattr(speculative, "ROUNDS_AHEAD", 1)
     out = spec.generate(reqs, 5)
     pairs = np.array([g.token_ids[:2] for g in out.generations])
     graphdef, state = nnx.split(engine_model(engine))
@@ -227,11 +240,15 @@ def engine_model(engine):
 def test_end_id_inside_a_round_stops_like_the_engine(setup):
     """An end id accepted mid-round ends the sequence there (the round's later tokens dropped), as the engine's
     step does; forced accept-all puts it mid-round."""
-    cfg, engine, _, requests, reference = setup
+    _, engine, _, requests, reference = setup
     eos = reference.generations[0].token_ids[12]
-    stopping = Engine(engine_model(engine), cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(eos,),
-                      segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+    # The same engine with one end id: the programs take the end ids as an argument of the same shape ([1]; no
+    # end id is passed as [-1]), so the copy runs `setup`'s compiled programs (a new Engine would trace and
+    # compile them all again: 20 s).
+    stopping = copy.copy(engine)
+    stopping.eos_ids = (eos,)
     want = stopping.generate(requests)
+    assert want.timings.programs_compiled == 0
     assert want.generations[0].finish_reason == "eos" and len(want.generations[0].token_ids) <= 13
     ref = _oracle(requests, reference)
     out = Speculator(stopping).generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
