@@ -44,8 +44,10 @@ def spec_config(name: str = "tiny"):
 def setup():
     cfg = spec_config()
     model = Transformer(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), rngs=nnx.Rngs(0))
+    # The reference prefills row by row through the decode program (short_rows: one program, not three); the
+    # speculator's prefill takes the segments (16 + 16 + 5 rows: the rings carried across segment programs).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=16)
     rng = np.random.default_rng(1)
     prompts = [tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n)) for n in (37, 20, 9)]
     requests = [Request(p, n) for p, n in zip(prompts, (40, 33, 29))]
@@ -126,11 +128,12 @@ def test_sharded_greedy_matches_plain_greedy(setup, world):
     weights = make_tiny.random_weights(cfg, 0, dspark=True)
     options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True)
     model, mesh = sharding.prepare(cfg, weights, world, options)
-    # The prompts (20 and 9 tokens) in one segment: one prefill program for the engine and one for the
-    # speculator instead of two each (15 s a world). Prompts over several segments (the rings and the cache
-    # carried from one segment program to the next) are the single-device tests' (`setup`: 16 + 16 + 5 rows).
+    # The prompts (20 and 9 tokens) in one segment: one prefill program for the speculator instead of two, and
+    # the reference prefills row by row through its decode program (15 s a world less compiling). Prompts over
+    # several segments (the rings and the cache carried from one segment program to the next) are the
+    # single-device tests' (`setup`: 16 + 16 + 5 rows).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(), mesh=mesh,
-                    segment_plan=lambda n: fixed_segments(n, 32), short_rows=0)
+                    segment_plan=lambda n: fixed_segments(n, 32), short_rows=32)
     reference = engine.generate(requests)
     spec = Speculator(engine)
     _same(spec.generate(requests, 5), reference)
@@ -262,8 +265,10 @@ def engram_setup():
     cfg = spec_config("tiny_engram")
     assert cfg.engram_layer_ids == (1,)
     model = Transformer(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), rngs=nnx.Rngs(3))
+    # As `setup`: the reference prefills row by row (the hash history advanced a row at a time), the speculator
+    # in segments (16 + 15 rows).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=16)
     assert engine.hasher is not None
     base = np.random.default_rng(5).integers(3, cfg.image_token_id, 10)
     prompts = [np.concatenate([base, base[2:8], base, base[:5]]), np.concatenate([base[4:], base[:7], base[4:]])]
@@ -302,7 +307,7 @@ def test_engram_host_tables_match_plain_greedy(engram_setup):
     options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True, engram_tables="host")
     model = build_model(cfg, options, {k: v for k, v in weights.items() if not is_engram_table(k)})
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0,
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=16,
                     host_tables=HostTables.from_weights(weights, cfg))
     reference = engine.generate(requests)
     ref = _oracle(requests, reference)
