@@ -153,10 +153,10 @@ def _accept_distribution(params: SamplingParams, n: int, vocab: int = 6, k: int 
     draft = jnp.asarray(rng.normal(0, 1.5, (1, k, vocab)), jnp.float32)
     sampling = sampling_arrays([SamplingParams(params.temperature, params.top_k, params.top_p, s) for s in range(n)])
     sampling = jax.tree.map(jnp.asarray, sampling)
-    target_b, draft_b = jnp.broadcast_to(target, (n, k + 1, vocab)), jnp.broadcast_to(draft, (n, k, vocab))
 
     @jax.jit
-    def run(sampling):
+    def run(sampling, target, draft):  # logits as arguments: closed over, XLA constant-folds them (13 s)
+        target_b, draft_b = jnp.broadcast_to(target, (n, k + 1, vocab)), jnp.broadcast_to(draft, (n, k, vocab))
         produced = jnp.ones((n,), jnp.int32)
         keys = jax.vmap(lambda kd: jax.random.wrap_key_data(kd, impl="threefry2x32"))(sampling.keys)
         keys = jax.vmap(lambda key: jax.random.fold_in(key, 99))(keys)
@@ -167,7 +167,7 @@ def _accept_distribution(params: SamplingParams, n: int, vocab: int = 6, k: int 
         n_acc, fix = accept(target_b, drafts, draft_b, sampling, produced)
         return jnp.where(n_acc > 0, drafts[:, 0], fix), jnp.mean(n_acc)
 
-    first, mean_acc = run(sampling)
+    first, mean_acc = run(sampling, target, draft)
     p = jax.nn.softmax(filtered_logits(target[:, 0], jnp.full((1,), params.temperature),
                                        jnp.full((1,), params.top_k, jnp.int32), jnp.full((1,), params.top_p)))[0]
     return np.bincount(np.asarray(first), minlength=vocab), np.asarray(p, np.float64), float(mean_acc)
