@@ -73,14 +73,15 @@ def test_stage_attention_sees_ring_window_and_whole_block(model):
     positions = offset[:, None] + jnp.arange(k)[None, :]
     u = jnp.asarray(rng.normal(size=(b, k, cfg.hidden_size)), jnp.float32)
     ring = jnp.asarray(rng.normal(size=(b, w, cfg.head_dim)), jnp.float32)
-    got = np.asarray(stage._attend(u, positions, ring, offset))
+    attend = nnx.jit(lambda stage, *args: stage._attend(*args))  # one program for the three calls
+    got = np.asarray(attend(stage, u, positions, ring, offset))
     np.testing.assert_allclose(got, _np_attention(stage, u, positions, ring, offset), atol=ATOL)
     # Bidirectional inside the block: the last row changes the first row's output.
     u2 = u.at[:, -1].add(1.0)
-    assert not np.allclose(np.asarray(stage._attend(u2, positions, ring, offset))[:, 0], got[:, 0], atol=1e-4)
+    assert not np.allclose(np.asarray(attend(stage, u2, positions, ring, offset))[:, 0], got[:, 0], atol=1e-4)
     # Slots of positions < 0 are never seen.
     ring2 = ring.at[0, 3:].set(100.0)
-    np.testing.assert_allclose(np.asarray(stage._attend(u, positions, ring2, offset))[0], got[0], atol=ATOL)
+    np.testing.assert_allclose(np.asarray(attend(stage, u, positions, ring2, offset))[0], got[0], atol=ATOL)
 
 
 @nnx.jit
