@@ -73,25 +73,26 @@ def test_stage_attention_sees_ring_window_and_whole_block(model):
     positions = offset[:, None] + jnp.arange(k)[None, :]
     u = jnp.asarray(rng.normal(size=(b, k, cfg.hidden_size)), jnp.float32)
     ring = jnp.asarray(rng.normal(size=(b, w, cfg.head_dim)), jnp.float32)
-    got = np.asarray(stage._attend(u, positions, ring, offset))
+    attend = nnx.jit(lambda stage, *args: stage._attend(*args))  # one program for the three calls
+    got = np.asarray(attend(stage, u, positions, ring, offset))
     np.testing.assert_allclose(got, _np_attention(stage, u, positions, ring, offset), atol=ATOL)
     # Bidirectional inside the block: the last row changes the first row's output.
     u2 = u.at[:, -1].add(1.0)
-    assert not np.allclose(np.asarray(stage._attend(u2, positions, ring, offset))[:, 0], got[:, 0], atol=1e-4)
+    assert not np.allclose(np.asarray(attend(stage, u2, positions, ring, offset))[:, 0], got[:, 0], atol=1e-4)
     # Slots of positions < 0 are never seen.
     ring2 = ring.at[0, 3:].set(100.0)
-    np.testing.assert_allclose(np.asarray(stage._attend(u, positions, ring2, offset))[0], got[0], atol=ATOL)
+    np.testing.assert_allclose(np.asarray(attend(stage, u, positions, ring2, offset))[0], got[0], atol=ATOL)
 
 
-def test_taps_are_the_mean_of_streams_entering_target_layers(model):
+@nnx.jit
+def _taps_by_hand(model, ids):
+    """One program (op by op this is 45 s of eager dispatch on CPU): (logits with taps, logits without, the taps,
+    the streams entering each layer [L] of [B,T,D] (the mean over the HC streams), computed by running the blocks
+    one by one, the stages' context rows, and those rows by hand from the spec's formula)."""
     cfg = model.cfg
-    rng = np.random.default_rng(1)
-    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 7)), jnp.int32)
-    cache = init_cache(cfg, 2, 32, "float32")
+    cache = init_cache(cfg, ids.shape[0], 32, "float32")
     logits, _, _, taps = model.forward(ids, cache, taps=True)
     plain, _ = model(ids, cache)
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), atol=ATOL)  # taps change nothing
-    # Run the blocks by hand and collect the streams entering each layer.
     b, t = ids.shape
     s = cfg.hc_mult
     lengths = jnp.full((b,), t, jnp.int32)
@@ -104,31 +105,49 @@ def test_taps_are_the_mean_of_streams_entering_target_layers(model):
     csa = CsaState.empty(cfg.num_hidden_layers)
     entering = []
     for block, lc in zip(model.layers, cache.layers):
-        entering.append(np.asarray(streams).mean(axis=2))
+        entering.append(streams.mean(axis=2))
         streams, pre, _, csa = block(streams, pre, seg, lc, csa)
-    want = np.concatenate([entering[i] for i in cfg.dspark_target_layer_ids], axis=-1)
-    np.testing.assert_allclose(np.asarray(taps.context), want, atol=ATOL)
-    assert set(taps.pending) == {1}  # the ratio-2 compressor layer
     # Context rows: m = RMS(τ·main_projᵀ; main_norm), then each stage's RMS(m·wkvᵀ; kv_norm) with RoPE.
     ctx = context_rows(model.mtp, taps.context, seg.positions)
     m = model.mtp[0].main_norm(model.mtp[0].main_proj(taps.context))
-    for stage, c in zip(model.mtp, ctx):
-        want = apply_rope(stage.attn.kv_norm(stage.attn.wkv(m)), seg.positions, stage.attn.inv_freq)
-        np.testing.assert_allclose(np.asarray(c), np.asarray(want), atol=ATOL)
+    want_ctx = [apply_rope(stage.attn.kv_norm(stage.attn.wkv(m)), seg.positions, stage.attn.inv_freq)
+                for stage in model.mtp]
+    return logits, plain, taps, entering, ctx, want_ctx
+
+
+def test_taps_are_the_mean_of_streams_entering_target_layers(model):
+    cfg = model.cfg
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 7)), jnp.int32)
+    logits, plain, taps, entering, ctx, want_ctx = _taps_by_hand(model, ids)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), atol=ATOL)  # taps change nothing
+    want = np.concatenate([np.asarray(entering[i]) for i in cfg.dspark_target_layer_ids], axis=-1)
+    np.testing.assert_allclose(np.asarray(taps.context), want, atol=ATOL)
+    assert set(taps.pending) == {1}  # the ratio-2 compressor layer
+    for c, w in zip(ctx, want_ctx, strict=True):
+        np.testing.assert_allclose(np.asarray(c), np.asarray(w), atol=ATOL)
+
+
+@nnx.jit
+def _greedy_draft(model, bonus, offset):
+    """A greedy draft from ``bonus`` [B] at ``offset`` [B] over empty rings, and its logits less the Markov bias of
+    the token before each position (one program: op by op this is 17 s of eager dispatch on CPU)."""
+    cfg = model.cfg
+    b = bonus.shape[0]
+    rings = tuple(jnp.zeros((b, cfg.sliding_window, cfg.head_dim), jnp.float32) for _ in model.mtp)
+    greedy = lambda j, row: jnp.argmax(row, -1).astype(jnp.int32)  # noqa: E731
+    d = draft(model.mtp, model.embed, model.head, bonus, rings, offset, cfg, cfg.dspark_block_size, greedy)
+    before = [bonus, *[d.tokens[:, j] for j in range(cfg.dspark_block_size - 1)]]
+    return d, d.logits - jnp.stack([model.mtp[-1].markov_head.bias(p) for p in before], 1)
 
 
 def test_draft_markov_bias_is_sequential(model):
     cfg = model.cfg
-    b = 2
-    rings = tuple(jnp.zeros((b, cfg.sliding_window, cfg.head_dim), jnp.float32) for _ in model.mtp)
     bonus = jnp.asarray([7, 100], jnp.int32)
     offset = jnp.asarray([0, 5], jnp.int32)
-    greedy = lambda j, row: jnp.argmax(row, -1).astype(jnp.int32)  # noqa: E731
-    d = draft(model.mtp, model.embed, model.head, bonus, rings, offset, cfg, cfg.dspark_block_size, greedy)
+    d, streams_free = _greedy_draft(model, bonus, offset)
     last = model.mtp[-1]
     prev = np.asarray(bonus)
-    streams_free = d.logits - jnp.stack([last.markov_head.bias(p) for p in
-                                         [bonus, *[d.tokens[:, j] for j in range(cfg.dspark_block_size - 1)]]], 1)
     for j in range(cfg.dspark_block_size):
         tok = np.asarray(d.tokens[:, j])
         assert (tok == np.asarray(jnp.argmax(d.logits[:, j], -1))).all()
@@ -136,7 +155,7 @@ def test_draft_markov_bias_is_sequential(model):
         np.testing.assert_allclose(np.asarray(d.logits[:, j] - streams_free[:, j]), bias.T, atol=1e-4)
         prev = tok
     h = np.asarray(collapse(jnp.zeros((1, 1, cfg.hc_mult, cfg.hidden_size)), jnp.ones((1, 1, cfg.hc_mult))))
-    assert h.shape == (1, 1, cfg.hidden_size) and d.confidence.shape == (b, cfg.dspark_block_size)
+    assert h.shape == (1, 1, cfg.hidden_size) and d.confidence.shape == (len(bonus), cfg.dspark_block_size)
 
 
 def test_make_tiny_dspark_round_trip(tmp_path):

@@ -13,6 +13,8 @@ host after the committed history only (prompts that repeat n-grams, so the hashe
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -25,6 +27,7 @@ from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions, Transformer
 from dsv41_jax.sampling import SamplingParams, filtered_logits, sampling_arrays
+from dsv41_jax import speculative
 from dsv41_jax.speculative import Speculator, accept
 
 MAX_CONTEXT = 96
@@ -41,8 +44,10 @@ def spec_config(name: str = "tiny"):
 def setup():
     cfg = spec_config()
     model = Transformer(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), rngs=nnx.Rngs(0))
+    # The reference prefills row by row through the decode program (short_rows: one program, not three); the
+    # speculator's prefill takes the segments (16 + 16 + 5 rows: the rings carried across segment programs).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=16)
     rng = np.random.default_rng(1)
     prompts = [tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n)) for n in (37, 20, 9)]
     requests = [Request(p, n) for p, n in zip(prompts, (40, 33, 29))]
@@ -123,8 +128,12 @@ def test_sharded_greedy_matches_plain_greedy(setup, world):
     weights = make_tiny.random_weights(cfg, 0, dspark=True)
     options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True)
     model, mesh = sharding.prepare(cfg, weights, world, options)
+    # The prompts (20 and 9 tokens) in one segment: one prefill program for the speculator instead of two, and
+    # the reference prefills row by row through its decode program (15 s a world less compiling). Prompts over
+    # several segments (the rings and the cache carried from one segment program to the next) are the
+    # single-device tests' (`setup`: 16 + 16 + 5 rows).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(), mesh=mesh,
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+                    segment_plan=lambda n: fixed_segments(n, 32), short_rows=32)
     reference = engine.generate(requests)
     spec = Speculator(engine)
     _same(spec.generate(requests, 5), reference)
@@ -144,10 +153,10 @@ def _accept_distribution(params: SamplingParams, n: int, vocab: int = 6, k: int 
     draft = jnp.asarray(rng.normal(0, 1.5, (1, k, vocab)), jnp.float32)
     sampling = sampling_arrays([SamplingParams(params.temperature, params.top_k, params.top_p, s) for s in range(n)])
     sampling = jax.tree.map(jnp.asarray, sampling)
-    target_b, draft_b = jnp.broadcast_to(target, (n, k + 1, vocab)), jnp.broadcast_to(draft, (n, k, vocab))
 
     @jax.jit
-    def run(sampling):
+    def run(sampling, target, draft):  # logits as arguments: closed over, XLA constant-folds them (13 s)
+        target_b, draft_b = jnp.broadcast_to(target, (n, k + 1, vocab)), jnp.broadcast_to(draft, (n, k, vocab))
         produced = jnp.ones((n,), jnp.int32)
         keys = jax.vmap(lambda kd: jax.random.wrap_key_data(kd, impl="threefry2x32"))(sampling.keys)
         keys = jax.vmap(lambda key: jax.random.fold_in(key, 99))(keys)
@@ -158,7 +167,7 @@ def _accept_distribution(params: SamplingParams, n: int, vocab: int = 6, k: int 
         n_acc, fix = accept(target_b, drafts, draft_b, sampling, produced)
         return jnp.where(n_acc > 0, drafts[:, 0], fix), jnp.mean(n_acc)
 
-    first, mean_acc = run(sampling)
+    first, mean_acc = run(sampling, target, draft)
     p = jax.nn.softmax(filtered_logits(target[:, 0], jnp.full((1,), params.temperature),
                                        jnp.full((1,), params.top_k, jnp.int32), jnp.full((1,), params.top_p)))[0]
     return np.bincount(np.asarray(first), minlength=vocab), np.asarray(p, np.float64), float(mean_acc)
@@ -178,15 +187,24 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
 
 
 @pytest.mark.slow
-def test_speculative_sampling_matches_the_target_end_to_end(setup):
+def test_speculative_sampling_matches_the_target_end_to_end(setup, monkeypatch):
     """The whole path (stage drafts drawn after the filters, Markov-corrected, rejection-sampled against the
     6-row verify step): over N seeds of one prompt, the joint distribution of the first two tokens (the prompt's
     draw, then the first round's) is the target's, p(t0) · p(t1 | t0), at temperature 1 with top-k 4 (chi-square
     at ALPHA over the cells expecting ≥ 5, the rest pooled)."""
     cfg, engine, spec, requests, _ = setup
-    n, params = 1500, dict(temperature=1.0, top_k=4)
-    prompt = requests[2].prompt_ids
+    # Power (measured on these weights): the random stages' drafts rarely fall in the target's top 4, so a sampler
+    # that never accepts (t1 always from the residual) moves the pair distribution little. This 2-token prompt is
+    # one after which drafts are accepted often enough (probability 0.29 after one of its four first tokens; 0.19
+    # after the 9-token prompt used before): the never-accepting sampler moves the 16 cells by Cohen's w = 0.41,
+    # which the test (15 degrees of freedom, ALPHA) catches with power 1.000 at n = 600 (0.999 at n = 400; the
+    # 9-token prompt needed n = 1500 for 0.98). A sampler drawing t1 from the drafts (w ≈ 1) fails at any n.
+    n, params = 600, dict(temperature=1.0, top_k=4)
+    prompt = requests[0].prompt_ids[2:4]
     reqs = [Request(prompt, 2, SamplingParams(**params, seed=s)) for s in range(n)]
+    # One round in flight: every sequence stops in the first round, and the second round the driver would queue
+    # before reading it (ROUNDS_AHEAD) runs every row for nothing (a third of this test's time on CPU).
+    monkeypatch.setattr(speculative, "ROUNDS_AHEAD", 1)
     out = spec.generate(reqs, 5)
     pairs = np.array([g.token_ids[:2] for g in out.generations])
     graphdef, state = nnx.split(engine_model(engine))
@@ -227,11 +245,15 @@ def engine_model(engine):
 def test_end_id_inside_a_round_stops_like_the_engine(setup):
     """An end id accepted mid-round ends the sequence there (the round's later tokens dropped), as the engine's
     step does; forced accept-all puts it mid-round."""
-    cfg, engine, _, requests, reference = setup
+    _, engine, _, requests, reference = setup
     eos = reference.generations[0].token_ids[12]
-    stopping = Engine(engine_model(engine), cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(eos,),
-                      segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+    # The same engine with one end id: the programs take the end ids as an argument of the same shape ([1]; no
+    # end id is passed as [-1]), so the copy runs `setup`'s compiled programs (a new Engine would trace and
+    # compile them all again: 20 s).
+    stopping = copy.copy(engine)
+    stopping.eos_ids = (eos,)
     want = stopping.generate(requests)
+    assert want.timings.programs_compiled == 0
     assert want.generations[0].finish_reason == "eos" and len(want.generations[0].token_ids) <= 13
     ref = _oracle(requests, reference)
     out = Speculator(stopping).generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
@@ -245,8 +267,10 @@ def engram_setup():
     cfg = spec_config("tiny_engram")
     assert cfg.engram_layer_ids == (1,)
     model = Transformer(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), rngs=nnx.Rngs(3))
+    # As `setup`: the reference prefills row by row (the hash history advanced a row at a time), the speculator
+    # in segments (16 + 15 rows).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=16)
     assert engine.hasher is not None
     base = np.random.default_rng(5).integers(3, cfg.image_token_id, 10)
     prompts = [np.concatenate([base, base[2:8], base, base[:5]]), np.concatenate([base[4:], base[:7], base[4:]])]
@@ -285,7 +309,7 @@ def test_engram_host_tables_match_plain_greedy(engram_setup):
     options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True, engram_tables="host")
     model = build_model(cfg, options, {k: v for k, v in weights.items() if not is_engram_table(k)})
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=0,
+                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=16,
                     host_tables=HostTables.from_weights(weights, cfg))
     reference = engine.generate(requests)
     ref = _oracle(requests, reference)
