@@ -30,7 +30,8 @@ from sharding.load import place
 from sharding.mesh import replicated
 
 from .config import ModelConfig
-from .model.transformer import Transformer, WeightsError, layer_names
+from .model.transformer import Transformer, WeightsError
+from .param_specs import layer_names
 from .planner import kernel_tiles
 
 

@@ -188,6 +188,31 @@ def engram_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
             TensorSpec(p + "k_weight", (s, d), "f32")]
 
 
+# A stacked run's model names (docs/DESIGN.md "Parameter names" item 3): ``layers.A-B.<rest>`` [n, ...] holds
+# ``layers.A.<rest>`` … ``layers.B.<rest>``, row i = layer A + i.
+_STACKED = re.compile(r"layers\.(\d+)-(\d+)\.(.+)")
+
+
+def unit_name(unit: tuple[int, ...]) -> str:
+    """A unit's name under ``layers`` (``ModelConfig.layer_units``): ``"L"`` for a layer alone, ``"A-B"`` for
+    the stacked run A..B."""
+    return str(unit[0]) if len(unit) == 1 else f"{unit[0]}-{unit[-1]}"
+
+
+def is_stacked(name: str) -> bool:
+    """True for a stacked run's model name (``layers.3-7.attn.wq_a.weight``)."""
+    return _STACKED.fullmatch(name) is not None
+
+
+def layer_names(name: str) -> list[str]:
+    """A model name as the per-layer names it holds: ``layers.3-7.attn.wq_a.weight`` [5, ...] →
+    ``layers.3.attn.wq_a.weight`` … ``layers.7.attn.wq_a.weight`` (row i is layer 3 + i); any other name → [name]."""
+    m = _STACKED.fullmatch(name)
+    if m is None:
+        return [name]
+    return [f"layers.{layer}.{m[3]}" for layer in range(int(m[1]), int(m[2]) + 1)]
+
+
 def is_engram_table(name: str) -> bool:
     """True for ``layers.L.engram.embed.weight`` / ``.scale`` (held as stored: e4m3 codes, ue8m0 bytes)."""
     return re.fullmatch(r"layers\.\d+\.engram\.embed\.(?:weight|scale)", name) is not None

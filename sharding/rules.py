@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from flax.core.spmd import get_logical_axis_rules
 from jax.sharding import PartitionSpec
 
+from dsv41_jax.param_specs import is_stacked
 from sharding.mesh import TP
 
 LAYOUTS = ("tp", "ep")
@@ -60,7 +61,6 @@ VISION_AXES = (VISION_QKV, VISION_HEADS, VISION_GATE_UP, VISION_MLP, ALIGNER_HID
 # Backbone layers, and stacked runs ``layers.A-B.`` (their leading layer axis is never split: `param_logical_axes`);
 # DSpark stages are split like a backbone layer (§F.1).
 _LAYER = r"(?:layers\.\d+(?:-\d+)?|mtp\.\d+)\."
-_STACKED = r"layers\.\d+-\d+\..+"
 
 PARAM_RULES: tuple[Rule, ...] = (
     # ---- split ----
@@ -202,7 +202,7 @@ def param_logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
     """Logical axis per dim of parameter ``name``; replicated rules fit any rank of tensor. A stacked run's
     tensor (``layers.A-B.*``, docs/DESIGN.md "Scanned layers") has its layers' axes after an unsplit layer axis."""
     axes = rule_for(name).axes
-    if re.fullmatch(_STACKED, name) and not all(a is None for a in axes):
+    if is_stacked(name) and not all(a is None for a in axes):
         axes = (None, *axes)
     if all(a is None for a in axes):
         return (None,) * ndim

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -14,6 +13,7 @@ from flax import nnx
 from pallas_kernels import registry
 
 from ..config import ModelConfig
+from ..param_specs import unit_name
 from ..planner import KernelTiles
 from .attention import Attention, CsaState, Segment
 from .cache import Cache
@@ -158,23 +158,6 @@ class Block(nnx.Module):
                                            self.hc_ffn_scale[...], **self.hc_kwargs)
             y = self.ffn(self.ffn_norm(collapse(streams, pre_a)), is_image)
             return expand(y, streams, post_f, comb_f), pre_f, cache, csa
-
-
-def unit_name(unit: tuple[int, ...]) -> str:
-    """A unit's name under ``layers``: ``"L"`` for a layer alone, ``"A-B"`` for the stacked run A..B."""
-    return str(unit[0]) if len(unit) == 1 else f"{unit[0]}-{unit[-1]}"
-
-
-_STACKED = re.compile(r"layers\.(\d+)-(\d+)\.(.+)")  # a stacked run's tensor: layers.A-B.<rest>
-
-
-def layer_names(name: str) -> list[str]:
-    """A model name as the per-layer names it holds: ``layers.3-7.attn.wq_a.weight`` [5, ...] →
-    ``layers.3.attn.wq_a.weight`` … ``layers.7.attn.wq_a.weight`` (row i is layer 3 + i); any other name → [name]."""
-    m = _STACKED.fullmatch(name)
-    if m is None:
-        return [name]
-    return [f"layers.{layer}.{m[3]}" for layer in range(int(m[1]), int(m[2]) + 1)]
 
 
 def _stacked_block(cfg: ModelConfig, unit: tuple[int, ...], options: ModelOptions, rngs: nnx.Rngs) -> Block:

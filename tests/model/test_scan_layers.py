@@ -26,7 +26,7 @@ from flax import nnx
 from dsv41_jax.config import load_named
 from dsv41_jax.loading import build_model, param_name
 from dsv41_jax.model import ModelOptions, Transformer, WeightsError, init_cache
-from dsv41_jax.model.transformer import layer_names
+from dsv41_jax.param_specs import layer_names
 
 F32 = ModelOptions(dtype="float32", quant_rounding=True)
 
