@@ -476,12 +476,15 @@ class Engine:
             gathered = arg((*shape, self.host_tables.row_bytes), jnp.uint8)
         return EngramInput(rows=arg(shape, jnp.int32), text=arg((batch, t), jnp.bool_), gathered=gathered)
 
-    def _engram_rows(self, ids: np.ndarray, lengths: np.ndarray, history, is_image: np.ndarray | None = None):
+    def _engram_rows(self, ids: np.ndarray, lengths: np.ndarray, history, images=None):
         """(EngramInput for this call | None, the history after it): hashed on the host (module docstring).
-        ``is_image [B, T]``: image-span positions are DEAD in the hash history and gated to 0 (VISION.md §V.E.4)."""
+        ``images``: the call's slice of the image positions (`segment_images`) or None; image-span positions are
+        DEAD in the hash history and gated to 0 (VISION.md §V.E.4)."""
         if self.hasher is None:
             return None, history
         from .model.engram import EngramInput  # noqa: PLC0415
+
+        is_image = None if images is None else np.asarray(images[2]) >= 0
 
         rows, history = self.hasher.rows(ids, history, is_image=is_image, lengths=lengths)
         text = np.ones(ids.shape, bool) if is_image is None else ~is_image
@@ -587,8 +590,7 @@ class Engine:
         """The arguments of one ``step`` call and the engram history after it. ``ids``/``lengths``/``running``/
         ``step`` are host arrays (prefill, engram decode) or the previous step's device outputs (chained decode);
         engram rows are hashed from host ids here (module docstring)."""
-        is_image = None if images is None or self.hasher is None else np.asarray(images[2]) >= 0
-        engram, history = self._engram_rows(ids, lengths, history, is_image)
+        engram, history = self._engram_rows(ids, lengths, history, images)
         if out is not None:
             cache, logits = out.cache, out.last_logits
         return (self.state, cache, ids, lengths, logits, running, step, *stop, images, engram), history

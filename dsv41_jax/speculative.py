@@ -394,9 +394,8 @@ class Speculator:
             ids[:, :size] = padded[:, start:start + size]
             seg = np.clip(lengths - start, 0, size).astype(np.int32)
             seg_images = segment_images(images, start, size, t)
-            is_image = None if seg_images is None else seg_images[2] >= 0
             # engram rows: history carried across segments, image positions DEAD, as the engine's prefill
-            engram, history = eng._engram_rows(ids, seg, history, is_image)
+            engram, history = eng._engram_rows(ids, seg, history, seg_images)
             args = (eng.state, spec_cache, ids, seg, logits, engram, seg_images)
             spec_cache, logits = self._program(PREFILL, {}, args)(*args)
             start += size
