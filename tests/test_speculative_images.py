@@ -23,9 +23,9 @@ from dsv41_jax.engine import Engine, Request, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions, Transformer
 from dsv41_jax.speculative import Speculator
 from dsv41_jax.vision.preprocess import expand_prompt, load_image, prepare_image
+from test_speculative import MAX_CONTEXT, _oracle, _same  # tests/ is on sys.path (conftest)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
-MAX_CONTEXT = 96
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +46,10 @@ def setup():
     return cfg, engine, Speculator(engine), requests, engine.generate(requests)
 
 
-def _same(out, reference):
-    for got, want in zip(out.generations, reference.generations, strict=True):
-        assert got.token_ids == want.token_ids
-
-
 def test_greedy_after_image_prompts_matches_plain_greedy(setup):
     cfg, engine, spec, requests, reference = setup
     _same(spec.generate(requests, 5), reference)
-    # forced accept-all: the drafts are the reference tokens
-    ref = np.zeros((len(requests), MAX_CONTEXT + 16), np.int32)
-    for i, (r, g) in enumerate(zip(requests, reference.generations)):
-        seq = list(r.prompt_ids) + list(g.token_ids)
-        ref[i, : len(seq)] = seq
+    ref = _oracle(requests, reference)  # forced accept-all: the drafts are the reference tokens
     out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, reference)
     assert out.timings.tokens_per_round > 3.0
