@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv41_jax import compiler
 from dsv41_jax.config import load_named
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.profiling import build
@@ -62,7 +63,7 @@ def compile_step(cfg, options, rows: int) -> dict:
     start = time.perf_counter()
     lowered = jax.jit(step, donate_argnums=1).lower(state, cache, ids)
     traced = time.perf_counter()
-    text = lowered.compile().as_text()
+    text = lowered.compile(compiler.options()).as_text()
     done = time.perf_counter()
     return {"trace_s": traced - start, "compile_s": done - traced, "custom_calls": text.count("custom-call("),
             "fusions": text.count(" fusion("), "while": text.count(" while(")}

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import compiler
 from .config import ModelConfig
 from .planner import SHORT_ROWS, segment_sizes
 from .sampling import SamplingArrays, SamplingParams, sample, sampling_arrays
@@ -345,7 +346,7 @@ class ProgramTable:
         program = call.program
         fn = functools.partial(program.fn, self.graphdef) if program.model else program.fn
         jitted = jax.jit(fn, static_argnames=program.static, donate_argnums=program.donate)
-        return jitted.lower(*call.args, **call.static).compile()
+        return jitted.lower(*call.args, **call.static).compile(compiler.options())
 
     def ensure(self, calls: Sequence[Call]) -> None:
         """Compile every call not compiled yet, in parallel threads."""

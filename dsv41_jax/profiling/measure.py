@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax import compiler
 from sharding import replicated
 
 
@@ -129,7 +130,7 @@ def _compile(fn, in_shardings, out_shardings, args, result: StepResult, donate: 
     start = time.perf_counter()
     lowered = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                       donate_argnums=donate).lower(*args)
-    compiled = lowered.compile(dict(COMPILER_OPTIONS)) if COMPILER_OPTIONS else lowered.compile()
+    compiled = lowered.compile({**compiler.options(), **COMPILER_OPTIONS})
     result.compile_s = time.perf_counter() - start
     result.xla_flops, result.xla_bytes_accessed = _cost(compiled)
     result.memory = _memory(compiled)
