@@ -1,21 +1,164 @@
-"""The XLA options every program of the engine (and `profile`, `benchmarks/`) is compiled with.
+"""The one place the engine's programs (and `profile`'s) are compiled: the XLA options, and the executable
+store that lets a second run skip tracing and compiling altogether.
 
-On a GPU, XLA's Triton GEMM fusions are off: XLA then autotunes only among cuBLAS's algorithms instead of
-compiling and timing dozens of Triton tilings per GEMM shape. Measured on the H200 (jax 0.11.2, 2026-12-01,
-docs/BENCHMARKS.md "Compile time"): the 2-layer full-width 2,048-row prefill compiles in 6.9 s instead of 36 s
-and runs in 23.8 ms vs 23.4 ms; the decode step is unchanged. ``--xla_gpu_autotune_level=0`` compiles as fast
-but its untuned Triton GEMMs made that prefill 3.8× slower. XLA_FLAGS set by the user still apply to anything
-not named here.
+**Options.** On a GPU, XLA's Triton GEMM fusions are off: XLA then autotunes only among cuBLAS's algorithms
+instead of compiling and timing dozens of Triton tilings per GEMM shape. Measured on the H200 (jax 0.11.2,
+2026-12-01, docs/BENCHMARKS.md "Compile time"): the 2-layer full-width 2,048-row prefill compiles in 6.9 s
+instead of 36 s and runs in 23.8 ms vs 23.4 ms; the decode step is unchanged. ``--xla_gpu_autotune_level=0``
+compiles as fast but its untuned Triton GEMMs made that prefill 3.8× slower. XLA_FLAGS set by the user still
+apply to anything not named here.
+
+**Executable store** (the persistent cache, `compile_cache`). JAX's own persistent cache still traces and lowers
+a program to find its entry: 4–5 s for the 40-layer model's step before a ~3 s load. When the cache is on,
+`compile` keeps each compiled executable under ``<cache dir>/executables/`` (`jax.experimental.serialize_executable`), keyed by
+everything the executable depends on: the caller's identity of the program (its name and the model's graph
+definition), its static arguments, the abstract arguments with their shardings and devices, the source of this
+project's packages, the jax/jaxlib versions, the backend, the compile options and ``XLA_FLAGS``. A hit
+deserializes the executable (~2 s for the 40-layer step on the H200) without tracing. A file that cannot be
+read or loaded is compiled again and rewritten; a store that cannot be written is skipped (the cache is an
+optimisation, never a reason to fail a run).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import pickle
+import time
+from pathlib import Path
+
 import jax
+from jax.api_util import shaped_abstractify
+from jax.experimental import serialize_executable
 
 GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+STORE_DIR = "executables"
+_PACKAGES = ("dsv41_jax", "sharding", "pallas_kernels")
+_ROOT = Path(__file__).resolve().parent.parent
 
 
 def options(platform: str | None = None) -> dict:
     """The compile options for ``platform`` (default: the default backend's), for ``Lowered.compile``."""
     platform = platform or jax.default_backend()
     return dict(GPU_OPTIONS) if platform in ("gpu", "cuda", "rocm") else {}
+
+
+def compile(jitted, args: tuple, static: dict | None = None, *, identity: str, extra_options: dict | None = None):
+    """``jitted.lower(*args, **static).compile(options)``, or the same executable from the store.
+
+    ``jitted``: a ``jax.jit`` of the program (donation and shardings set); ``identity``: what names the program
+    beyond its arguments (its name, the graph definition it closes over, its out shardings). Returns a
+    ``jax.stages.Compiled``."""
+    static = static or {}
+    compile_options = {**options(), **(extra_options or {})}
+    path = _store_path(identity, args, static, compile_options)
+    if path is not None and path.exists():
+        loaded = _load(path)
+        if loaded is not None:
+            return loaded
+    compiled = jitted.lower(*args, **static).compile(compile_options)
+    if path is not None:
+        _save(path, compiled)
+    return compiled
+
+
+def graph_digest(graphdef) -> str:
+    """A digest of an NNX graph definition (its repr is deterministic: types, static attributes, the config)."""
+    return hashlib.sha256(repr(graphdef).encode()).hexdigest()
+
+
+_store: list[Path | None] = [None]
+
+
+def use_store(directory: Path | None) -> None:
+    """Keep executables under ``directory`` (None: no store). `compile_cache.enable` calls this."""
+    _store[0] = directory
+
+
+def store_dir() -> Path | None:
+    return _store[0]
+
+
+def _store_path(identity: str, args: tuple, static: dict, compile_options: dict) -> Path | None:
+    directory = store_dir()
+    if directory is None:
+        return None
+    parts = (identity, _static_key(static), _signature(args), source_digest(), _environment(),
+             repr(sorted(compile_options.items())))
+    if any(" at 0x" in part for part in parts):  # a repr with an address differs every run: never a hit
+        return None
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return directory / f"{h.hexdigest()}.exe"
+
+
+def _static_key(static: dict) -> str:
+    """Static arguments by value; a module-level function by its qualified name (the source digest covers its
+    body). A closure, lambda, partial or bound method keeps its repr, whose address makes the program unstored."""
+    def name(value):
+        qualname = getattr(value, "__qualname__", "")
+        if (callable(value) and qualname and "<" not in qualname and not getattr(value, "__closure__", None)
+                and not hasattr(value, "__self__")):
+            return f"{value.__module__}.{qualname}"
+        return repr(value)
+    return repr(sorted((k, name(v)) for k, v in static.items()))
+
+
+def _signature(args: tuple) -> str:
+    """Tree structure, then each leaf's aval (shape, dtype, weak type), sharding and device ids."""
+    leaves, treedef = jax.tree.flatten(args)
+    parts = [str(treedef)]
+    for x in leaves:
+        aval = shaped_abstractify(x)
+        sharding = getattr(x, "sharding", None)
+        devices = getattr(getattr(sharding, "mesh", None), "devices", None)
+        ids = [d.id for d in devices.flat] if devices is not None else sorted(
+            d.id for d in getattr(sharding, "device_set", ()))
+        parts.append(f"{aval.str_short()}|{aval.weak_type}|{sharding!r}|{ids}")
+    return "\n".join(parts)
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of every ``.py`` file of the project's packages (an executable is stale once any changes)."""
+    h = hashlib.sha256()
+    for package in _PACKAGES:
+        for path in sorted((_ROOT / package).rglob("*.py")):
+            h.update(str(path.relative_to(_ROOT)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _environment() -> str:
+    import jaxlib  # noqa: PLC0415
+
+    devices = jax.devices()
+    return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} {jax.default_backend()} "
+            f"{[(d.id, d.device_kind) for d in devices]} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+
+
+def _load(path: Path):
+    try:
+        serialized, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+        by_id = {d.id: d for d in jax.devices()}
+        return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                         execution_devices=[by_id[i] for i in device_ids])
+    except Exception:  # noqa: BLE001 - a stale or damaged entry is compiled again and rewritten
+        return None
+
+
+def _save(path: Path, compiled) -> None:
+    """The executable, its pytrees and the ids of the devices it runs on, in order (a program without
+    arguments runs on one device, not on all of the backend's, which is what loading assumes otherwise)."""
+    try:
+        device_ids = [d.id for d in compiled._executable._unloaded_executable.device_list]
+        blob = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{time.monotonic_ns()}.tmp")
+        tmp.write_bytes(blob)
+        tmp.replace(path)
+    except Exception:  # noqa: BLE001 - e.g. a full disk, or an executable the backend cannot serialize
+        return

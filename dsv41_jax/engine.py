@@ -334,6 +334,7 @@ class ProgramTable:
         self.graphdef = graphdef
         self.compiled: dict = {}
         self.compile_s = 0.0
+        self._graph_digest = None
 
     @staticmethod
     def key(call: Call) -> tuple:
@@ -346,7 +347,14 @@ class ProgramTable:
         program = call.program
         fn = functools.partial(program.fn, self.graphdef) if program.model else program.fn
         jitted = jax.jit(fn, static_argnames=program.static, donate_argnums=program.donate)
-        return jitted.lower(*call.args, **call.static).compile(compiler.options())
+        return compiler.compile(jitted, call.args, call.static, identity=self._identity(program))
+
+    def _identity(self, program: Program) -> str:
+        """What names ``program`` across processes beyond its arguments (`compiler.compile`'s store key)."""
+        if program.model and self._graph_digest is None:
+            self._graph_digest = compiler.graph_digest(self.graphdef)
+        return (f"{program.fn.__module__}.{program.fn.__qualname__} donate={program.donate} "
+                f"graph={self._graph_digest if program.model else None}")
 
     def ensure(self, calls: Sequence[Call]) -> None:
         """Compile every call not compiled yet, in parallel threads."""

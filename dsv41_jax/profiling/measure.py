@@ -102,7 +102,7 @@ def _model_step(model, cache, rows: int, position: int, kind: str, seed: int, ha
     result = StepResult(kind, rows, position, batch)
     try:
         compiled = _compile(step, (_shardings(state), cache_sh, rep, rep, jax.tree.map(lambda _: rep, engram)),
-                            (cache_sh, rep, rep), args, result, donate=(1,) if donate else ())
+                            (cache_sh, rep, rep), args, result, graphdef, donate=(1,) if donate else ())
     except Exception as e:  # noqa: BLE001 - a step that does not compile is reported, the others still run
         result.error = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         compiled = None
@@ -126,11 +126,13 @@ COMPILER_OPTIONS: dict = {}  # e.g. FAST_CPU_COMPILE for CPU smoke runs
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _compile(fn, in_shardings, out_shardings, args, result: StepResult, donate: tuple[int, ...] = ()):
+def _compile(fn, in_shardings, out_shardings, args, result: StepResult, graphdef, donate: tuple[int, ...] = ()):
+    """``fn`` runs the model ``graphdef``; its digest names the program in ``compiler.compile``'s store."""
     start = time.perf_counter()
-    lowered = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                      donate_argnums=donate).lower(*args)
-    compiled = lowered.compile({**compiler.options(), **COMPILER_OPTIONS})
+    jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
+    identity = (f"profiling.measure.step {compiler.graph_digest(graphdef)} donate={donate} "
+                f"in={in_shardings[1:]!r} out={out_shardings!r}")
+    compiled = compiler.compile(jitted, args, identity=identity, extra_options=COMPILER_OPTIONS)
     result.compile_s = time.perf_counter() - start
     result.xla_flops, result.xla_bytes_accessed = _cost(compiled)
     result.memory = _memory(compiled)

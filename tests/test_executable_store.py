@@ -1,0 +1,118 @@
+"""The executable store (`dsv41_jax.compiler`): a program found there runs without tracing or compiling and gives
+the bitwise-same outputs as the program compiled in this process; its key changes with everything the executable
+depends on; a damaged entry is compiled again; a program whose static arguments have no stable name is never
+stored (it could only miss, or worse, be confused with another closure of the same name)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import compile_cache, compiler, make_tiny
+from dsv41_jax.engine import Engine, Request, fixed_segments
+from dsv41_jax.loading import build_model
+from dsv41_jax.model.transformer import ModelOptions
+from test_engine import mini_config
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """The store on under ``tmp_path``, counting loads and compiles; off again after the test."""
+    counts = {"loaded": 0, "compiled": 0}
+    real_load, real_save = compiler._load, compiler._save
+
+    def load(path):
+        out = real_load(path)
+        counts["loaded"] += out is not None
+        return out
+
+    def save(path, compiled):
+        counts["compiled"] += 1
+        real_save(path, compiled)
+
+    monkeypatch.setattr(compiler, "_load", load)
+    monkeypatch.setattr(compiler, "_save", save)
+    enabled = jax.config.jax_enable_compilation_cache
+    assert compile_cache.enable(str(tmp_path / "xla")) == tmp_path / "xla"
+    yield tmp_path / "xla" / compiler.STORE_DIR, counts
+    compiler.use_store(None)
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
+def _engine():
+    cfg = mini_config()
+    model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))
+    return Engine(model, cfg, max_context=64, cache_dtype="float32", eos_ids=(),
+                  segment_plan=lambda n: fixed_segments(n, 16), short_rows=15)
+
+
+def test_a_stored_program_runs_without_compiling_and_gives_the_same_outputs(store):
+    directory, counts = store
+    prompt = tuple(range(3, 40))
+    first = _engine().generate([Request(prompt, 5)], record_logits=True)
+    compiled = counts["compiled"]
+    assert compiled >= 2 and counts["loaded"] == 0  # the step programs (init's static is a plain function)
+    assert len(list(directory.glob("*.exe"))) == compiled
+    second = _engine().generate([Request(prompt, 5)], record_logits=True)  # a new engine: nothing in memory
+    assert counts["compiled"] == compiled and counts["loaded"] == compiled
+    assert second.generations[0].token_ids == first.generations[0].token_ids
+    np.testing.assert_array_equal(second.prefill_logits, first.prefill_logits)
+    np.testing.assert_array_equal(second.decode_logits, first.decode_logits)
+
+
+def _key(fn=jnp.sin, static=None, x=None, identity="f", options=None):
+    x = jnp.ones((4, 8), jnp.float32) if x is None else x
+    return compiler._store_path(identity, (x,), static or {}, options or {})
+
+
+def test_the_key_follows_what_the_executable_depends_on(store, monkeypatch):
+    base = _key()
+    assert base == _key()  # stable
+    assert _key(x=jnp.ones((4, 9), jnp.float32)) != base  # shape
+    assert _key(x=jnp.ones((4, 8), jnp.bfloat16)) != base  # dtype
+    assert _key(identity="g") != base  # the program (name, graph digest)
+    assert _key(static={"k": 2}) != _key(static={"k": 3})
+    assert _key(options={"xla_gpu_enable_triton_gemm": False}) != base
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    assert _key() != base
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(compiler, "source_digest", lambda: "edited")
+    assert _key() != base
+
+
+@pytest.mark.devices(2)
+def test_the_key_follows_the_sharding_and_a_sharded_program_round_trips(store):
+    directory, counts = store
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jnp.arange(32.0).reshape(4, 8)
+    xs, xw = jax.device_put(x, split), jax.device_put(x, whole)
+    assert _key(x=xs) != _key(x=xw)
+    jitted = jax.jit(lambda a: (a * 2.0).sum(axis=0))
+    out = compiler.compile(jitted, (xs,), identity="double-sum")(xs)
+    loaded = compiler.compile(jitted, (xs,), identity="double-sum")
+    assert counts == {"loaded": 1, "compiled": 1}
+    np.testing.assert_array_equal(loaded(xs), out)
+
+
+def test_a_damaged_entry_is_compiled_again(store):
+    directory, counts = store
+    jitted = jax.jit(lambda a: a + 1.0)
+    x = jnp.ones((3,), jnp.float32)
+    compiler.compile(jitted, (x,), identity="plus-one")
+    (entry,) = directory.glob("*.exe")
+    entry.write_bytes(b"not an executable")
+    np.testing.assert_array_equal(compiler.compile(jitted, (x,), identity="plus-one")(x), x + 1.0)
+    assert counts == {"loaded": 0, "compiled": 2}
+    assert compiler.compile(jitted, (x,), identity="plus-one") is not None and counts["loaded"] == 1
+
+
+def test_static_arguments_without_a_stable_name_are_never_stored(store):
+    assert _key(static={"fn": jnp.sin}) is not None  # a module-level function: its qualified name
+    assert _key(static={"fn": lambda a: a}) is None
+    offset = 2.0
+    assert _key(static={"fn": lambda a: a + offset}) is None
+    assert _key(static={"obj": object()}) is None  # a repr with an address
