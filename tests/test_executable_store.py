@@ -78,6 +78,8 @@ def test_the_key_follows_what_the_executable_depends_on(store, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
     assert _key() != base
     monkeypatch.delenv("XLA_FLAGS")
+    with jax.default_matmul_precision("highest"):  # a jax setting that changes the traced program
+        assert _key() != base
     monkeypatch.setattr(compiler, "source_digest", lambda: "edited")
     assert _key() != base
 
