@@ -54,16 +54,28 @@ def default_block_m(num_pairs: int, num_experts: int) -> int:
     return 16
 
 
+# Up to this many pairs (a decode step: rows × k), the plan is computed by pairwise comparisons ([P, P] and
+# [T, P] masks, a few fused kernels) instead of a sort, cumsums and searches over the experts (~27 small
+# kernels a layer on the H200; BENCHMARKS.md "Decode: fewer launches").
+DENSE_MAX_PAIRS = 256
+
+
 def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
     """Sort the pairs of ``topk_ids`` [N, k] by expert (stable by token) and build the tile table.
 
-    Pairs whose id is outside [0, E) are dropped: sorted past every expert and given no tile.
+    Pairs whose id is outside [0, E) are dropped: sorted past every expert and given no tile. The two
+    implementations (sort, or pairwise comparisons for at most ``DENSE_MAX_PAIRS`` pairs) give equal plans.
     """
     n_rows, k = topk_ids.shape
-    num_pairs = n_rows * k
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     valid = (ids >= 0) & (ids < num_experts)
     bucket = jnp.where(valid, ids, num_experts)  # dropped pairs go to an extra last bucket
+    plan = _dense_plan if n_rows * k <= DENSE_MAX_PAIRS else _sorted_plan
+    return plan(bucket, valid, n_rows, k, num_experts, block_m)
+
+
+def _sorted_plan(bucket, valid, n_rows: int, k: int, num_experts: int, block_m: int) -> TilePlan:
+    num_pairs = n_rows * k
     order = jnp.argsort(bucket, stable=True).astype(jnp.int32)  # stable: by token within an expert
     pos = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
 
@@ -90,4 +102,41 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
         tile_expert=expert,
         tile_first=first.astype(jnp.int32),
         tile_count=count.astype(jnp.int32),
+    )
+
+
+def _dense_plan(bucket, valid, n_rows: int, k: int, num_experts: int, block_m: int) -> TilePlan:
+    """``_sorted_plan`` by pairwise comparisons: pair i's sorted position is the number of pairs in lower
+    buckets plus the earlier pairs of its own; each used expert's first pair (its "lead") carries the expert's
+    tile count, and tile t belongs to the lead whose tile range holds t."""
+    num_pairs = n_rows * k
+    i = jnp.arange(num_pairs, dtype=jnp.int32)
+    lower = bucket[None, :] < bucket[:, None]  # [P, P]: pair j's bucket sorts before pair i's
+    same = bucket[None, :] == bucket[:, None]
+    offset = jnp.sum(lower, axis=1, dtype=jnp.int32)  # first sorted slot of i's bucket
+    rank = jnp.sum(same & (i[None, :] < i[:, None]), axis=1, dtype=jnp.int32)
+    pos = offset + rank
+    order = jnp.sum(jnp.where(pos[None, :] == i[:, None], i[None, :], 0), axis=1, dtype=jnp.int32)
+    count = jnp.sum(same, axis=1, dtype=jnp.int32)  # pairs in i's bucket
+    n_tiles_of = (count + block_m - 1) // block_m
+    lead = valid & (rank == 0)
+    tile_start = jnp.sum(jnp.where(lead[None, :] & lower, n_tiles_of[None, :], 0), axis=1, dtype=jnp.int32)
+
+    t = jnp.arange(max_tiles(num_pairs, num_experts, block_m), dtype=jnp.int32)[:, None]
+    owns = lead[None, :] & (tile_start[None, :] <= t) & (t < (tile_start + n_tiles_of)[None, :])  # [T, P]
+
+    def owner(values):
+        return jnp.sum(jnp.where(owns, values[None, :], 0), axis=1, dtype=jnp.int32)
+
+    used = jnp.any(owns, axis=1)
+    index_in_expert = t[:, 0] - owner(tile_start)
+    count_t = jnp.where(used, jnp.clip(owner(count) - index_in_expert * block_m, 0, block_m), 0)
+    first_t = jnp.where(count_t > 0, owner(offset) + index_in_expert * block_m, 0)
+    return TilePlan(
+        pair_token=jnp.concatenate([order // k, jnp.zeros((block_m,), jnp.int32)]),
+        pair_pos=jnp.where(valid, pos, num_pairs).reshape(n_rows, k),
+        pair_valid=valid.reshape(n_rows, k),
+        tile_expert=jnp.where(used, owner(bucket), num_experts - 1),
+        tile_first=first_t,
+        tile_count=count_t,
     )
