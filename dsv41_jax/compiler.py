@@ -34,6 +34,9 @@ from jax.experimental import serialize_executable
 
 GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 STORE_DIR = "executables"
+# The store keeps at most this many bytes: the least recently used entries go first (a 40-layer step is 6-8 MB;
+# every edit of the source makes new entries).
+STORE_MAX_BYTES = 4 << 30
 _PACKAGES = ("dsv41_jax", "sharding", "pallas_kernels")
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,19 +51,19 @@ def compile(jitted, args: tuple, static: dict | None = None, *, identity: str, e
     """``jitted.lower(*args, **static).compile(options)``, or the same executable from the store.
 
     ``jitted``: a ``jax.jit`` of the program (donation and shardings set); ``identity``: what names the program
-    beyond its arguments (its name, the graph definition it closes over, its out shardings). Returns a
-    ``jax.stages.Compiled``."""
+    beyond its arguments (its name, the graph definition it closes over, its out shardings). Returns
+    (a ``jax.stages.Compiled``, whether it came from the store)."""
     static = static or {}
     compile_options = {**options(), **(extra_options or {})}
     path = _store_path(identity, args, static, compile_options)
     if path is not None and path.exists():
         loaded = _load(path)
         if loaded is not None:
-            return loaded
+            return loaded, True
     compiled = jitted.lower(*args, **static).compile(compile_options)
     if path is not None:
         _save(path, compiled)
-    return compiled
+    return compiled, False
 
 
 def graph_digest(graphdef) -> str:
@@ -145,8 +148,10 @@ def _load(path: Path):
     try:
         serialized, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
         by_id = {d.id: d for d in jax.devices()}
-        return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
-                                                         execution_devices=[by_id[i] for i in device_ids])
+        loaded = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                           execution_devices=[by_id[i] for i in device_ids])
+        os.utime(path)  # recently used: pruned last
+        return loaded
     except Exception:  # noqa: BLE001 - a stale or damaged entry is compiled again and rewritten
         return None
 
@@ -161,5 +166,16 @@ def _save(path: Path, compiled) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.{time.monotonic_ns()}.tmp")
         tmp.write_bytes(blob)
         tmp.replace(path)
+        _prune(path.parent, STORE_MAX_BYTES)
     except Exception:  # noqa: BLE001 - e.g. a full disk, or an executable the backend cannot serialize
         return
+
+
+def _prune(directory: Path, max_bytes: int) -> None:
+    """Delete the least recently used entries until the store holds at most ``max_bytes``."""
+    entries = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in directory.glob("*.exe")), reverse=True)
+    total = 0
+    for _, size, path in entries:
+        total += size
+        if total > max_bytes:
+            path.unlink(missing_ok=True)

@@ -100,6 +100,7 @@ class Timings:
     decode_steps: int = 0
     compile_s: float = 0.0
     programs_compiled: int = 0
+    programs_loaded: int = 0  # of those, executables found in the persistent cache (`compiler`)
     segments: tuple[int, ...] = ()
 
     @property
@@ -334,6 +335,7 @@ class ProgramTable:
         self.graphdef = graphdef
         self.compiled: dict = {}
         self.compile_s = 0.0
+        self.loaded = 0  # programs whose executable came from the persistent cache
         self._graph_digest = None
 
     @staticmethod
@@ -347,7 +349,7 @@ class ProgramTable:
         program = call.program
         fn = functools.partial(program.fn, self.graphdef) if program.model else program.fn
         jitted = jax.jit(fn, static_argnames=program.static, donate_argnums=program.donate)
-        return compiler.compile(jitted, call.args, call.static, identity=self._identity(program))
+        return compiler.compile(jitted, call.args, call.static, identity=self._identity(program))  # (exe, loaded)
 
     def _identity(self, program: Program) -> str:
         """What names ``program`` across processes beyond its arguments (`compiler.compile`'s store key)."""
@@ -369,7 +371,8 @@ class ProgramTable:
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(todo)) as pool:
             futures = {key: pool.submit(self._compile, call) for key, call in todo.items()}
             for key, fut in futures.items():
-                self.compiled[key] = fut.result()
+                self.compiled[key], loaded = fut.result()
+                self.loaded += loaded
         self.compile_s += time.perf_counter() - start
 
     def get(self, program: Program, static: dict, args: tuple, sharding=None):
@@ -436,6 +439,11 @@ class Engine:
     def compile_count(self) -> int:
         """Programs compiled so far by this engine (one per program, static arguments and input shapes)."""
         return len(self._programs.compiled)
+
+    @property
+    def programs_loaded(self) -> int:
+        """Of ``compile_count``, the programs loaded whole from the persistent cache (no trace, no compile)."""
+        return self._programs.loaded
 
     def _plan(self, requests) -> tuple[list[int], list[int]]:
         """(segment sizes, program rows per segment: 1 for short segments, else the bucket)."""
@@ -528,7 +536,7 @@ class Engine:
         self.check(requests)
         sizes, rows = self._plan(requests)
         timings = Timings(prompt_tokens=sum(len(r.prompt_ids) for r in requests), segments=tuple(sizes))
-        compile_before, count_before = self._programs.compile_s, self.compile_count
+        compile_before, count_before, loaded_before = self._programs.compile_s, self.compile_count, self.programs_loaded
         has_images = any(r.images is not None for r in requests)
         self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images))
         cache = self._programs.run(INIT, self._init_static(len(requests)), ())
@@ -544,6 +552,7 @@ class Engine:
                                                   record_logits, history, step_images)
         timings.compile_s = self._programs.compile_s - compile_before
         timings.programs_compiled = self.compile_count - count_before
+        timings.programs_loaded = self.programs_loaded - loaded_before
         return GenerateResult(generations, timings, prefill_logits, decode_logits)
 
     def decode_from(self, cache, last_ids, requests: Sequence[Request], *,

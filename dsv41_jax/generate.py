@@ -680,7 +680,12 @@ def summary_line(t) -> str:
     return (f"prompt {t.prompt_tokens} tokens ({len(t.segments)} segment{'s' if len(t.segments) != 1 else ''}) · "
             f"prefill {t.prefill_s:.2f} s = {t.prefill_tok_s:,.1f} tok/s · "
             f"decode {t.generated_tokens} tokens in {t.decode_s:.2f} s = {t.decode_tok_s:,.1f} tok/s · "
-            f"compile {t.compile_s:.1f} s ({t.programs_compiled} programs)")
+            f"compile {t.compile_s:.1f} s ({_programs(t)})")
+
+
+def _programs(t) -> str:
+    loaded = f", {t.programs_loaded} loaded from the cache" if t.programs_loaded else ""
+    return f"{t.programs_compiled} program{'s' if t.programs_compiled != 1 else ''}{loaded}"
 
 
 def speculation_line(t, baseline=None) -> str:
@@ -700,7 +705,7 @@ def _timings_dict(t) -> dict:
     return {**extra, "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens, "segments": list(t.segments),
             "prefill_s": t.prefill_s, "prefill_tok_s": t.prefill_tok_s, "decode_s": t.decode_s,
             "decode_tok_s": t.decode_tok_s, "decode_steps": t.decode_steps, "compile_s": t.compile_s,
-            "programs_compiled": t.programs_compiled}
+            "programs_compiled": t.programs_compiled, "programs_loaded": t.programs_loaded}
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -743,7 +748,7 @@ def generate_with_output(engine, requests, tokenizer, args):
     stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
     if not args.json:
         _say("compiling ...")
-    count_before = engine.compile_count
+    count_before, loaded_before = engine.compile_count, engine.programs_loaded
     compile_s = engine.precompile(len(requests), longest, record_logits=record,
                                   images=any(r.images is not None for r in requests))
     on_prefill, stop_bar = _progress(longest, enabled=not args.json and len(engine.segment_plan(longest)) > 1)
@@ -754,6 +759,7 @@ def generate_with_output(engine, requests, tokenizer, args):
     stream.close()
     result.timings.compile_s += compile_s
     result.timings.programs_compiled = engine.compile_count - count_before
+    result.timings.programs_loaded = engine.programs_loaded - loaded_before
     return result
 
 

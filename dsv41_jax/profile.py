@@ -293,7 +293,8 @@ def _step_report(req: Request, step, weights: int, cache: int) -> dict:
         "temporaries": _pair(plan["workspace"], mem.get("temp")),
     }
     return {
-        "kind": r.kind, "rows": r.rows, "position": r.position, "compile_s": r.compile_s, "donated": step.chained,
+        "kind": r.kind, "rows": r.rows, "position": r.position, "compile_s": r.compile_s,
+        "compile_loaded": r.loaded, "donated": step.chained,
         "flops": {"xla": r.xla_flops, "spec": spec_total, "spec_parts": spec,
                   "xla_over_spec": (r.xla_flops / spec_total) if r.xla_flops and spec_total else None},
         "bytes_accessed_xla": r.xla_bytes_accessed,
@@ -356,9 +357,10 @@ def print_step(s: dict, out=sys.stdout) -> None:
     if s["error"]:
         w(f"  error: {s['error']}\n")
     f = s["flops"]
-    w(f"  compile {s['compile_s']:.1f} s · FLOPs/device XLA {_num(f['xla'])} vs spec {_num(f['spec'])} "
+    compile_ = f"compile {s['compile_s']:.1f} s{' (loaded from the cache)' if s['compile_loaded'] else ''}"
+    w(f"  {compile_} · FLOPs/device XLA {_num(f['xla'])} vs spec {_num(f['spec'])} "
       f"(x{f['xla_over_spec']:.2f})\n" if f["xla_over_spec"] else
-      f"  compile {s['compile_s']:.1f} s · FLOPs/device spec {_num(f['spec'])} (XLA: none)\n")
+      f"  {compile_} · FLOPs/device spec {_num(f['spec'])} (XLA: none)\n")
     w(f"  bytes accessed (XLA) {_fmt_bytes(s['bytes_accessed_xla'])}\n")
     w(f"  {'memory/device':<14}{'XLA':>14}{'planner':>14}{'diff':>10}\n")
     for name, m in s["memory"].items():

@@ -379,7 +379,7 @@ class Speculator:
         timings.segments = tuple(sizes)
         eos, max_new, sampling = eng._stop_inputs(requests)
         cache, rings = self._empty(batch, k)
-        compile_before, count_before = eng._programs.compile_s, eng.compile_count
+        compile_before, count_before, loaded_before = eng._programs.compile_s, eng.compile_count, eng.programs_loaded
         t0 = time.perf_counter()
         lengths = np.array([len(r.prompt_ids) for r in requests], np.int32)
         padded = np.zeros((batch, int(lengths.max())), np.int32)
@@ -412,6 +412,7 @@ class Speculator:
         step_fn = self._program(ROUND, {"k": k}, (eng.state, state, eos, max_new, sampling, oracle_dev, engram))
         timings.compile_s = eng._programs.compile_s - compile_before
         timings.programs_compiled = eng.compile_count - count_before
+        timings.programs_loaded = eng.programs_loaded - loaded_before
         t0 = time.perf_counter()
         ahead = ROUNDS_AHEAD if eng.hasher is None else 1  # engram: the next verify rows need this round's drafts
         pending: collections.deque = collections.deque()

@@ -57,6 +57,7 @@ def test_a_stored_program_runs_without_compiling_and_gives_the_same_outputs(stor
     assert len(list(directory.glob("*.exe"))) == compiled
     second = _engine().generate([Request(prompt, 5)], record_logits=True)  # a new engine: nothing in memory
     assert counts["compiled"] == compiled and counts["loaded"] == compiled
+    assert (first.timings.programs_loaded, second.timings.programs_loaded) == (0, compiled)
     assert second.generations[0].token_ids == first.generations[0].token_ids
     np.testing.assert_array_equal(second.prefill_logits, first.prefill_logits)
     np.testing.assert_array_equal(second.decode_logits, first.decode_logits)
@@ -94,9 +95,10 @@ def test_the_key_follows_the_sharding_and_a_sharded_program_round_trips(store):
     xs, xw = jax.device_put(x, split), jax.device_put(x, whole)
     assert _key(x=xs) != _key(x=xw)
     jitted = jax.jit(lambda a: (a * 2.0).sum(axis=0))
-    out = compiler.compile(jitted, (xs,), identity="double-sum")(xs)
-    loaded = compiler.compile(jitted, (xs,), identity="double-sum")
-    assert counts == {"loaded": 1, "compiled": 1}
+    compiled, from_store = compiler.compile(jitted, (xs,), identity="double-sum")
+    out = compiled(xs)
+    loaded, from_store_again = compiler.compile(jitted, (xs,), identity="double-sum")
+    assert counts == {"loaded": 1, "compiled": 1} and (from_store, from_store_again) == (False, True)
     np.testing.assert_array_equal(loaded(xs), out)
 
 
@@ -107,9 +109,10 @@ def test_a_damaged_entry_is_compiled_again(store):
     compiler.compile(jitted, (x,), identity="plus-one")
     (entry,) = directory.glob("*.exe")
     entry.write_bytes(b"not an executable")
-    np.testing.assert_array_equal(compiler.compile(jitted, (x,), identity="plus-one")(x), x + 1.0)
-    assert counts == {"loaded": 0, "compiled": 2}
-    assert compiler.compile(jitted, (x,), identity="plus-one") is not None and counts["loaded"] == 1
+    recompiled, loaded = compiler.compile(jitted, (x,), identity="plus-one")
+    np.testing.assert_array_equal(recompiled(x), x + 1.0)
+    assert counts == {"loaded": 0, "compiled": 2} and not loaded
+    assert compiler.compile(jitted, (x,), identity="plus-one")[1] and counts["loaded"] == 1
 
 
 def test_static_arguments_without_a_stable_name_are_never_stored(store):
@@ -118,3 +121,17 @@ def test_static_arguments_without_a_stable_name_are_never_stored(store):
     offset = 2.0
     assert _key(static={"fn": lambda a: a + offset}) is None
     assert _key(static={"obj": object()}) is None  # a repr with an address
+
+
+def test_the_store_drops_its_least_recently_used_entries_past_its_size(store, monkeypatch):
+    directory, counts = store
+    x = jnp.ones((3,), jnp.float32)
+    entry = {}
+    for name in ("a", "b"):  # the same program under two names: entries of one size
+        compiler.compile(jax.jit(jnp.sin), (x,), identity=name)
+        (entry[name],) = set(directory.glob("*.exe")) - set(entry.values())
+    size = entry["a"].stat().st_size
+    assert compiler.compile(jax.jit(jnp.sin), (x,), identity="a")[1]  # a is now the most recently used
+    monkeypatch.setattr(compiler, "STORE_MAX_BYTES", 2 * size + size // 2)  # room for two entries
+    compiler.compile(jax.jit(jnp.sin), (x,), identity="c")
+    assert entry["a"].exists() and not entry["b"].exists() and len(list(directory.glob("*.exe"))) == 2

@@ -34,6 +34,7 @@ class StepResult:
     position: int
     batch: int
     compile_s: float = 0.0
+    loaded: bool = False  # the executable came from the persistent cache (no trace, no compile)
     xla_flops: float | None = None
     xla_bytes_accessed: float | None = None
     memory: dict[str, int] = field(default_factory=dict)  # argument / output / alias / temp / code bytes
@@ -132,7 +133,7 @@ def _compile(fn, in_shardings, out_shardings, args, result: StepResult, graphdef
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
     identity = (f"profiling.measure.step {compiler.graph_digest(graphdef)} donate={donate} "
                 f"in={in_shardings[1:]!r} out={out_shardings!r}")
-    compiled = compiler.compile(jitted, args, identity=identity, extra_options=COMPILER_OPTIONS)
+    compiled, result.loaded = compiler.compile(jitted, args, identity=identity, extra_options=COMPILER_OPTIONS)
     result.compile_s = time.perf_counter() - start
     result.xla_flops, result.xla_bytes_accessed = _cost(compiled)
     result.memory = _memory(compiled)
