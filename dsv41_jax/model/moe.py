@@ -35,7 +35,13 @@ class Router(nnx.Module):
         """x [N,D], is_image bool [N] or None (all text) -> (topk_ids [N,k] int32, topk_weights [N,k] f32).
 
         Image rows select with ``bias_vl`` instead of ``bias``; the weights are the raw scores either way."""
-        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
+        # λ = f32(u)·f32(W)ᵀ (§B.10). Two bf16 operands go in as they are: their products are exact in f32 and
+        # the sum accumulates in f32, so this is the same λ up to summation order, on tensor cores (an f32
+        # GEMM at HIGHEST runs without them; issue #22).
+        weight = self.weight[...]
+        if jnp.promote_types(x.dtype, weight.dtype) == jnp.float32:
+            x, weight = x.astype(jnp.float32), weight.astype(jnp.float32)
+        logits = jnp.einsum("nd,ed->ne", x, weight, preferred_element_type=jnp.float32,
                             precision=HIGHEST) / self.temp
         scores = jnp.sqrt(jax.nn.softplus(logits))
         bias = self.bias[...]
