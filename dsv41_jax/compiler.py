@@ -47,20 +47,29 @@ def options(platform: str | None = None) -> dict:
     return dict(GPU_OPTIONS) if platform in ("gpu", "cuda", "rocm") else {}
 
 
-def compile(jitted, args: tuple, static: dict | None = None, *, identity: str, extra_options: dict | None = None):
+def compile(jitted, args: tuple, static: dict | None = None, *, identity: str, extra_options: dict | None = None,
+            timings: dict | None = None):
     """``jitted.lower(*args, **static).compile(options)``, or the same executable from the store.
 
     ``jitted``: a ``jax.jit`` of the program (donation and shardings set); ``identity``: what names the program
     beyond its arguments (its name, the graph definition it closes over, its out shardings). Returns
-    (a ``jax.stages.Compiled``, whether it came from the store)."""
+    (a ``jax.stages.Compiled``, whether it came from the store). ``timings``: a dict given the seconds of
+    ``lower_s`` (trace + lower) and ``compile_s`` (XLA), or ``load_s`` for a program from the store."""
+    clock = time.perf_counter()
     static = static or {}
     compile_options = {**options(), **(extra_options or {})}
     path = _store_path(identity, args, static, compile_options)
     if path is not None and path.exists():
         loaded = _load(path)
         if loaded is not None:
+            if timings is not None:
+                timings["load_s"] = time.perf_counter() - clock
             return loaded, True
-    compiled = jitted.lower(*args, **static).compile(compile_options)
+    lowered = jitted.lower(*args, **static)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile(compile_options)
+    if timings is not None:
+        timings.update(lower_s=lowered_at - clock, compile_s=time.perf_counter() - lowered_at)
     if path is not None:
         _save(path, compiled)
     return compiled, False

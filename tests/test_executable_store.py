@@ -95,10 +95,12 @@ def test_the_key_follows_the_sharding_and_a_sharded_program_round_trips(store):
     xs, xw = jax.device_put(x, split), jax.device_put(x, whole)
     assert _key(x=xs) != _key(x=xw)
     jitted = jax.jit(lambda a: (a * 2.0).sum(axis=0))
-    compiled, from_store = compiler.compile(jitted, (xs,), identity="double-sum")
+    cold, second = {}, {}
+    compiled, from_store = compiler.compile(jitted, (xs,), identity="double-sum", timings=cold)
     out = compiled(xs)
-    loaded, from_store_again = compiler.compile(jitted, (xs,), identity="double-sum")
+    loaded, from_store_again = compiler.compile(jitted, (xs,), identity="double-sum", timings=second)
     assert counts == {"loaded": 1, "compiled": 1} and (from_store, from_store_again) == (False, True)
+    assert set(cold) == {"lower_s", "compile_s"} and set(second) == {"load_s"}
     np.testing.assert_array_equal(loaded(xs), out)
 
 
