@@ -5,6 +5,9 @@ stored (it could only miss, or worse, be confused with another closure of the sa
 
 from __future__ import annotations
 
+import os
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,6 +136,8 @@ def test_the_store_drops_its_least_recently_used_entries_past_its_size(store, mo
         compiler.compile(jax.jit(jnp.sin), (x,), identity=name)
         (entry[name],) = set(directory.glob("*.exe")) - set(entry.values())
     size = entry["a"].stat().st_size
+    for age, name in ((200, "a"), (100, "b")):  # explicit ages: file times can be coarser than these steps
+        os.utime(entry[name], (time.time() - age, time.time() - age))
     assert compiler.compile(jax.jit(jnp.sin), (x,), identity="a")[1]  # a is now the most recently used
     monkeypatch.setattr(compiler, "STORE_MAX_BYTES", 2 * size + size // 2)  # room for two entries
     compiler.compile(jax.jit(jnp.sin), (x,), identity="c")
