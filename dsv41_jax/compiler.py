@@ -13,8 +13,9 @@ a program to find its entry: 4–5 s for the 40-layer model's step before a ~3 s
 `compile` keeps each compiled executable under ``<cache dir>/executables/``
 (`jax.experimental.serialize_executable`), keyed by everything the executable depends on: the caller's identity
 of the program (its name and the model's graph definition), its static arguments, the abstract arguments with
-their shardings and devices, the source of this project's packages, the jax/jaxlib versions and configuration,
-the backend, the compile options and ``XLA_FLAGS``. A hit deserializes the executable (2.4–2.6 s for a 40-layer
+their shardings and devices, the source of this project's packages, the jax/jaxlib/flax versions and jax's
+configuration, the backend, the compile options and ``XLA_FLAGS``; a loaded executable whose argument tree is
+not the call's is compiled again. A hit deserializes the executable (2.4–2.6 s for a 40-layer
 step on the H200) without tracing. A file that cannot be read or loaded is compiled again and rewritten; a
 store that cannot be written is skipped (the cache is an optimisation, never a reason to fail a run).
 """
@@ -61,7 +62,7 @@ def compile(jitted, args: tuple, static: dict | None = None, *, identity: str, e
     path = _store_path(identity, args, static, compile_options)
     if path is not None and path.exists():
         loaded = _load(path)
-        if loaded is not None:
+        if loaded is not None and loaded.in_tree == jax.tree.structure((tuple(args), {})):  # else: recompile
             if timings is not None:
                 timings["load_s"] = time.perf_counter() - clock
             return loaded, True
@@ -145,10 +146,11 @@ def source_digest() -> str:
 
 
 def _environment() -> str:
+    import flax  # noqa: PLC0415 - its pytree nodes (nnx.State) are in the stored argument trees
     import jaxlib  # noqa: PLC0415
 
     devices = jax.devices()
-    return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} {jax.default_backend()} "
+    return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} {jax.default_backend()} "
             f"{[(d.id, d.device_kind) for d in devices]} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')} "
             f"{sorted(jax.config.values.items())}")  # e.g. jax_default_matmul_precision changes the program
 
