@@ -142,3 +142,14 @@ def test_the_store_drops_its_least_recently_used_entries_past_its_size(store, mo
     monkeypatch.setattr(compiler, "STORE_MAX_BYTES", 2 * size + size // 2)  # room for two entries
     compiler.compile(jax.jit(jnp.sin), (x,), identity="c")
     assert entry["a"].exists() and not entry["b"].exists() and len(list(directory.glob("*.exe"))) == 2
+
+
+def test_a_loaded_executable_for_another_argument_tree_is_compiled_again(store, monkeypatch):
+    """Should two programs ever share a key, the argument trees still tell them apart (no wrong call)."""
+    directory, counts = store
+    monkeypatch.setattr(compiler, "_signature", lambda args: "one key for every argument tree")
+    x = jnp.arange(3.0)
+    compiler.compile(jax.jit(lambda a: a * 2.0), (x,), identity="f")
+    program, loaded = compiler.compile(jax.jit(lambda t: t["a"] * 3.0), ({"a": x},), identity="f")
+    assert not loaded and counts["compiled"] == 2  # deserialized, refused, compiled and stored again
+    np.testing.assert_array_equal(program({"a": x}), x * 3.0)
