@@ -35,6 +35,7 @@ def enable(directory: str | None = None) -> Path | None:
     An explicit directory that cannot be created or written raises ``CompileCacheError``; the default one
     failing only turns the cache off (a read-only home must not stop a run)."""
     import jax  # noqa: PLC0415
+    from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache  # noqa: PLC0415
 
     explicit = directory is not None
     directory = default_dir() if directory is None else directory
@@ -54,5 +55,7 @@ def enable(directory: str | None = None) -> Path | None:
     compiler.use_store(path / compiler.STORE_DIR)
     # JAX's own cache stays off: an executable it loads does not serialize back whole on XLA:CPU (jax 0.10.2:
     # the stored copy fails at dispatch, "Function wrapped_iota not found"), and the store needs no trace.
+    # reset_cache: JAX decides once per process whether its cache is used; make it decide again.
     jax.config.update("jax_enable_compilation_cache", False)
+    jax_compilation_cache.reset_cache()
     return path

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,21 @@ STORE_DIR = "executables"
 STORE_MAX_BYTES = 4 << 30
 _PACKAGES = ("dsv41_jax", "sharding", "pallas_kernels")
 _ROOT = Path(__file__).resolve().parent.parent
+
+
+# JAX's persistent cache is off while the store is on (`compile_cache.enable`), but it may have been on before (a
+# test session's shared cache, a user's JAX_COMPILATION_CACHE_DIR): an executable it loaded does not serialize
+# back whole on XLA:CPU, so one compiled from its cache is run but never stored. JAX reports each of its hits as
+# an event in the compiling thread.
+_from_jax_cache = threading.local()
+
+
+def _on_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _from_jax_cache.hit = True
+
+
+jax.monitoring.register_event_listener(_on_event)
 
 
 def options(platform: str | None = None) -> dict:
@@ -68,10 +84,11 @@ def compile(jitted, args: tuple, static: dict | None = None, *, identity: str, e
             return loaded, True
     lowered = jitted.lower(*args, **static)
     lowered_at = time.perf_counter()
+    _from_jax_cache.hit = False
     compiled = lowered.compile(compile_options)
     if timings is not None:
         timings.update(lower_s=lowered_at - clock, compile_s=time.perf_counter() - lowered_at)
-    if path is not None:
+    if path is not None and not _from_jax_cache.hit:
         _save(path, compiled)
     return compiled, False
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 from dsv41_jax import compile_cache, compiler, make_tiny
 from dsv41_jax.engine import Engine, Request, fixed_segments
@@ -42,6 +43,7 @@ def store(tmp_path, monkeypatch):
     yield tmp_path / "xla" / compiler.STORE_DIR, counts
     compiler.use_store(None)
     jax.config.update("jax_enable_compilation_cache", enabled)
+    jax_compilation_cache.reset_cache()  # the session's shared JAX cache (conftest) is used again
 
 
 def _engine():
@@ -153,3 +155,32 @@ def test_a_loaded_executable_for_another_argument_tree_is_compiled_again(store, 
     program, loaded = compiler.compile(jax.jit(lambda t: t["a"] * 3.0), ({"a": x},), identity="f")
     assert not loaded and counts["compiled"] == 2  # deserialized, refused, compiled and stored again
     np.testing.assert_array_equal(program({"a": x}), x * 3.0)
+
+
+@pytest.fixture
+def jax_cache(tmp_path):
+    """JAX's own persistent cache on, in ``tmp_path``; the session's settings back afterwards."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (str(tmp_path / "jax"), 0, 0)):
+        jax.config.update(name, value)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax_compilation_cache.reset_cache()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    jax_compilation_cache.reset_cache()
+
+
+def test_an_executable_from_jax_s_own_cache_is_run_but_not_stored(store, jax_cache):
+    """JAX's persistent cache (a user's, or the test session's) may serve a program first: that executable does
+    not serialize back whole on XLA:CPU, so it is never put in the store."""
+    directory, counts = store
+    compiler.use_store(None)
+    x = jnp.arange(5.0)
+    jax.jit(lambda a: jnp.cumsum(a) * 2.0).lower(x).compile()  # into JAX's cache
+    compiler.use_store(directory)
+    program, loaded = compiler.compile(jax.jit(lambda a: jnp.cumsum(a) * 2.0), (x,), identity="g")
+    np.testing.assert_array_equal(program(x), jnp.cumsum(x) * 2.0)
+    assert not loaded and not list(directory.glob("*.exe"))
