@@ -7,7 +7,8 @@
   share (env ``JAX_COMPILATION_CACHE_DIR``) and the controller removes at the end. Tests build many models
   whose programs are the same HLO (a fresh graph each time, so JAX's in-memory cache misses); from the second
   build on they load from disk. A test that asks for its own directory (``--compile-cache``) still gets it.
-* On CPU, XLA's backend at -O0 (compile time is most of the suite's time; an explicit level in XLA_FLAGS wins).
+* On CPU, XLA's backend at -O0 and the loop emitters instead of the MLIR fusion emitters (compile time is most
+  of the suite's time; an explicit setting of either in XLA_FLAGS wins).
 * CPU unless ``JAX_PLATFORMS`` says otherwise: ``make test-gpu`` sets ``JAX_PLATFORMS=cuda``, where as many
   devices exist as GPUs.
 * Markers that skip (with the reason) instead of failing where the machine lacks something:
@@ -18,6 +19,7 @@
 """
 
 import importlib
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -33,6 +35,14 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
     # The suite is compile-bound on tiny shapes: LLVM's -O0 halves the CPU backend's compile time (measured on
     # tests/test_engine.py: 86 -> 28 s of backend compiles) and changes no result (no fast-math either way).
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+_JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+if (os.environ["JAX_PLATFORMS"] == "cpu" and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
+        and _JAXLIB < (0, 11)):
+    # The CPU backend's older loop emitters compile the same fused HLO in a quarter less time than the MLIR
+    # fusion emitters (measured: the speculative engine's prefill/start/round programs, 28-31 -> 22-24 s) and
+    # compute the same IEEE operations (no fast-math either way). XLA aborts on a flag it does not know, so only
+    # on the jaxlib it was measured on (0.10).
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("DSV41_JAX_COMPILE_CACHE", "off")  # the user's cache; test_compile_cache turns it on
 _SESSION_CACHE = "DSV41_TEST_XLA_CACHE"  # set by the controller before the workers start; they inherit it
 if _SESSION_CACHE not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:

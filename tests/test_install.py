@@ -38,6 +38,10 @@ def _setuptools_builds_wheels_offline() -> bool:
 def _run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS", "PYTHONHOME")}
     env["JAX_PLATFORMS"] = "cpu"
+    # One device as a user's; the session's compile-time flags kept (conftest: faster compiles, same results).
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done

@@ -164,7 +164,10 @@ def test_generate_cli_checkpoint_world_2(tmp_path):
     with a traceback (``'CheckpointTensor' object has no attribute 'ndim'``); now it generates."""
     cfg = _small(vocab_size=320, eos_token_id=319)
     write_checkpoint(tmp_path, cfg, random_weights(cfg, seed=5), "none")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    # Two CPU devices; the session's other XLA flags kept (conftest: faster compiles, same results).
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env = dict(os.environ, XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=2"]),
+               JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "dsv41_jax.generate", "--checkpoint", str(tmp_path), "--prompt-ids",
            "4,8,15,16,23,42,108,7,77,1", "--greedy", "--max-new-tokens", "4", "--dtype", "float32",
            "--world", "2", "--json"]

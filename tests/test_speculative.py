@@ -211,17 +211,22 @@ def test_speculative_sampling_matches_the_target_end_to_end(setup, monkeypatch):
 
     @jax.jit
     def probs(ids):
+        """ids [4, 3] -> the filtered next-token probabilities after 2 and after 3 ids, [4, 2, V]."""
         model = nnx.merge(graphdef, state)
         from dsv41_jax.model.cache import init_cache
 
-        logits = model(ids, init_cache(cfg, ids.shape[0], MAX_CONTEXT, "float32"))[0][:, -1]
-        m = ids.shape[0]
-        f = filtered_logits(logits, jnp.full((m,), 1.0), jnp.full((m,), 4, jnp.int32), jnp.full((m,), 1.0))
-        return jax.nn.softmax(f, axis=-1)
+        logits = model(ids, init_cache(cfg, ids.shape[0], MAX_CONTEXT, "float32"))[0][:, -2:]
+        m = ids.shape[0] * 2
+        f = filtered_logits(logits.reshape(m, -1), jnp.full((m,), 1.0), jnp.full((m,), 4, jnp.int32),
+                            jnp.full((m,), 1.0))
+        return jax.nn.softmax(f, axis=-1).reshape(logits.shape)
 
-    p0 = np.asarray(probs(jnp.asarray([prompt], jnp.int32)))[0]
+    # Both calls [4, 3] (one program): row 1 is p(t0) (causal: the third id is not seen), row 2 p(t1 | t0).
+    p0 = np.asarray(probs(jnp.asarray([list(prompt) + [0]] * 4, jnp.int32)))[0, 0]
     firsts = np.flatnonzero(p0 > 0)
-    p1 = np.asarray(probs(jnp.asarray([list(prompt) + [int(t)] for t in firsts], jnp.int32)))
+    assert len(firsts) <= 4  # top-k 4
+    rows = [list(prompt) + [int(t)] for t in firsts]
+    p1 = np.asarray(probs(jnp.asarray(rows + rows[:1] * (4 - len(rows)), jnp.int32)))[: len(firsts), 1]
     expected, observed = [], []
     for i, t0 in enumerate(firsts):
         for t1 in np.flatnonzero(p1[i] > 0):
@@ -263,10 +268,14 @@ def test_end_id_inside_a_round_stops_like_the_engine(setup):
 # ----------------------------------------------------------------------------------------------- engram
 @pytest.fixture(scope="module")
 def engram_setup():
-    """The 5-layer cut with an engram layer (1) and the stages; two ragged prompts that repeat n-grams."""
+    """The 5-layer cut with an engram layer (1) and the stages (make_tiny's weights, device tables); two ragged
+    prompts that repeat n-grams."""
+    from dsv41_jax.loading import build_model
+
     cfg = spec_config("tiny_engram")
     assert cfg.engram_layer_ids == (1,)
-    model = Transformer(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), rngs=nnx.Rngs(3))
+    weights = make_tiny.random_weights(cfg, 2, dspark=True)
+    model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), weights)
     # As `setup`: the reference prefills row by row (the hash history advanced a row at a time), the speculator
     # in segments (16 + 15 rows).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
@@ -276,13 +285,13 @@ def engram_setup():
     prompts = [np.concatenate([base, base[2:8], base, base[:5]]), np.concatenate([base[4:], base[:7], base[4:]])]
     requests = [Request(tuple(int(t) for t in p), n) for p, n in zip(prompts, (30, 23))]
     reference = engine.generate(requests)
-    return cfg, Speculator(engine), requests, reference
+    return cfg, Speculator(engine), requests, reference, weights
 
 
 def test_engram_greedy_matches_plain_greedy(engram_setup):
     """Random drafts (mostly rejected), forced accept-all, and a pattern of rejections of every length: the
     engram history advances by the committed tokens only, so every path emits the engine's greedy tokens."""
-    _, spec, requests, reference = engram_setup
+    _, spec, requests, reference, _ = engram_setup
     _same(spec.generate(requests, 5), reference)
     _forced_accept_all_then_partial(spec, requests, reference)
 
@@ -290,7 +299,7 @@ def test_engram_greedy_matches_plain_greedy(engram_setup):
 def test_engram_reject_all_matches_plain_greedy(engram_setup):
     """Every proposal wrong: each round commits only its bonus token; the rejected drafts' ids never reach the
     hash history (they would change the next rows' n-grams)."""
-    cfg, spec, requests, reference = engram_setup
+    cfg, spec, requests, reference, _ = engram_setup
     ref = (_oracle(requests, reference) + 1) % cfg.image_token_id
     out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, reference)
@@ -299,19 +308,18 @@ def test_engram_reject_all_matches_plain_greedy(engram_setup):
 
 def test_engram_host_tables_match_plain_greedy(engram_setup):
     """Host tables (``engram_tables="host"``: each call's rows gathered on the host and sent with it): a round's
-    verify rows are gathered like a step's; greedy with a pattern of rejections = the same engine's greedy."""
+    verify rows are gathered like a step's; greedy with a pattern of rejections = the device-table engine's greedy
+    (same weights; host tables = device tables for plain greedy: tests/test_engram_sharding.py)."""
     from dsv41_jax.engram import HostTables
     from dsv41_jax.loading import build_model
     from dsv41_jax.param_specs import is_engram_table
 
-    cfg, _, requests, _ = engram_setup
-    weights = make_tiny.random_weights(cfg, 2, dspark=True)
+    cfg, _, requests, reference, weights = engram_setup
     options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True, engram_tables="host")
     model = build_model(cfg, options, {k: v for k, v in weights.items() if not is_engram_table(k)})
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
                     segment_plan=lambda n: fixed_segments(n, 16), short_rows=16,
                     host_tables=HostTables.from_weights(weights, cfg))
-    reference = engine.generate(requests)
     ref = _oracle(requests, reference)
     use = np.ones(ref.shape, bool)
     for b in range(len(requests)):

@@ -5,8 +5,8 @@ image prompt (two images, spans crossing segment boundaries) and a text prompt.
 Same tiny vision model both ways (random init, f32, rounding points off: the comparison is exact up to f32
 summation order, as in `tests/test_speculative.py`). The drafts are the stages' own (random weights: mostly
 rejected) and then forced to the reference tokens (every round accepts all), so both the reject and the
-accept-all paths run after an image prefill. A control shows the test can fail: the same ids without their
-images decode differently.
+accept-all paths run after an image prefill. A control shows the test can fail: the same ids with other pixels
+(a second noise image of the same size) decode differently.
 """
 
 from __future__ import annotations
@@ -37,22 +37,30 @@ def setup():
     model = Transformer(cfg, options, rngs=nnx.Rngs(4))
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
                     segment_plan=lambda n: fixed_segments(n, 16), short_rows=0)
-    noise = Image.fromarray(np.random.default_rng(9).integers(0, 256, (300, 30, 3), dtype=np.uint8))
-    images = [load_image(FIXTURE, cfg.vision), prepare_image(noise, cfg.vision)]
     ids = (0, 17, 42, 99, 7, cfg.image_token_id, 5, 6, 300, 11, cfg.image_token_id, 12, 13, 14, 15, 16, 200)
-    prompt = expand_prompt(ids, images, cfg.image_token_id)
+    prompt, other = (expand_prompt(ids, [load_image(FIXTURE, cfg.vision), _noise(seed, cfg)], cfg.image_token_id)
+                     for seed in (9, 10))
+    assert other.ids == prompt.ids  # same image sizes: the control differs in pixels only
     text = tuple(int(t) for t in np.random.default_rng(1).integers(3, 400, 21))
     requests = [Request(prompt.ids, 24, images=prompt), Request(text, 19)]
-    return cfg, engine, Speculator(engine), requests, engine.generate(requests)
+    return cfg, engine, Speculator(engine), requests, engine.generate(requests), other
+
+
+def _noise(seed: int, cfg):
+    noise = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (300, 30, 3), dtype=np.uint8))
+    return prepare_image(noise, cfg.vision)
 
 
 def test_greedy_after_image_prompts_matches_plain_greedy(setup):
-    cfg, engine, spec, requests, reference = setup
+    cfg, engine, spec, requests, reference, other = setup
     _same(spec.generate(requests, 5), reference)
     ref = _oracle(requests, reference)  # forced accept-all: the drafts are the reference tokens
     out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, reference)
     assert out.timings.tokens_per_round > 3.0
-    # control: without its images the first prompt decodes differently (the images reach the model)
-    plain = engine.generate([Request(requests[0].prompt_ids, 24)])
-    assert plain.generations[0].token_ids != reference.generations[0].token_ids
+    # control: other pixels in the second image (same ids, same batch: the reference's compiled programs) decode
+    # the first prompt differently, so the images reach the model
+    control = engine.generate([Request(other.ids, 24, images=other), requests[1]])
+    assert control.timings.programs_compiled == 0
+    assert control.generations[0].token_ids != reference.generations[0].token_ids
+    assert control.generations[1].token_ids == reference.generations[1].token_ids
