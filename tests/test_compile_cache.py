@@ -39,8 +39,8 @@ def test_second_run_loads_programs_from_the_cache(tmp_path):
     # every program of the second run is a whole executable from the store (no trace, no compile)
     assert first["timings"]["programs_loaded"] == 0
     assert second["timings"]["programs_loaded"] == second["timings"]["programs_compiled"] > 0
-    # Measured on 2 CPU cores (ten layers): ~8 s of compiling, then ~1 s of loading. The bound leaves room for a loaded
-    # machine while still failing if nothing came from the cache.
+    # Measured on 2 CPU cores (ten layers): ~8 s of compiling, then ~1 s of loading. The bound leaves room for a
+    # loaded machine while still failing if nothing came from the cache.
     assert second["timings"]["compile_s"] < 0.5 * first["timings"]["compile_s"], (first["timings"],
                                                                                   second["timings"])
 
