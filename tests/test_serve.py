@@ -358,3 +358,18 @@ def test_tool_calls_stream_as_openai_chunks():
     assert "".join(d.content or "" for d in deltas) == "Let me look."
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Weather needs a tool."
     assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens == len(ids) - 1
+
+
+def test_the_socket_accepts_connections_before_uvicorn_starts():
+    """`serve` prints "listening on" once its socket listens: a client connecting right away waits in the backlog
+    instead of being refused while uvicorn starts (a CI run saw the refusal when the socket was only bound)."""
+    import socket
+
+    from dsv41_jax.serve.__main__ import listen
+
+    sock = listen("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            pass
+    finally:
+        sock.close()

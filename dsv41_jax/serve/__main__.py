@@ -88,6 +88,9 @@ def listen(host: str, port: int) -> socket.socket:
         sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(infos[0][4])
+        # Listening already, so a client that connects as soon as "listening on" is printed waits in the
+        # backlog instead of being refused while uvicorn starts its loop (it listens on the socket again).
+        sock.listen(2048)
     except OSError as e:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
