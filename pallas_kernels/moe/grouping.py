@@ -67,15 +67,26 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
     implementations (sort, or pairwise comparisons for at most ``DENSE_MAX_PAIRS`` pairs) give equal plans.
     """
     n_rows, k = topk_ids.shape
+    num_pairs = n_rows * k
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     valid = (ids >= 0) & (ids < num_experts)
     bucket = jnp.where(valid, ids, num_experts)  # dropped pairs go to an extra last bucket
-    plan = _dense_plan if n_rows * k <= DENSE_MAX_PAIRS else _sorted_plan
-    return plan(bucket, valid, n_rows, k, num_experts, block_m)
+    tiles = _dense_tiles if num_pairs <= DENSE_MAX_PAIRS else _sorted_tiles
+    order, pos, expert, first, count = tiles(bucket, num_experts, block_m)
+    return TilePlan(
+        pair_token=jnp.concatenate([order // k, jnp.zeros((block_m,), jnp.int32)]),
+        pair_pos=jnp.where(valid, pos, num_pairs).reshape(n_rows, k),
+        pair_valid=valid.reshape(n_rows, k),
+        tile_expert=expert,
+        tile_first=first,
+        tile_count=count,
+    )
 
 
-def _sorted_plan(bucket, valid, n_rows: int, k: int, num_experts: int, block_m: int) -> TilePlan:
-    num_pairs = n_rows * k
+def _sorted_tiles(bucket, num_experts: int, block_m: int):
+    """bucket [P] (E = dropped) -> (order [P]: pair at each sorted slot, pos [P]: each pair's sorted slot, and
+    the tile table's expert, first sorted pair and count [T]), all int32."""
+    num_pairs = bucket.shape[0]
     order = jnp.argsort(bucket, stable=True).astype(jnp.int32)  # stable: by token within an expert
     pos = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
 
@@ -93,23 +104,14 @@ def _sorted_plan(bucket, valid, n_rows: int, k: int, num_experts: int, block_m: 
     count = jnp.clip(counts[expert] - index_in_expert * block_m, 0, block_m)
     count = jnp.where(t < tiles_used, count, 0)
     first = jnp.where(count > 0, first, 0)
-
-    pair_token = jnp.concatenate([order // k, jnp.zeros((block_m,), jnp.int32)])
-    return TilePlan(
-        pair_token=pair_token.astype(jnp.int32),
-        pair_pos=jnp.where(valid, pos, num_pairs).reshape(n_rows, k),
-        pair_valid=valid.reshape(n_rows, k),
-        tile_expert=expert,
-        tile_first=first.astype(jnp.int32),
-        tile_count=count.astype(jnp.int32),
-    )
+    return order, pos, expert, first.astype(jnp.int32), count.astype(jnp.int32)
 
 
-def _dense_plan(bucket, valid, n_rows: int, k: int, num_experts: int, block_m: int) -> TilePlan:
-    """``_sorted_plan`` by pairwise comparisons: pair i's sorted position is the number of pairs in lower
+def _dense_tiles(bucket, num_experts: int, block_m: int):
+    """``_sorted_tiles`` by pairwise comparisons: pair i's sorted position is the number of pairs in lower
     buckets plus the earlier pairs of its own; each used expert's first pair (its "lead") carries the expert's
     tile count, and tile t belongs to the lead whose tile range holds t."""
-    num_pairs = n_rows * k
+    num_pairs = bucket.shape[0]
     i = jnp.arange(num_pairs, dtype=jnp.int32)
     lower = bucket[None, :] < bucket[:, None]  # [P, P]: pair j's bucket sorts before pair i's
     same = bucket[None, :] == bucket[:, None]
@@ -119,7 +121,7 @@ def _dense_plan(bucket, valid, n_rows: int, k: int, num_experts: int, block_m: i
     order = jnp.sum(jnp.where(pos[None, :] == i[:, None], i[None, :], 0), axis=1, dtype=jnp.int32)
     count = jnp.sum(same, axis=1, dtype=jnp.int32)  # pairs in i's bucket
     n_tiles_of = (count + block_m - 1) // block_m
-    lead = valid & (rank == 0)
+    lead = (bucket < num_experts) & (rank == 0)
     tile_start = jnp.sum(jnp.where(lead[None, :] & lower, n_tiles_of[None, :], 0), axis=1, dtype=jnp.int32)
 
     t = jnp.arange(max_tiles(num_pairs, num_experts, block_m), dtype=jnp.int32)[:, None]
@@ -132,11 +134,4 @@ def _dense_plan(bucket, valid, n_rows: int, k: int, num_experts: int, block_m: i
     index_in_expert = t[:, 0] - owner(tile_start)
     count_t = jnp.where(used, jnp.clip(owner(count) - index_in_expert * block_m, 0, block_m), 0)
     first_t = jnp.where(count_t > 0, owner(offset) + index_in_expert * block_m, 0)
-    return TilePlan(
-        pair_token=jnp.concatenate([order // k, jnp.zeros((block_m,), jnp.int32)]),
-        pair_pos=jnp.where(valid, pos, num_pairs).reshape(n_rows, k),
-        pair_valid=valid.reshape(n_rows, k),
-        tile_expert=jnp.where(used, owner(bucket), num_experts - 1),
-        tile_first=first_t,
-        tile_count=count_t,
-    )
+    return order, pos, jnp.where(used, owner(bucket), num_experts - 1), first_t, count_t

@@ -170,19 +170,18 @@ def test_plan_covers_every_pair_once(n, k, e, block_m):
 @pytest.mark.parametrize("n,k,e,block_m", [(1, 6, 256, 16), (8, 6, 256, 16), (3, 6, 8, 16), (40, 6, 16, 32),
                                            (9, 2, 4, 4)])
 def test_dense_plan_equals_the_sorted_plan(n, k, e, block_m):
-    """Decode-sized plans (pairwise comparisons) are the sort-based plans, array for array: hot and empty
-    experts, dropped pairs (ids -1, E and beyond), experts spanning several tiles."""
+    """Decode-sized plans (pairwise comparisons) are the sort-based plans, array for array (the sorted order,
+    every pair's slot, dropped ones included, and the tile table): hot and empty experts, dropped pairs (ids -1,
+    E and beyond), experts spanning several tiles."""
     rng = _rng()
     for trial in range(4):
         ids, _ = _routing(rng, n, k, e, hot=trial % 3, empty=(1,))
         ids = ids.at[0, 0].set(-1).at[n - 1, k - 1].set(e + trial)
-        valid = (ids >= 0) & (ids < e)
-        bucket = jnp.where(valid, ids, e).reshape(-1)
-        args = (bucket, valid.reshape(-1), n, k, e, block_m)
-        dense, sort = (jax.tree.map(np.asarray, jax.jit(f, static_argnums=(2, 3, 4, 5))(*args))
-                       for f in (grouping._dense_plan, grouping._sorted_plan))
-        for name in ("pair_token", "pair_pos", "pair_valid", "tile_expert", "tile_first", "tile_count"):
-            np.testing.assert_array_equal(getattr(dense, name), getattr(sort, name), err_msg=name)
+        bucket = jnp.where((ids >= 0) & (ids < e), ids, e).reshape(-1)
+        dense, sort = (jax.tree.map(np.asarray, jax.jit(f, static_argnums=(1, 2))(bucket, e, block_m))
+                       for f in (grouping._dense_tiles, grouping._sorted_tiles))
+        for name, a, b in zip(("order", "pos", "tile_expert", "tile_first", "tile_count"), dense, sort):
+            np.testing.assert_array_equal(a, b, err_msg=name)
     assert n * k <= grouping.DENSE_MAX_PAIRS  # plan_tiles takes the dense path for these
 
 
