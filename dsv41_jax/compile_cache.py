@@ -4,8 +4,9 @@ entries are whole executables (`compiler.compile`'s store, under ``<dir>/executa
 
 On by default in ``generate`` and ``profile``; the directory is ``--compile-cache DIR`` (``off`` to disable), else
 ``$DSV41_JAX_COMPILE_CACHE`` (``off`` too), else ``$XDG_CACHE_HOME/dsv41_jax/xla`` (``~/.cache/...``). Entries are
-keyed on the program, its arguments and shardings, the project's source, the jax/jaxlib versions, the devices,
-the compile options and XLA_FLAGS (`compiler`), so a stale entry is never used for a different program.
+keyed on the program, its arguments and shardings, the project's source, the jax/jaxlib/flax versions and jax's
+configuration, the devices, the compile options and XLA_FLAGS (`compiler`), so a stale entry is never used for a
+different program.
 """
 
 from __future__ import annotations

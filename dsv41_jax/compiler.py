@@ -201,9 +201,9 @@ def _save(path: Path, compiled) -> None:
 
 def _prune(directory: Path, max_bytes: int) -> None:
     """Delete the least recently used entries until the store holds at most ``max_bytes``."""
-    entries = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in directory.glob("*.exe")), reverse=True)
+    stats = [(path.stat(), path) for path in directory.glob("*.exe")]
     total = 0
-    for _, size, path in entries:
-        total += size
+    for stat, path in sorted(stats, key=lambda sp: sp[0].st_mtime, reverse=True):
+        total += stat.st_size
         if total > max_bytes:
             path.unlink(missing_ok=True)

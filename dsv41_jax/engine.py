@@ -336,7 +336,7 @@ class ProgramTable:
         self.compiled: dict = {}
         self.compile_s = 0.0
         self.loaded = 0  # programs whose executable came from the persistent cache
-        self._graph_digest = None
+        self._graph_digest = compiler.graph_digest(graphdef)  # names the model programs in `compiler`'s store
 
     @staticmethod
     def key(call: Call) -> tuple:
@@ -353,8 +353,6 @@ class ProgramTable:
 
     def _identity(self, program: Program) -> str:
         """What names ``program`` across processes beyond its arguments (`compiler.compile`'s store key)."""
-        if program.model and self._graph_digest is None:
-            self._graph_digest = compiler.graph_digest(self.graphdef)
         return (f"{program.fn.__module__}.{program.fn.__qualname__} donate={program.donate} "
                 f"graph={self._graph_digest if program.model else None}")
 

@@ -5,7 +5,7 @@
   each tensor placed straight into its shards (``sharding.load.place``: the rule table, and the shape check
   against the real checkpoint shape).
 * ``load_weights(model, flat)``: into a model that already exists (its random init replaced).
-* ``abstract_params(cfg, options)`` and ``non_params(construct, graphdef, rest, mesh)``: the pieces the builders
+* ``abstract_params(cfg, options)`` and ``non_params(construct, rest, mesh)``: the pieces the builders
   share, also used by ``profiling.build`` (random weights drawn on the devices).
 
 ``flat``: model name (docs/DESIGN.md "Parameter names") → host array, or a lazily read tensor (``shape``,
@@ -29,7 +29,6 @@ from flax import nnx
 from sharding.load import place
 from sharding.mesh import replicated
 
-from . import compiler
 from .config import ModelConfig
 from .model.transformer import Transformer, WeightsError
 from .param_specs import layer_names
@@ -109,23 +108,18 @@ def abstract_params(cfg: ModelConfig, options) -> tuple[Callable[[], Transformer
     return construct, graphdef, list(nnx.to_flat_state(params)), rest
 
 
-def non_params(construct: Callable[[], Transformer], graphdef, rest: nnx.State, mesh=None) -> nnx.State:
+def non_params(construct: Callable[[], Transformer], rest: nnx.State, mesh=None) -> nnx.State:
     """The buffers that are not parameters (RoPE tables the constructor computes) from one small program,
     replicated over ``mesh`` when given; ``rest`` itself when the abstract ``rest`` (``abstract_params``) has
-    none. The random parameter init inside is dead code to XLA (not an output), but tracing the constructor
-    takes ~6 s for the 40-layer model on a CPU host: ``graphdef`` names the program in the executable store, so
-    a second run loads it instead."""
+    none, as no config today does (tracing the constructor again costs ~6 s for the 40-layer model on a CPU
+    host). The random parameter init inside is dead code to XLA (not an output)."""
     if not jax.tree.leaves(rest):
         return rest
 
     def make():
         return nnx.split(construct(), nnx.Param, ...)[2]
 
-    out = None if mesh is None else replicated(mesh)
-    devices = None if mesh is None else [d.id for d in mesh.devices.flat]
-    identity = f"loading.non_params {compiler.graph_digest(graphdef)} {out!r} {devices}"
-    program, _ = compiler.compile(jax.jit(make, out_shardings=out), (), identity=identity)
-    return program()
+    return jax.jit(make, out_shardings=None if mesh is None else replicated(mesh))()
 
 
 def build_model(cfg: ModelConfig, options, flat: Mapping[str, Any]) -> Transformer:
@@ -146,7 +140,7 @@ def build_model(cfg: ModelConfig, options, flat: Mapping[str, Any]) -> Transform
         del value
         if hasattr(host, "release"):
             host.release()
-    return nnx.merge(graphdef, nnx.from_flat_state(placed), non_params(construct, graphdef, rest))
+    return nnx.merge(graphdef, nnx.from_flat_state(placed), non_params(construct, rest))
 
 
 def _host(name: str, flat: Mapping[str, Any], shape: tuple[int, ...]):
@@ -194,7 +188,7 @@ def build_sharded(run_cfg: ModelConfig, options, flat: Mapping[str, Any] | Itera
                                     for i, p in enumerate(ps) if p is not None)]
     check_names(owner, [*given, *unexpected])
     params = nnx.from_flat_state([(path, var.replace(placed[param_name(path)])) for path, var in flat_params])
-    return nnx.merge(graphdef, params, non_params(construct, graphdef, rest, mesh))
+    return nnx.merge(graphdef, params, non_params(construct, rest, mesh))
 
 
 def load_weights(model: Transformer, flat: Mapping[str, np.ndarray]) -> None:

@@ -55,7 +55,7 @@ def build_model(cfg: ModelConfig, world: int, options: ModelOptions, *, seed: in
         rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)), rest)
     else:
         arrays = jax.jit(functools.partial(_draw_all, specs), out_shardings=shardings)()
-        rest = non_params(construct, graphdef, rest, mesh)
+        rest = non_params(construct, rest, mesh)
     drawn = nnx.from_flat_state([(path, var.replace(a)) for (path, var), a in zip(flat, arrays)])
     inner = nnx.merge(graphdef, drawn, rest)
     return ShardedTransformer(inner, mesh, plan, cfg, run_cfg), mesh
