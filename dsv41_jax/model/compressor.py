@@ -41,9 +41,8 @@ class Compressor(nnx.Module):
         if r == 1:
             # bf16 u times the f32 weight promotes to f32: no rounding before the norm (mlx-lm, §B.7).
             return self.norm(self.wkv(u)), entry, valid, None, None
-        h = u.astype(jnp.float32)
-        rows_kv = jnp.concatenate([pending_kv, self.wkv(h)], axis=1)  # [B, T+r−1, d]
-        rows_gate = jnp.concatenate([pending_gate, self.wgate(h)], axis=1)
+        rows_kv = jnp.concatenate([pending_kv, self.wkv(u)], axis=1)  # [B, T+r−1, d] f32 (promoted, §B.7)
+        rows_gate = jnp.concatenate([pending_gate, self.wgate(u)], axis=1)
         pend = offset % r
         first = r * jnp.arange(n_slots)[None, :] - pend[:, None] + (r - 1)  # combined row of the group's first token
         idx = jnp.clip(first[..., None] + jnp.arange(r), 0, t + r - 2).reshape(batch, -1)  # [B, G·r]

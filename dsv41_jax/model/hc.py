@@ -12,7 +12,7 @@ from flax import nnx
 
 from pallas_kernels.hc_mix.ops import comb as comb_op
 
-from .norms import HIGHEST, random_normal, rms_normalize
+from .norms import f32_matmul, random_normal, rms_scale
 
 
 def mix_params(cfg, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.Param, nnx.Param]:
@@ -37,9 +37,10 @@ def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn
     ``impl``: the comb's softmax + Sinkhorn (`pallas_kernels/hc_mix`): "pallas" (one kernel) or "xla".
     """
     s = streams.shape[-2]
-    flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1), norm_eps)
+    flat = streams.reshape(*streams.shape[:-2], -1)
     col_scale = jnp.concatenate([jnp.full((s,), scale[0]), jnp.full((s,), scale[1]), jnp.full((s * s,), scale[2])])
-    mix = jnp.einsum("...i,oi->...o", flat, fn.astype(jnp.float32), precision=HIGHEST) * col_scale + base
+    # RMS(x̂)·fnᵀ as the official kernels round it (§B.3): the product of the raw streams, then the row's scale
+    mix = f32_matmul(flat, fn) * rms_scale(flat, norm_eps) * col_scale + base
     pre = jax.nn.sigmoid(mix[..., :s]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., s : 2 * s])
     comb = mix[..., 2 * s :].reshape(*mix.shape[:-1], s, s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,22 +11,52 @@ from flax import nnx
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+# Rows from which ``f32_matmul`` runs a bf16 input against an f32 weight as the split bf16 GEMM: a segment's
+# rows, not a decode step's (there the split would be one more launch for a product that is a weight read).
+SPLIT_MIN_ROWS = 64
+
+
 def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
     """y = x · weightᵀ, weight [out, in]; f32 accumulation, result in the promoted dtype of x and weight."""
     out_dtype = jnp.promote_types(x.dtype, weight.dtype)
     if out_dtype == jnp.float32:
-        x, weight = x.astype(jnp.float32), weight.astype(jnp.float32)
+        return f32_matmul(x, weight)
     y = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32, precision=HIGHEST)
     return y.astype(out_dtype)
 
 
-def rms_normalize(x: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """x · (mean(x²) + eps)^(-1/2) over the last axis, in f32."""
+def f32_matmul(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
+    """x [..., I] · weight [O, I]ᵀ in f32: f32(x)·f32(weight) with every product exact and f32 accumulation.
+
+    A bf16 ``x`` against an f32 ``weight`` over ``SPLIT_MIN_ROWS`` rows or more runs as one bf16 GEMM (tensor
+    cores) against the weight's exact split into three bf16 pieces, w = hi + mid + lo (8 significant bits each of
+    f32's 24): each bf16·bf16 product is exact in f32 and accumulates in f32, so the result is the f32 GEMM's up
+    to summation order. Otherwise an f32 GEMM at HIGHEST (IEEE f32 on a GPU, no tensor cores; issue #22)."""
+    rows = math.prod(x.shape[:-1])
+    f32 = jnp.float32
+    if x.dtype != jnp.bfloat16 or weight.dtype != f32 or rows < SPLIT_MIN_ROWS:
+        return jnp.einsum("...i,oi->...o", x.astype(f32), weight.astype(f32), precision=HIGHEST)
+    hi = weight.astype(jnp.bfloat16)
+    rest = weight - hi.astype(f32)  # exact: w minus its rounding
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(f32)).astype(jnp.bfloat16)  # exact: the ≤ 8 bits left
+    y = jnp.einsum("...i,oi->...o", x, jnp.concatenate([hi, mid, lo]), preferred_element_type=f32)
+    y = y.reshape(*y.shape[:-1], 3, weight.shape[0])
+    return y[..., 0, :] + (y[..., 1, :] + y[..., 2, :])
+
+
+def rms_scale(x: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """(mean(x²) + eps)^(-1/2) over the last axis, f32 [..., 1]."""
     x = x.astype(jnp.float32)
     # 1/sqrt (both correctly rounded), as MLX computes it, rather than XLA's rsqrt, which is off by an ulp at
     # times (the ulp flips bf16 roundings against mlx-lm). The barrier stops XLA rewriting 1/sqrt into rsqrt.
     root = jax.lax.optimization_barrier(jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
-    return x * (1.0 / root)
+    return 1.0 / root
+
+
+def rms_normalize(x: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """x · (mean(x²) + eps)^(-1/2) over the last axis, in f32."""
+    return x.astype(jnp.float32) * rms_scale(x, eps)
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
