@@ -28,22 +28,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.engine import Engine, Request
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.profiling import build, trace
 from dsv41_jax.profiling.cut import cut_layers
+from dsv41_jax.profiling.floors import H200_BYTES_PER_S, cache_bytes, weight_bytes
 
-H200_BYTES_PER_S = 4.3e12
 TRACE_STEPS = 3
 FORMATS = {"bf16": "dequantized", "fp4": "fp4"}
 
@@ -100,43 +98,6 @@ def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
     if not values or min(values) < minimum:
         raise ValueError(f"{flag} values must be at least {minimum}, got {text!r}")
     return values
-
-
-def distinct_experts(experts: int, per_token: int, batch: int) -> float:
-    """Expected distinct experts ``batch`` tokens route to, each picking ``per_token`` of ``experts`` uniformly."""
-    return experts * (1.0 - (1.0 - per_token / experts) ** batch)
-
-
-def weight_bytes(model, cfg, batch: int) -> tuple[float, float]:
-    """(bytes one device reads of the weights in a step of ``batch`` rows, expected distinct experts per layer)."""
-    touched = distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
-    total = 0.0
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = ".".join(map(str, path))
-        leaf = var[...]
-        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-        nbytes = math.prod(shape) * leaf.dtype.itemsize
-        if ".ffn.experts." in name:  # stacked routed experts [E, ...]: the touched ones
-            nbytes *= touched / cfg.n_routed_experts
-        elif name.endswith("embed.weight"):  # a gather of the batch's rows
-            nbytes *= min(1.0, batch / cfg.vocab_size)
-        total += nbytes
-    return total, touched
-
-
-def cache_bytes(cfg, batch: int, position: int, itemsize: int = 2) -> float:
-    """Bytes of cache one step reads per device (caches are replicated): each layer's window ring, the top-k
-    compressed entries it attends to, and for each indexer every index key it scores."""
-    total = 0
-    for layer in range(cfg.num_hidden_layers):
-        total += cfg.sliding_window * cfg.head_dim
-        ratio = cfg.ratio(layer)
-        if ratio > 0:
-            total += min(cfg.index_topk, position // ratio) * cfg.head_dim
-            if layer in cfg.index_source_layer_ids:
-                key_ratio = cfg.ratio(cfg.index_key_source(layer))
-                total += (position // key_ratio) * cfg.index_head_dim
-    return float(total * itemsize * batch)
 
 
 def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps: int, bandwidth: float,

@@ -229,6 +229,8 @@ def run(req: Request, on_step=None) -> dict:
             if not req.compile_only:
                 measure.time_step(step, repeats=req.repeats)
             entry = _step_report(req, step, weights_on_device, cache_bytes)
+            if not req.compile_only:
+                entry["floor"] = _floor(req, model, entry)
             if req.trace_dir is not None and step.result.times_s:
                 entry["trace"] = _trace(req, step, jax, measure)
             report["steps"].append(entry)
@@ -303,6 +305,20 @@ def _step_report(req: Request, step, weights: int, cache: int) -> dict:
     }
 
 
+def _floor(req: Request, model, entry: dict) -> dict:
+    """The step's H200 floors (`profiling/floors.py`): the weights (and, decoding, the cache) one device reads,
+    the spec's FLOPs per device; seconds at 4.3 TB/s and 668 TFLOP/s, and the measured median over the larger."""
+    from dsv41_jax.profiling import floors
+
+    rows = entry["rows"] * req.batch
+    nbytes, _ = floors.weight_bytes(model, req.cfg, rows)
+    if entry["kind"] == "decode":
+        nbytes += floors.cache_bytes(req.cfg, req.batch, entry["position"])
+    out = {"read_bytes": nbytes, **floors.step_floor(nbytes, entry["flops"]["spec"])}
+    out["ratio"] = entry["median_s"] / out["floor_s"] if entry["median_s"] else None
+    return out
+
+
 def _pair(predicted: int | None, xla: int | None) -> dict:
     return {"xla": xla, "predicted": predicted, "diff_pct": _diff_pct(predicted, xla)}
 
@@ -322,6 +338,7 @@ def _trace(req: Request, step, jax, measure) -> dict:
     return {"dir": str(folder), "file": str(found), "op_seconds": sum(o.seconds for o in ops),
             "components": [{"source": s, "seconds": t} for s, t in trace.by_component(ops)],
             "layers": [{"scope": s, "seconds": t} for s, t in trace.by_layer(ops)],
+            "parts": [{"part": s, "seconds": t} for s, t in trace.by_part(ops)],
             "top_ops": [{"op": o.name, "source": o.source, "seconds": o.seconds, "launches": o.count}
                         for o in ops[:15]]}
 
@@ -370,6 +387,10 @@ def print_step(s: dict, out=sys.stdout) -> None:
     if s["median_s"]:
         w(f"  median {s['median_s'] * 1e3:,.2f} ms over {len(s['times_s'])} runs · "
           f"{s['tokens_per_s']:,.1f} tokens/s\n")
+    if s.get("floor") and s["floor"]["ratio"]:
+        fl = s["floor"]
+        w(f"  H200 floor {fl['floor_s'] * 1e3:,.3f} ms (read {_fmt_bytes(fl['read_bytes'])}: "
+          f"{fl['read_s'] * 1e3:,.3f} ms; compute {fl['compute_s'] * 1e3:,.3f} ms) · step/floor {fl['ratio']:.2f}x\n")
     if "trace" in s:
         _print_trace(s["trace"], s["median_s"], w)
     out.flush()
@@ -390,6 +411,8 @@ def _print_trace(t: dict, median_s, w) -> None:
     w(f"  trace {t['dir']} · attributed ops {t['op_seconds'] * 1e3:,.2f} ms a step{covered}\n")
     w("  by module: " + ", ".join(f"{c['source']} {100 * c['seconds'] / total:.0f} %" for c in t["components"][:8])
       + "\n")
+    if t.get("parts"):
+        w("  by part: " + ", ".join(f"{c['part']} {c['seconds'] * 1e3:,.2f} ms" for c in t["parts"]) + "\n")
     if t.get("layers"):
         w("  by layer: " + ", ".join(f"{c['scope']} {100 * c['seconds'] / total:.0f} %" for c in t["layers"]) + "\n")
     for o in t["top_ops"][:10]:

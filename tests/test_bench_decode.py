@@ -1,5 +1,5 @@
-"""benchmarks/bench_decode.py: a CPU smoke run on the tiny config (the numbers are the H200's business), its floor
-arithmetic against hand counts, and bad flags refused with exit code 2."""
+"""benchmarks/bench_decode.py: a CPU smoke run on the tiny config (the numbers are the H200's business), the floor
+arithmetic it uses (`profiling/floors.py`) against hand counts, and bad flags refused with exit code 2."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dsv41_jax.config import load_named
+from dsv41_jax.profiling import floors
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
 _spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
@@ -22,14 +23,14 @@ _spec.loader.exec_module(bench)
 def test_distinct_experts_limits():
     """One token touches exactly k experts; many tokens approach all E; two tokens: 2k minus the expected
     overlap k·k/E."""
-    assert bench.distinct_experts(384, 6, 1) == pytest.approx(6)
-    assert bench.distinct_experts(384, 6, 10_000) == pytest.approx(384)
-    assert bench.distinct_experts(384, 6, 2) == pytest.approx(12 - 36 / 384)
+    assert floors.distinct_experts(384, 6, 1) == pytest.approx(6)
+    assert floors.distinct_experts(384, 6, 10_000) == pytest.approx(384)
+    assert floors.distinct_experts(384, 6, 2) == pytest.approx(12 - 36 / 384)
 
 
 def test_cache_bytes_counts_windows_picks_and_index_keys():
     cfg = load_named("tiny")
-    at0 = bench.cache_bytes(cfg, 1, 0)
+    at0 = floors.cache_bytes(cfg, 1, 0)
     assert at0 == 2 * cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim
     # Position 4096: every layer with a ratio adds its top-k picks; every indexer all keys of its key source.
     want = at0
@@ -39,7 +40,7 @@ def test_cache_bytes_counts_windows_picks_and_index_keys():
             want += 2 * min(cfg.index_topk, 4096 // r) * cfg.head_dim
             if layer in cfg.index_source_layer_ids:
                 want += 2 * (4096 // cfg.ratio(cfg.index_key_source(layer))) * cfg.index_head_dim
-    assert bench.cache_bytes(cfg, 3, 4096) == 3 * want
+    assert floors.cache_bytes(cfg, 3, 4096) == 3 * want
 
 
 def test_quick_smoke_run_on_cpu(tmp_path, capsys, monkeypatch):

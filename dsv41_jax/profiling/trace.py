@@ -75,6 +75,37 @@ def by_component(ops: list[OpTime]) -> list[tuple[str, float]]:
     return sorted(out.items(), key=lambda kv: -kv[1])
 
 
+# The model's parts, each named by substrings of an op's ``file:function`` label (first match wins: a compressor
+# op inside ``Attention._compress`` is the compressor's, not attention's).
+PARTS = (
+    ("indexer", ("index_topk", "Indexer.", "indexer.py:", "kernel.py:_written", "xla.py:select", "xla.py:scores",
+                 "radix_top_k", "block_maxima", "candidate_mask")),
+    ("compressor", ("Compressor.", "write_rows", "_take_rows", "Attention._compress")),
+    ("hc", ("hc.py:", "comb_pallas", "norms.py:rms_scale")),
+    ("moe", ("kernel.py:gate_up", "kernel.py:down", "moe.py:", "grouping.py:", "clamped_swiglu")),
+    ("attention", ("sparse_attention", "attention.py:")),
+    ("head", ("Head.",)),
+    ("embedding", ("Embed.",)),
+    ("engram", ("engram",)),
+    ("norms", ("norms.py:",)),
+)
+
+
+def part_of(source: str) -> str:
+    """The model part (``PARTS``) an op's source label belongs to; "other" when none matches."""
+    label = source.split(" ")[-1]
+    return next((part for part, keys in PARTS if label and any(k in label for k in keys)), "other")
+
+
+def by_part(ops: list[OpTime]) -> list[tuple[str, float]]:
+    """Seconds per model part (moe, attention, indexer, hc, compressor, head, ...), largest first."""
+    out: dict[str, float] = {}
+    for op in ops:
+        part = part_of(op.source)
+        out[part] = out.get(part, 0.0) + op.seconds
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
 # --------------------------------------------------------------------------------------- HLO source metadata
 _HELPERS = ("norms.py", "quant.py", "rope.py")  # shared helpers: attribute their ops to the caller
 _WRAPPERS = ("transformer.py", "prepare.py", "measure.py")

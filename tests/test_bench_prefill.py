@@ -1,0 +1,62 @@
+"""benchmarks/bench_prefill.py (issue #22): a CPU smoke run on the tiny config (the numbers are the H200's
+business), the floors it reports against their definition, the trace's per-part split, and bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from dsv41_jax.profiling import floors, trace
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_prefill.py"
+_spec = importlib.util.spec_from_file_location("bench_prefill", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_smoke_run_reports_floors_and_the_split(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --trace adds a (GPU-only) flag: restored
+    out = tmp_path / "prefill.json"
+    # Two segment sizes; the second passes the tiny model's positions: reported as that case's error, the grid
+    # goes on, exit code 1.
+    code = bench.main(["--config", "tiny", "--worlds", "1", "--layers", "2", "--rows", "16,1000000",
+                       "--formats", "bf16", "--repeats", "1", "--trace", str(tmp_path / "trace"),
+                       "--json-out", str(out)])
+    assert code == 1
+    ok, refused = json.loads(out.read_text())["rows"]
+    assert (ok["world"], ok["layers"], ok["rows"], ok["experts"]) == (1, 2, 16, "bf16")
+    assert ok["step_ms"] > 0 and ok["floor_ms"] == max(ok["read_ms"], ok["compute_ms"]) > 0
+    assert math.isclose(ok["ratio"], ok["step_ms"] / ok["floor_ms"], rel_tol=1e-9)
+    assert {"moe", "attention", "hc", "indexer", "head"} <= set(ok["parts_ms"])  # the trace's ops attributed
+    assert "positions" in refused["error"] and "step_ms" not in refused
+    printed = capsys.readouterr().out
+    assert "split (ms)" in printed and "positions" in printed
+
+
+def test_step_floor_is_the_larger_bound():
+    f = floors.step_floor(4.3e12, 6.68e14 * 2)
+    assert (f["read_s"], f["compute_s"], f["floor_s"]) == pytest.approx((1.0, 2.0, 2.0))
+
+
+@pytest.mark.parametrize("label,part", [
+    ("L0/moe kernel.py:gate_up", "moe"), ("L1/moe grouping.py:_sorted_tiles", "moe"),
+    ("L0/attn compressor.py:Compressor.__call__", "compressor"), ("L1/attn attention.py:Attention._compress", "compressor"),
+    ("L1/attn kernel.py:index_topk_pallas.<locals>.one_pass", "indexer"), ("L0/attn xla.py:select", "indexer"),
+    ("L0/attn kernel.py:sparse_attention_pallas", "attention"), ("L0/attn attention.py:Attention._output", "attention"),
+    ("L1/moe hc.py:hc_mix", "hc"), ("L0/attn kernel.py:comb_pallas", "hc"), ("transformer.py:Head.__call__", "head"),
+    ("", "other")])
+def test_ops_are_attributed_to_their_part(label, part):
+    """Labels as the H200 trace of the 2-layer cut names them (2026-12-01)."""
+    assert trace.part_of(label) == part
+
+
+@pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--rows", "0"], ["--worlds", "3"], ["--layers", "x"]])
+def test_bad_flags_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2 and "bench_prefill:" in capsys.readouterr().err
