@@ -359,11 +359,39 @@ class ModelConfig:
         return "reuse"
 
     def layer_units(self) -> tuple[tuple[int, ...], ...]:
-        """The layers grouped as the model holds and runs them (docs/DESIGN.md "Scanned layers"): each run of
-        two or more consecutive reuse layers of one signature (ratio, kv source, index source; no engram) is one
-        unit, its weights stacked ``[n, ...]`` and run by one ``lax.scan``; every other layer is a unit alone.
-        A reuse layer only reads the CSA state of layers before its run and publishes nothing (§B.9), so the
-        layers of a run are independent of each other except through the residual streams."""
+        """The layers as the model holds them (docs/DESIGN.md "Scanned layers"), in ``layer_steps`` order: a
+        unit of one layer, or of n layers whose weights are stacked ``[n, ...]`` (a run, or the leads or the runs
+        of a group)."""
+        return tuple(unit for step in self.layer_steps() for unit in step)
+
+    def layer_steps(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """How the forward runs the layers, in order (docs/DESIGN.md "Scanned layers"); each step is
+
+        * ``(unit,)``: one layer, or a **run** — two or more consecutive reuse layers of one signature (ratio, kv
+          source, index source; no engram), one ``lax.scan``. A reuse layer only reads the CSA state of layers
+          before its run and publishes nothing (§B.9);
+        * ``(leads, runs)``: a **group scan** — G ≥ 2 repeats of (a reindex layer, the run of n reuse layers that
+          uses its selections), one ``lax.scan`` over the repeats: ``leads`` the G reindex layers, ``runs`` their
+          G·n reuse layers in order. The leads share a signature (ratio, kv and index-key source, candidate
+          masking; no compressor, so their caches are window rings), the runs a length and signature, and no
+          layer outside a repeat reads what its lead publishes.
+        """
+        steps: list[tuple[tuple[int, ...], ...]] = []
+        units = self._runs()
+        i = 0
+        while i < len(units):
+            g = self._group_length(units, i)
+            if g >= 2:
+                pairs = units[i:i + 2 * g]
+                steps.append((tuple(u[0] for u in pairs[0::2]), tuple(x for u in pairs[1::2] for x in u)))
+                i += 2 * g
+            else:
+                steps.append((units[i],))
+                i += 1
+        return tuple(steps)
+
+    def _runs(self) -> list[tuple[int, ...]]:
+        """Single layers and runs of consecutive same-signature reuse layers, in layer order."""
         def signature(layer: int):
             if self.role(layer) != "reuse" or layer in self.engram_layer_ids:
                 return None
@@ -376,7 +404,34 @@ class ModelConfig:
                 units[-1].append(layer)
             else:
                 units.append([layer])
-        return tuple(tuple(u) for u in units)
+        return [tuple(u) for u in units]
+
+    def _group_length(self, units: list[tuple[int, ...]], i: int) -> int:
+        """How many (reindex layer, its run) repeats start at ``units[i]`` (0 or 1: no group)."""
+        def lead_signature(unit):
+            layer = unit[0]
+            if len(unit) != 1 or self.role(layer) != "reindex" or layer in self.engram_layer_ids:
+                return None
+            return (self.ratio(layer), self.kv_source(layer), self.index_key_source(layer),
+                    self.uses_candidates(layer), layer == self.candidate_source_layer_id)
+
+        def follows(lead, run):  # run: the reuse layers reading lead's selections, and only they read them
+            readers = {x for x in range(self.num_hidden_layers) if x != lead[0] and lead[0] in (
+                self.index_source(x), self.kv_source(x), self.index_key_source(x))}
+            return (len(run) >= 1 and all(self.role(x) == "reuse" and x not in self.engram_layer_ids for x in run)
+                    and readers == set(run))
+
+        first = lead_signature(units[i]) if i + 1 < len(units) else None
+        if first is None or not follows(units[i], units[i + 1]):
+            return 0
+        g = 1
+        while (i + 2 * g + 1 < len(units) and lead_signature(units[i + 2 * g]) == first
+               and follows(units[i + 2 * g], units[i + 2 * g + 1])
+               and len(units[i + 2 * g + 1]) == len(units[i + 1])
+               and self.ratio(units[i + 2 * g + 1][0]) == self.ratio(units[i + 1][0])
+               and self.kv_source(units[i + 2 * g + 1][0]) == self.kv_source(units[i + 1][0])):
+            g += 1
+        return g
 
     # -------------------------------------------------------------- derived
     @property

@@ -188,29 +188,46 @@ def engram_tensors(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
             TensorSpec(p + "k_weight", (s, d), "f32")]
 
 
-# A stacked run's model names (docs/DESIGN.md "Parameter names" item 3): ``layers.A-B.<rest>`` [n, ...] holds
-# ``layers.A.<rest>`` … ``layers.B.<rest>``, row i = layer A + i.
-_STACKED = re.compile(r"layers\.(\d+)-(\d+)\.(.+)")
+# A stacked unit's model names (docs/DESIGN.md "Parameter names" item 3): ``layers.<unit>.<rest>`` [n, ...] holds
+# the unit's per-layer tensors in order; ``<unit>`` lists its layers as ranges joined by "_": ``3-7`` (a run),
+# ``24_28_32_36`` (a group's leads), ``25-27_29-31`` (a group's runs).
+_STACKED = re.compile(r"layers\.(\d+(?:-\d+)?(?:_\d+(?:-\d+)?)*)\.(.+)")
 
 
 def unit_name(unit: tuple[int, ...]) -> str:
-    """A unit's name under ``layers`` (``ModelConfig.layer_units``): ``"L"`` for a layer alone, ``"A-B"`` for
-    the stacked run A..B."""
-    return str(unit[0]) if len(unit) == 1 else f"{unit[0]}-{unit[-1]}"
+    """A unit's name under ``layers`` (``ModelConfig.layer_units``): ``"L"`` for a layer alone, else its layers
+    as ranges of consecutive ids joined by "_" (``"3-7"``, ``"24_28_32_36"``, ``"25-27_29-31"``)."""
+    ranges: list[list[int]] = []
+    for layer in unit:
+        if ranges and layer == ranges[-1][-1] + 1:
+            ranges[-1].append(layer)
+        else:
+            ranges.append([layer])
+    return "_".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in ranges)
+
+
+def _unit_layers(name: str) -> list[int]:
+    out = []
+    for part in name.split("_"):
+        first, _, last = part.partition("-")
+        out += list(range(int(first), int(last or first) + 1))
+    return out
 
 
 def is_stacked(name: str) -> bool:
-    """True for a stacked run's model name (``layers.3-7.attn.wq_a.weight``)."""
-    return _STACKED.fullmatch(name) is not None
+    """True for a stacked unit's model name (``layers.3-7.attn.wq_a.weight``, ``layers.24_28.attn...``)."""
+    m = _STACKED.fullmatch(name)
+    return m is not None and ("-" in m[1] or "_" in m[1])
 
 
 def layer_names(name: str) -> list[str]:
     """A model name as the per-layer names it holds: ``layers.3-7.attn.wq_a.weight`` [5, ...] →
-    ``layers.3.attn.wq_a.weight`` … ``layers.7.attn.wq_a.weight`` (row i is layer 3 + i); any other name → [name]."""
-    m = _STACKED.fullmatch(name)
-    if m is None:
+    ``layers.3.attn.wq_a.weight`` … ``layers.7.attn.wq_a.weight`` (row i is the unit's i-th layer); any other
+    name → [name]."""
+    if not is_stacked(name):
         return [name]
-    return [f"layers.{layer}.{m[3]}" for layer in range(int(m[1]), int(m[2]) + 1)]
+    m = _STACKED.fullmatch(name)
+    return [f"layers.{layer}.{m[2]}" for layer in _unit_layers(m[1])]
 
 
 def is_engram_table(name: str) -> bool:

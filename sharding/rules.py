@@ -58,9 +58,9 @@ VISION_MLP = "vision_mlp"    # ViT MLP width: mlp.w2 input columns, the SiLU·up
 ALIGNER_HIDDEN = "aligner_hidden"  # aligner.w1 rows (+ bias) = aligner.w2 input columns, the GELU activations
 VISION_AXES = (VISION_QKV, VISION_HEADS, VISION_GATE_UP, VISION_MLP, ALIGNER_HIDDEN)  # split in both layouts
 
-# Backbone layers, and stacked runs ``layers.A-B.`` (their leading layer axis is never split: `param_logical_axes`);
-# DSpark stages are split like a backbone layer (§F.1).
-_LAYER = r"(?:layers\.\d+(?:-\d+)?|mtp\.\d+)\."
+# Backbone layers, and stacked units ``layers.3-7.``, ``layers.24_28_32_36.`` (their leading layer axis is never
+# split: `param_logical_axes`); DSpark stages are split like a backbone layer (§F.1).
+_LAYER = r"(?:layers\.\d+(?:-\d+)?(?:_\d+(?:-\d+)?)*|mtp\.\d+)\."
 
 PARAM_RULES: tuple[Rule, ...] = (
     # ---- split ----
@@ -199,8 +199,8 @@ def matching_rules(name: str) -> list[Rule]:
 
 
 def param_logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
-    """Logical axis per dim of parameter ``name``; replicated rules fit any rank of tensor. A stacked run's
-    tensor (``layers.A-B.*``, docs/DESIGN.md "Scanned layers") has its layers' axes after an unsplit layer axis."""
+    """Logical axis per dim of parameter ``name``; replicated rules fit any rank of tensor. A stacked unit's
+    tensor (``layers.A-B.*``, ``layers.A_B.*``; docs/DESIGN.md "Scanned layers") has its layers' axes after an unsplit layer axis."""
     axes = rule_for(name).axes
     if is_stacked(name) and not all(a is None for a in axes):
         axes = (None, *axes)

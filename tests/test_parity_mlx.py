@@ -68,14 +68,26 @@ def variant_config():
         dspark_target_layer_ids=())
 
 
+def grouped_config():
+    """The release's tail in small (layers 24-39: reindex layer + three reuse layers, four times): a window
+    layer, a ratio-1 full candidate source, then three repeats of (a candidate-masked reindex layer, two reuse
+    layers reading its selections), run as one group scan (``ModelConfig.layer_steps``)."""
+    leads = (2, 5, 8)
+    return load_named("tiny").replace(
+        num_hidden_layers=11, compress_ratios=(0,) + (1,) * 10, kv_source_layer_ids=(1,),
+        index_source_layer_ids=(1, *leads), candidate_source_layer_id=1, candidate_block_size=4,
+        candidate_topk_blocks=3, index_topk=6, num_nextn_predict_layers=0, dspark_target_layer_ids=())
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (dir, cfg, flat): tiny seed 0 in the release layout (fp8 dense, fp4 experts), tiny seed 1 plain
-    bf16, and the variant config (seed 2, plain)."""
+    bf16, the variant config (seed 2, plain) and the grouped config (seed 3, plain)."""
     out = {}
     for name, cfg, seed, quantize in (("tiny0", load_named("tiny"), 0, "fp4"),
                                       ("tiny1", load_named("tiny"), 1, "none"),
-                                      ("variant", variant_config(), 2, "none")):
+                                      ("variant", variant_config(), 2, "none"),
+                                      ("grouped", grouped_config(), 3, "none")):
         path = tmp_path_factory.mktemp(name)
         write_checkpoint(path, cfg, random_weights(cfg, seed), quantize)
         loaded_cfg, flat = load_checkpoint(path, progress=False)
@@ -128,7 +140,7 @@ def selection_diff(ours: list[np.ndarray], ref: list[np.ndarray]) -> float:
     return differ / total
 
 
-@pytest.mark.parametrize("name,seed", [("tiny0", 0), ("tiny1", 1), ("variant", 2)])
+@pytest.mark.parametrize("name,seed", [("tiny0", 0), ("tiny1", 1), ("variant", 2), ("grouped", 3)])
 def test_f32_rounding_off_matches_tightly(checkpoints, monkeypatch, name, seed):
     ref, ours = run_both(checkpoints[name], F32_OFF, seed, monkeypatch)
     err_p = np.abs(ours["prefill"] - ref["prefill"]).max()

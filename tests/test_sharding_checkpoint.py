@@ -63,10 +63,11 @@ def _small(**change):
 
 
 def _scanned():
-    """A ratio-2 full layer and a stacked run of two reuse layers (``layers.1-2.*``, docs/DESIGN.md "Scanned
-    layers"): every stacked tensor kind, fp4 experts included, read layer by layer and placed as one."""
+    """A ratio-1 full layer, then a group scan of two repeats of (a reindex layer, two reuse layers): stacked
+    units ``layers.1_4.*`` (the leads) and ``layers.2-3_5-6.*`` (the runs; docs/DESIGN.md "Scanned layers"):
+    every stacked tensor kind, the indexer's and fp4 experts included, read layer by layer and placed as one."""
     return load_named("tiny").replace(
-        num_hidden_layers=3, compress_ratios=(2, 2, 2), kv_source_layer_ids=(0,), index_source_layer_ids=(0,),
+        num_hidden_layers=7, compress_ratios=(1,) * 7, kv_source_layer_ids=(0,), index_source_layer_ids=(0, 1, 4),
         candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=())
 
 

@@ -169,12 +169,13 @@ def _stacked_block(cfg: ModelConfig, unit: tuple[int, ...], options: ModelOption
 
 
 class Layers(nnx.Module):
-    """``layers.*``: one ``Block`` per unit of ``cfg.layer_units()``, named ``unit_name(unit)``; a run's Block
-    holds its layers' weights stacked (docs/DESIGN.md "Scanned layers"). ``layers[L]`` is layer L's own Block
-    (a layer alone; a layer of a stacked run has none: ``units``/``unit`` reach the run)."""
+    """``layers.*``: one ``Block`` per unit of ``cfg.layer_units()``, named ``unit_name(unit)``; a unit of n
+    layers holds their weights stacked (docs/DESIGN.md "Scanned layers"). ``layers[L]`` is layer L's own Block
+    (a layer alone; a layer of a stacked unit has none: ``units``/``unit`` reach the unit)."""
 
     def __init__(self, cfg: ModelConfig, options: ModelOptions, *, rngs: nnx.Rngs):
-        self.units = cfg.layer_units()
+        self.steps = cfg.layer_steps()
+        self.units = tuple(unit for step in self.steps for unit in step)
         for unit in self.units:
             block = Block(cfg, unit[0], options, rngs=rngs) if len(unit) == 1 else _stacked_block(
                 cfg, unit, options, rngs)
@@ -191,34 +192,79 @@ class Layers(nnx.Module):
             raise IndexError(f"layer {layer} out of range (the model has {len(self)} layers)")
         unit = next(u for u in self.units if layer in u)
         if len(unit) > 1:
-            raise KeyError(f"layer {layer} is row {unit.index(layer)} of the stacked run layers.{unit_name(unit)}")
+            raise KeyError(f"layer {layer} is row {unit.index(layer)} of the stacked unit layers.{unit_name(unit)}")
         return self.unit(unit)
 
 
-def _run_stacked(block: Block, caches: list, streams, pre, seg: Segment, csa: CsaState, is_image, taps: bool,
-                 scan: bool):
-    """The stacked run ``block`` (n layers) over ``streams``/``pre`` with its layers' caches: one ``lax.scan``
-    (``scan``) or n unrolled calls of the same weights. A reuse layer reads ``csa`` (published before the run)
-    and publishes nothing. Returns (streams, pre, the n new LayerCaches, entering [n,B,T,D] or None)."""
-    graphdef, weights = nnx.split(block)
-    stacked_caches = jax.tree.map(lambda *c: jnp.stack(c), *caches)
+def _stack(trees: list):
+    return jax.tree.map(lambda *c: jnp.stack(c), *trees)
 
+
+def _loop(body, carry, xs, n: int, scan: bool):
+    """``lax.scan(body, carry, xs)`` over n rows, or the same body unrolled n times (ys stacked alike)."""
+    if scan:
+        return jax.lax.scan(body, carry, xs)
+    ys = []
+    for i in range(n):
+        carry, y = body(carry, jax.tree.map(lambda a: a[i], xs))
+        ys.append(y)
+    return carry, _stack(ys)
+
+
+def _scan_run(graphdef, weights, caches, streams, pre, seg: Segment, csa: CsaState, is_image, taps: bool,
+              scan: bool):
+    """A run of n reuse layers: ``weights``, ``caches`` stacked [n, ...]. A reuse layer reads ``csa``
+    (published before the run) and publishes nothing. Returns (streams, pre, new caches [n, ...], entering
+    [n,B,T,D] or None)."""
     def body(carry, xs):
         layer_weights, layer_cache = xs
         tap = {} if taps else None
         s, p, layer_cache, _ = nnx.merge(graphdef, layer_weights)(*carry, seg, layer_cache, csa, is_image, None, tap)
         return (s, p), (layer_cache, tap["entering"] if taps else None)
 
-    if scan:
-        (streams, pre), (new, entering) = jax.lax.scan(body, (streams, pre), (weights, stacked_caches))
-    else:
-        outs = []
-        for i in range(len(caches)):
-            (streams, pre), out = body((streams, pre), jax.tree.map(lambda a: a[i], (weights, stacked_caches)))
-            outs.append(out)
-        new = jax.tree.map(lambda *c: jnp.stack(c), *(o[0] for o in outs))
-        entering = jnp.stack([o[1] for o in outs]) if taps else None
+    n = jax.tree.leaves(caches)[0].shape[0]
+    (streams, pre), (new, entering) = _loop(body, (streams, pre), (weights, caches), n, scan)
+    return streams, pre, new, entering
+
+
+def _run_stacked(block: Block, caches: list, streams, pre, seg: Segment, csa: CsaState, is_image, taps: bool,
+                 scan: bool):
+    """The stacked run ``block`` (n layers) with its layers' caches (their rings are stacked on entry and split on
+    exit). Returns (streams, pre, the n new LayerCaches, entering [n,B,T,D] or None)."""
+    graphdef, weights = nnx.split(block)
+    streams, pre, new, entering = _scan_run(graphdef, weights, _stack(caches), streams, pre, seg, csa, is_image,
+                                            taps, scan)
     return streams, pre, [jax.tree.map(lambda a: a[i], new) for i in range(len(caches))], entering
+
+
+def _run_groups(leads: Block, runs: Block, lead_caches: list, run_caches: list, streams, pre, seg: Segment,
+                csa: CsaState, is_image, taps: bool, scan: bool):
+    """A group scan (``ModelConfig.layer_steps``): G repeats of (a reindex layer, its run of n reuse layers);
+    ``leads`` holds the G reindex layers stacked, ``runs`` the G·n reuse layers. One graph definition serves
+    every repeat: the first repeat's, whose lead publishes its selections under its own layer id and whose run
+    reads them there — consistent within a repeat, which is all a repeat reads (§B.9).
+
+    Returns (streams, pre, G new lead caches, G·n new run caches, selections [G,B,T,K], entering of the leads
+    [G,B,T,D] and of the runs [G,n,B,T,D], or None)."""
+    g = len(lead_caches)
+    n = len(run_caches) // g
+    lead_def, lead_weights = nnx.split(leads)
+    run_def, run_weights = nnx.split(runs)
+    lead_id = leads.attn.layer
+    per_repeat = lambda tree: jax.tree.map(lambda a: a.reshape(g, n, *a.shape[1:]), tree)  # [G·n] -> [G, n]
+
+    def body(carry, xs):
+        lw, rw, lc, rc = xs
+        tap = {} if taps else None
+        s, p, lc, repeat_csa = nnx.merge(lead_def, lw)(*carry, seg, lc, csa, is_image, None, tap)
+        s, p, rc, run_entering = _scan_run(run_def, rw, rc, s, p, seg, repeat_csa, is_image, taps, scan)
+        return (s, p), (lc, rc, repeat_csa.topk[lead_id], tap["entering"] if taps else None, run_entering)
+
+    xs = (lead_weights, per_repeat(run_weights), _stack(lead_caches), per_repeat(_stack(run_caches)))
+    (streams, pre), (lc, rc, topk, lead_entering, run_entering) = _loop(body, (streams, pre), xs, g, scan)
+    new_leads = [jax.tree.map(lambda a: a[i], lc) for i in range(g)]
+    new_runs = [jax.tree.map(lambda a: a[i // n, i % n], rc) for i in range(g * n)]
+    return streams, pre, new_leads, new_runs, topk, lead_entering, run_entering
 
 
 class Transformer(nnx.Module):
@@ -308,16 +354,31 @@ class Transformer(nnx.Module):
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"the cache holds {len(cache.layers)} layers, the model {len(self.layers)}")
         csa = CsaState.empty(len(self.layers))
-        new_layers = []
-        entering, pending = {}, {}
-        for unit in self.layers.units:
+        new_layers: dict[int, object] = {}
+        entering, pending, group_topk = {}, {}, {}
+        scan = self.options.scan_layers
+        for step in self.layers.steps:
+            if len(step) == 2:  # a group scan: (leads, runs)
+                leads, runs = step
+                with jax.named_scope(f"layers_{unit_name(leads)}"):
+                    streams, pre, lead_caches, run_caches, topk, lead_in, run_in = _run_groups(
+                        self.layers.unit(leads), self.layers.unit(runs), [cache.layers[j] for j in leads],
+                        [cache.layers[j] for j in runs], streams, pre, seg, csa, is_image, taps, scan)
+                new_layers.update(zip(leads, lead_caches))
+                new_layers.update(zip(runs, run_caches))
+                group_topk.update({j: topk[k] for k, j in enumerate(leads)})
+                if taps:
+                    n = len(runs) // len(leads)
+                    entering.update({j: lead_in[k] for k, j in enumerate(leads)})
+                    entering.update({j: run_in[k // n, k % n] for k, j in enumerate(runs)})
+                continue
+            unit = step[0]
             block, i = self.layers.unit(unit), unit[0]
             if len(unit) > 1:
                 with jax.named_scope(f"layers_{unit_name(unit)}"):
                     streams, pre, caches, run_entering = _run_stacked(
-                        block, [cache.layers[j] for j in unit], streams, pre, seg, csa, is_image, taps,
-                        self.options.scan_layers)
-                new_layers += caches
+                        block, [cache.layers[j] for j in unit], streams, pre, seg, csa, is_image, taps, scan)
+                new_layers.update(zip(unit, caches))
                 if taps:
                     entering.update({j: run_entering[k] for k, j in enumerate(unit)})
                 continue
@@ -325,7 +386,7 @@ class Transformer(nnx.Module):
             with jax.named_scope(f"layer_{i}"):  # per-layer op names for traces (profiling/trace.py)
                 streams, pre, layer_cache, csa = block(streams, pre, seg, cache.layers[i], csa, is_image, engram,
                                                        tap)
-            new_layers.append(layer_cache)
+            new_layers[i] = layer_cache
             if taps:
                 entering[i] = tap["entering"]
                 if layer_cache.pending_kv is not None:
@@ -336,7 +397,8 @@ class Transformer(nnx.Module):
             hidden = jnp.take_along_axis(hidden, rows[:, None, None], axis=1)[:, 0]  # [B,D]
         logits = self.head(self.norm(hidden))
         selections = {layer: topk for layer, topk in enumerate(csa.topk) if topk is not None}
-        new_cache = Cache(offset=offset + lengths, layers=tuple(new_layers))
+        selections = dict(sorted({**selections, **group_topk}.items()))
+        new_cache = Cache(offset=offset + lengths, layers=tuple(new_layers[i] for i in range(len(self.layers))))
         if not taps:
             return logits, new_cache, selections
         ids_ = self.cfg.dspark_target_layer_ids

@@ -200,13 +200,13 @@ def _int_after(text: str, key: str) -> int:
 
 
 def _layer_scope(line: str) -> str | None:
-    """``L<n>`` or ``L<n>/<sublayer>`` (a scanned run: ``L<a>-<b>``) from the instruction's ``op_name`` scopes;
+    """``L<n>`` or ``L<n>/<sublayer>`` (a scanned run: ``L<a>-<b>``, a group scan ``L<a>_<b>_…``) from the instruction's ``op_name`` scopes;
     None outside any layer."""
     if 'op_name="' not in line:
         return None
     parts = line.split('op_name="', 1)[1].split('"', 1)[0].split("/")
     for i, part in enumerate(parts):
-        m = re.fullmatch(r"(?:layers\.|layers_|layer_|layer)(\d+)(-\d+)?", part)
+        m = re.fullmatch(r"(?:layers\.|layers_|layer_|layer)(\d+)([-_][\d_-]*)?", part)
         if m:
             sub = next((p for p in parts[i + 1:] if p in _SUBLAYERS), None)
             return f"L{int(m[1])}{m[2] or ''}" + (f"/{sub}" if sub else "")

@@ -1,13 +1,15 @@
 """Scanned layer runs (docs/DESIGN.md "Scanned layers", issue #14).
 
 A run of consecutive reuse layers of one signature is held stacked (``layers.A-B.*`` [n, ...]) and run by one
-``lax.scan``. Checked here:
+``lax.scan``; repeats of (a reindex layer, its run) are held as two stacked units (``layers.24_28_32_36.*``,
+``layers.25-27_29-31_33-35_37-39.*``) and run by one group scan. Checked here:
 
-* the grouping of the release config (``ModelConfig.layer_units``);
+* the grouping of the release config (``ModelConfig.layer_steps``);
 * the scan computes exactly what the same stacked weights compute unrolled (``scan_layers=False``: n calls of
   one Block) — logits, every cache array and the DSpark taps. Both run the same f32 ops per layer; the only
   freedom XLA has is fusion across the loop boundary, so the bound is 1e-6 (observed: bitwise equal). The
   unrolled path itself is checked against mlx-lm on a config with two runs (``test_parity_mlx.variant_config``);
+  the group scan (scanned, the default) against mlx-lm on ``test_parity_mlx.grouped_config``;
 * the compiled program does not grow with the number of layers in a run (the point of the scan);
 * the loader maps per-layer tensors onto stacked parameters and names a missing or mis-shaped layer.
 """
@@ -41,13 +43,30 @@ def scan_config(run: int = 3):
         dspark_target_layer_ids=(n - 3, n - 2, n - 1))
 
 
-def test_release_units():
-    units = load_named("dsv41_flash").layer_units()
-    assert [u for u in units if len(u) > 1] == [tuple(range(3, 8)), tuple(range(9, 14)), tuple(range(15, 20)),
-                                                 (21, 22, 23), (25, 26, 27), (29, 30, 31), (33, 34, 35),
-                                                 (37, 38, 39)]
-    assert [layer for u in units for layer in u] == list(range(40))
+def group_config(repeats: int = 3, run: int = 2):
+    """A window layer, a ratio-1 full candidate source, then ``repeats`` × (a candidate-masked reindex layer, a
+    run of ``run`` reuse layers reading its selections): one group scan; the last three layers are DSpark taps."""
+    n = 2 + repeats * (1 + run)
+    leads = tuple(2 + r * (1 + run) for r in range(repeats))
+    return load_named("tiny").replace(
+        num_hidden_layers=n, compress_ratios=(0,) + (1,) * (n - 1), kv_source_layer_ids=(1,),
+        index_source_layer_ids=(1, *leads), candidate_source_layer_id=1, candidate_block_size=4,
+        candidate_topk_blocks=3, num_nextn_predict_layers=0, dspark_target_layer_ids=(n - 3, n - 2, n - 1))
+
+
+def test_release_steps():
+    """The release: 0-23 as single layers and runs (the full layers 2, 8, 14, 20 own compressed caches, kept per
+    layer), then one group scan over the four (reindex, 3 reuse) repeats of 24-39: 12 traced units, not 18."""
+    cfg = load_named("dsv41_flash")
+    runs = [tuple(range(3, 8)), tuple(range(9, 14)), tuple(range(15, 20)), (21, 22, 23)]
+    assert cfg.layer_steps() == (((0,),), ((1,),), ((2,),), (runs[0],), ((8,),), (runs[1],), ((14,),), (runs[2],),
+                                 ((20,),), (runs[3],),
+                                 ((24, 28, 32, 36), (25, 26, 27, 29, 30, 31, 33, 34, 35, 37, 38, 39)))
+    assert sorted(layer for u in cfg.layer_units() for layer in u) == list(range(40))
     assert load_named("tiny").layer_units() == tuple((i,) for i in range(10))  # no two reuse layers adjacent
+    # one repeat is no group; nor is a lead whose selections a layer outside its run reads
+    assert group_config(repeats=1).layer_steps() == (((0,),), ((1,),), ((2,),), ((3, 4),))
+    assert len(group_config(repeats=4, run=1).layer_steps()) == 3
 
 
 def _run(cfg, options, state):
@@ -77,6 +96,21 @@ def test_scan_equals_unrolled():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's bound, as test_scan_equals_unrolled")
+def test_group_scan_equals_unrolled():
+    """The group scan (three repeats of a reindex layer and two reuse layers) = the same stacked weights run
+    repeat by repeat and layer by layer: logits, caches, every selection (the leads' come out of the scan) and
+    the taps."""
+    cfg = group_config()
+    assert cfg.layer_steps() == (((0,),), ((1,),), ((2, 5, 8), (3, 4, 6, 7, 9, 10)))
+    state = nnx.state(Transformer(cfg, F32, rngs=nnx.Rngs(1)))
+    scanned = _run(cfg, F32, state)
+    unrolled = _run(cfg, dataclasses.replace(F32, scan_layers=False), state)
+    assert sorted(scanned[2]) == [1, 2, 5, 8]
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
 def _step_hlo(cfg, options) -> str:
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, options, rngs=nnx.Rngs(0))))
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, 32, "float32"))
@@ -96,6 +130,33 @@ def test_program_does_not_grow_with_the_run():
     assert _ops(_step_hlo(deep, F32)) - _ops(_step_hlo(short, F32)) <= 4 * 4
     unrolled = dataclasses.replace(F32, scan_layers=False)
     assert _ops(_step_hlo(deep, unrolled)) - _ops(_step_hlo(short, unrolled)) > 4 * 100
+
+
+def test_program_does_not_grow_with_the_repeats():
+    """A decode step with 2 and with 4 repeats of (reindex, 2 reuse): the 6 extra layers add their rings'
+    stacking and splitting (observed 92 ops, ~15 a layer), unrolled each adds a whole layer (observed 6,664)."""
+    short, deep = group_config(2), group_config(4)
+    assert _ops(_step_hlo(deep, F32)) - _ops(_step_hlo(short, F32)) <= 6 * 20
+    unrolled = dataclasses.replace(F32, scan_layers=False)
+    assert _ops(_step_hlo(deep, unrolled)) - _ops(_step_hlo(short, unrolled)) > 6 * 100
+
+
+def test_loader_stacks_a_groups_units():
+    """The leads and the runs of a group are stacked units with non-consecutive layers (``layers.2_5_8.*``,
+    ``layers.3-4_6-7_9-10.*``): the loader reads them layer by layer and names a missing layer."""
+    cfg = group_config()
+    model = Transformer(cfg, F32, rngs=nnx.Rngs(3))
+    stacked = {param_name(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert {"layers.2_5_8.attn.indexer.wq_b.weight", "layers.3-4_6-7_9-10.attn.wq_a.weight"} <= set(stacked)
+    flat = {name: a[i] for stacked_name, a in stacked.items() if len(layer_names(stacked_name)) > 1
+            for i, name in enumerate(layer_names(stacked_name))}
+    flat.update({k: v for k, v in stacked.items() if len(layer_names(k)) == 1})
+    assert "layers.9.ffn.experts.w1.weight" in flat and "layers.8.attn.indexer.wq_b.weight" in flat
+    built = build_model(cfg, F32, flat)
+    for path, var in nnx.to_flat_state(nnx.state(built, nnx.Param)):
+        np.testing.assert_array_equal(np.asarray(var[...]), stacked[param_name(path)])
+    with pytest.raises(WeightsError, match=r"layers\.6\.attn\.wkv\.weight"):
+        build_model(cfg, F32, {k: v for k, v in flat.items() if k != "layers.6.attn.wkv.weight"})
 
 
 def test_loader_stacks_per_layer_tensors():
