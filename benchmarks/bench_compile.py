@@ -86,8 +86,10 @@ def _run(a, modes) -> int:
     base = ModelOptions(dtype="bfloat16", attention_impl=a.impl, moe_impl=a.impl, indexer_impl=a.impl,
                         hc_impl=a.impl)
     units = cfg.layer_units()
+    groups = sum(len(step) == 2 for step in cfg.layer_steps())
     print(f"{a.config}: {cfg.num_hidden_layers} layers, {len(units)} units "
-          f"({sum(len(u) > 1 for u in units)} scanned runs) · impl {a.impl} · {jax.devices()[0].device_kind} · "
+          f"({sum(len(u) > 1 for u in units)} stacked, {groups} group scans) · impl {a.impl} · "
+          f"{jax.devices()[0].device_kind} · "
           f"jax {jax.__version__}", flush=True)
     print(f"{'step':10s} {'mode':9s} {'trace s':>8s} {'compile s':>10s} {'total s':>8s} {'bound s':>8s} "
           f"{'ratio':>6s} {'2nd run s':>10s} {'bound s':>8s} {'calls':>6s} {'fusions':>8s} {'while':>6s}", flush=True)
