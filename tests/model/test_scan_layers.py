@@ -111,6 +111,25 @@ def test_group_scan_equals_unrolled():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
+def test_group_scan_equals_the_ungrouped_model(monkeypatch):
+    """The same weights run as single layers and runs (the path before group scans, itself checked against
+    mlx-lm and DSpark's tests) give the group scan's logits, caches, selections and taps."""
+    cfg = group_config()
+    grouped = Transformer(cfg, F32, rngs=nnx.Rngs(1))
+    per_layer = {}
+    for path, var in nnx.to_flat_state(nnx.state(grouped, nnx.Param)):
+        names = layer_names(param_name(path))
+        per_layer.update({n: np.asarray(var[...])[i] for i, n in enumerate(names)} if len(names) > 1
+                         else {names[0]: np.asarray(var[...])})
+    want = _run(cfg, F32, nnx.state(grouped))
+    monkeypatch.setattr(type(cfg), "_group_length", lambda self, units, i: 0)
+    assert cfg.layer_units() == ((0,), (1,), (2,), (3, 4), (5,), (6, 7), (8,), (9, 10))
+    got = _run(cfg, F32, nnx.state(build_model(cfg, F32, per_layer)))
+    assert sorted(got[2]) == sorted(want[2])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
 def _step_hlo(cfg, options) -> str:
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, options, rngs=nnx.Rngs(0))))
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, 32, "float32"))
