@@ -42,8 +42,15 @@ def parse(argv):
     p.add_argument("--rows", type=int, default=2048, help="prefill rows")
     p.add_argument("--impl", choices=("xla", "pallas"), default="pallas")
     p.add_argument("--modes", default="scanned,unrolled", help="comma-separated: scanned, unrolled")
+    p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA compile option on top of compiler.options() (repeatable; true/false, integers), to "
+                        "A/B one, e.g. xla_gpu_enable_llvm_module_compilation_parallelism=true")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
+    try:
+        a.xla_options = dict(_option(text) for text in a.xla_option)
+    except ValueError as e:
+        p.error(str(e))
     modes = [m for m in a.modes.split(",") if m]
     if not modes or any(m not in ("scanned", "unrolled") for m in modes):
         p.error(f"--modes must name scanned and/or unrolled, got {a.modes!r}")
@@ -52,7 +59,20 @@ def parse(argv):
     return a, modes
 
 
-def compile_step(cfg, options, rows: int) -> dict:
+def _option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--xla-option takes KEY=VALUE, got {text!r}")
+    low = value.strip().lower()
+    if low in ("true", "false"):
+        return key.strip(), low == "true"
+    try:
+        return key.strip(), int(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def compile_step(cfg, options, rows: int, xla_options: dict | None = None) -> dict:
     """Trace + lower and compile one step of ``rows`` rows (1 = decode) over abstract weights, then load it back
     from the executable store as a second run would (``load_s``; None when the store is off)."""
     model, mesh = build.build_model(cfg, 1, options, abstract=True)
@@ -66,8 +86,9 @@ def compile_step(cfg, options, rows: int) -> dict:
     ids = jax.ShapeDtypeStruct((1, rows), jnp.int32)
     args, identity = (state, cache, ids), f"bench_compile {rows} {compiler.graph_digest(graphdef)}"
     cold, second = {}, {}
-    compiled, _ = compiler.compile(jax.jit(step, donate_argnums=1), args, identity=identity, timings=cold)
-    compiler.compile(jax.jit(step, donate_argnums=1), args, identity=identity, timings=second)  # a second run
+    kw = dict(identity=identity, extra_options=xla_options or None)
+    compiled, _ = compiler.compile(jax.jit(step, donate_argnums=1), args, timings=cold, **kw)
+    compiler.compile(jax.jit(step, donate_argnums=1), args, timings=second, **kw)  # a second run
     text = compiled.as_text()
     return {"trace_s": cold["lower_s"], "compile_s": cold["compile_s"], "load_s": second.get("load_s"),
             "custom_calls": text.count("custom-call("), "fusions": text.count(" fusion("), "while": text.count(" while(")}
@@ -90,13 +111,14 @@ def _run(a, modes) -> int:
     print(f"{a.config}: {cfg.num_hidden_layers} layers, {len(units)} units "
           f"({sum(len(u) > 1 for u in units)} stacked, {groups} group scans) · impl {a.impl} · "
           f"{jax.devices()[0].device_kind} · "
+          f"{'extra XLA options ' + str(a.xla_options) + ' · ' if a.xla_options else ''}"
           f"jax {jax.__version__}", flush=True)
     print(f"{'step':10s} {'mode':9s} {'trace s':>8s} {'compile s':>10s} {'total s':>8s} {'bound s':>8s} "
           f"{'ratio':>6s} {'2nd run s':>10s} {'bound s':>8s} {'calls':>6s} {'fusions':>8s} {'while':>6s}", flush=True)
     rows_out = []
     for kind, rows in (("decode", 1), ("prefill", a.rows)):
         for mode in modes:
-            r = compile_step(cfg, dataclasses.replace(base, scan_layers=mode == "scanned"), rows)
+            r = compile_step(cfg, dataclasses.replace(base, scan_layers=mode == "scanned"), rows, a.xla_options)
             total = r["trace_s"] + r["compile_s"]
             second = f"{r['load_s']:10.1f}" if r["load_s"] is not None else f"{'-':>10s}"
             print(f"{kind:10s} {mode:9s} {r['trace_s']:8.1f} {r['compile_s']:10.1f} {total:8.1f} "
@@ -106,7 +128,7 @@ def _run(a, modes) -> int:
                              "second_run_bound_s": SECOND_RUN_BOUND_S})
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump({"config": a.config, "layers": cfg.num_hidden_layers, "units": [list(u) for u in units],
+            json.dump({"config": a.config, "layers": cfg.num_hidden_layers, "xla_options": a.xla_options, "units": [list(u) for u in units],
                        "impl": a.impl, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": rows_out}, f, indent=1)
     return 0
