@@ -12,7 +12,8 @@ Per case it prints:
 * ``read ms``: the weights one device must read (every weight but the embedding, the routed experts the
   segment touches: all of them at 2,048 rows) ÷ ``--bandwidth`` (H200: 4.3 TB/s); ``compute ms``: the spec's
   FLOPs per device (`profiling/flops.py`) ÷ ``--flops`` (H200 bf16 GEMM: 668 TFLOP/s); ``floor`` = the larger;
-* ``ratio`` = step / floor, and ``tok/s``;
+* ``ratio`` = step / floor, and ``tok/s``; ``rp``: the segment's row-parallel threshold (``--row-parallel-rows``,
+  the planner's ``row_parallel_rows``; 0 = off; world 1 runs 0 only);
 * with ``--trace DIR`` (the default: a directory under /tmp) ``kernels``, the share of the step inside kernels,
   and the step split by model part (moe, attention, indexer, hc, compressor, head, ...) from the trace.
   XLA's command buffers are then off for the whole run, as in ``profile --trace``.
@@ -42,6 +43,9 @@ def parse_args(argv):
     p.add_argument("--rows", default="2048,4096", help="comma-separated segment sizes")
     p.add_argument("--position", type=int, default=0, help="start position of the segment")
     p.add_argument("--formats", default="bf16,fp4", help="routed expert formats: bf16, fp4")
+    p.add_argument("--row-parallel-rows", default="0", metavar="N[,N2]",
+                   help="comma-separated: segments of >= N rows run the HC mixes and norms row-parallel at world > 1 "
+                        "(the planner's row_parallel_rows; 0 = off), one row per value (issue #22: A/B it)")
     p.add_argument("--impl", choices=("xla", "pallas"), default=None,
                    help="kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case (median reported)")
@@ -56,6 +60,7 @@ def parse_args(argv):
         a.layers = _ints(a.layers, "--layers")
         a.worlds = _ints(a.worlds, "--worlds")
         a.rows = _ints(a.rows, "--rows")
+        a.row_parallel_rows = _ints(a.row_parallel_rows, "--row-parallel-rows", minimum=0)
         a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         bad = [f for f in a.formats if f not in FORMATS]
         if bad or not a.formats:
@@ -72,24 +77,25 @@ def parse_args(argv):
     return a
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} values must be at least 1, got {text!r}")
+    if not values or min(values) < minimum:
+        raise ValueError(f"{flag} values must be at least {minimum}, got {text!r}")
     return values
 
 
-def run_case(a, *, world: int, layers: int, rows: int, fmt: str, trace_dir: Path | None) -> dict:
+def run_case(a, *, world: int, layers: int, rows: int, fmt: str, trace_dir: Path | None,
+             row_parallel_rows: int = 0) -> dict:
     """One prefill case through ``profile``: its step's time, floors (``profile``'s ``floor``) and trace split."""
     from dsv41_jax import profile
     from dsv41_jax.profiling import floors
 
     argv = ["--config", a.config, "--world", str(world), "--layers", str(layers), "--rows", str(rows),
             "--position", str(a.position), "--impl", a.impl, "--repeats", str(a.repeats),
-            "--expert-format", FORMATS[fmt], "--compile-cache", "off"]
+            "--expert-format", FORMATS[fmt], "--compile-cache", "off", "--row-parallel-rows", str(row_parallel_rows)]
     if trace_dir is not None:
         argv += ["--trace", str(trace_dir)]
     step = profile.run(profile.parse_args(argv))["steps"][0]
@@ -109,12 +115,12 @@ def run_case(a, *, world: int, layers: int, rows: int, fmt: str, trace_dir: Path
             "parts_ms": {p["part"]: p["seconds"] * 1e3 for p in t.get("parts", [])}}
 
 
-HEADER = (f"{'world':>5} {'layers':>6} {'rows':>5} {'experts':>7} {'step ms':>8} {'read ms':>8} {'comp ms':>8} "
+HEADER = (f"{'world':>5} {'layers':>6} {'rows':>5} {'experts':>7} {'rp':>5} {'step ms':>8} {'read ms':>8} {'comp ms':>8} "
           f"{'ratio':>6} {'tok/s':>9} {'kernels':>7}  split (ms)")
 
 
 def fmt_row(r: dict) -> str:
-    head = f"{r['world']:>5} {r['layers']:>6} {r['rows']:>5} {r['experts']:>7}"
+    head = f"{r['world']:>5} {r['layers']:>6} {r['rows']:>5} {r['experts']:>7} {r['row_parallel_rows']:>5}"
     if "error" in r:
         return f"{head}  {r['error']}"
     share = "-" if r["kernel_share"] is None else format(r["kernel_share"], ".0%")
@@ -148,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     for world in [w for w in a.worlds if w <= devices]:
         for layers in a.layers:
             for n in a.rows:
-                for fmt in a.formats:
-                    r = {"world": world, "layers": layers, "rows": n, "experts": fmt}
-                    folder = trace_root / f"w{world}_l{layers}_r{n}_{fmt}" if trace_root else None
+                for fmt, rp in [(f, rp) for f in a.formats for rp in a.row_parallel_rows if world > 1 or rp == 0]:
+                    r = {"world": world, "layers": layers, "rows": n, "experts": fmt, "row_parallel_rows": rp}
+                    folder = trace_root / f"w{world}_l{layers}_r{n}_{fmt}_rp{rp}" if trace_root else None
                     try:
-                        r.update(run_case(a, world=world, layers=layers, rows=n, fmt=fmt, trace_dir=folder))
+                        r.update(run_case(a, world=world, layers=layers, rows=n, fmt=fmt, trace_dir=folder,
+                                          row_parallel_rows=rp))
                     except (UsageError, ConfigError, PlanRefused) as e:  # e.g. does not fit: said, skipped
                         r["error"] = str(e).splitlines()[0][:200]
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported, the grid goes on

@@ -32,8 +32,7 @@ from pathlib import Path
 
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
 from dsv41_jax.planner import (WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, admit, cache_pool_bytes,
-                               engram_bytes_per_rank,
-                               param_bytes_per_rank, plan_segment)
+                               engram_bytes_per_rank, kernel_tiles, param_bytes_per_rank, plan_segment)
 from dsv41_jax.profiling.cut import cut_layers, kept_layers
 from dsv41_jax.profiling.flops import step_flops
 
@@ -66,6 +65,7 @@ class Request:
     compile_cache: str | None = None
     engram: bool = False
     unrolled: bool = False
+    row_parallel_rows: int = 0  # PlanOptions.row_parallel_rows (issue #22); 0: the planner's default
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--compile-only", action="store_true", help="abstract weights: compile and analyse, no runs")
     p.add_argument("--fast-compile", action="store_true",
                    help="XLA CPU: LLVM optimisation off (quick smoke runs; step times not representative)")
+    p.add_argument("--row-parallel-rows", type=int, default=0, metavar="N",
+                   help="world > 1: segments of >= N rows run the HC mixes and norms row-parallel (the planner's "
+                        "row_parallel_rows; 0 = its default, off)")
     p.add_argument("--unrolled", action="store_true",
                    help="run stacked runs of layers unrolled instead of scanned (same weights; to compare compile "
                         "and step times, docs/DESIGN.md 'Scanned layers')")
@@ -111,6 +114,7 @@ def parse_args(argv: list[str] | None) -> Request:
               (bool(positions) and min(positions) >= 0, f"--position must be >= 0, got {a.position!r}"),
               (a.batch >= 1, f"--batch must be at least 1, got {a.batch}"),
               (a.repeats >= 1, f"--repeats must be at least 1, got {a.repeats}"),
+              (a.row_parallel_rows >= 0, f"--row-parallel-rows must be >= 0, got {a.row_parallel_rows}"),
               (a.layers is None or a.layers >= 1, f"--layers must be at least 1, got {a.layers}"),
               (a.engram_table_rows is None or a.engram, "--engram-table-rows goes with --engram"),
               (a.engram_table_rows is None or a.engram_table_rows >= 1024,
@@ -134,7 +138,7 @@ def parse_args(argv: list[str] | None) -> Request:
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
                    Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache, a.engram,
-                   a.unrolled)
+                   a.unrolled, a.row_parallel_rows)
 
 
 def _check_writable(path: Path) -> None:
@@ -203,7 +207,8 @@ def run(req: Request, on_step=None) -> dict:
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
     options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl, indexer_impl=req.impl,
-                           hc_impl=req.impl, expert_format=req.expert_format, scan_layers=not req.unrolled)
+                           hc_impl=req.impl, expert_format=req.expert_format, scan_layers=not req.unrolled,
+                           tiles=kernel_tiles(req.cfg, req.world, PlanOptions(row_parallel_rows=req.row_parallel_rows)))
     _check_fits(req, jax.devices()[0])
     start = time.perf_counter()
     model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)
@@ -274,6 +279,7 @@ def _header(req: Request, jax) -> dict:
                        for i, n in zip(req.cfg.engram_layer_ids, req.cfg.engram_num_embeddings)],
             "compile_only": req.compile_only, "fast_compile": req.fast_compile,
             "units": [list(u) for u in req.cfg.layer_units()], "scanned": not req.unrolled,
+            "row_parallel_rows": req.row_parallel_rows,
             "platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "steps": []}

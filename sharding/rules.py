@@ -50,6 +50,7 @@ SHARED_MLP = "shared_mlp"    # shared-expert intermediate width (follows the rou
 EXPERT_MLP_CODES = "expert_mlp_codes"    # fp4 w2 codes: F/2 bytes (two inputs a byte); the F split halved
 EXPERT_MLP_SCALES = "expert_mlp_scales"  # fp4 w2 scales: F/32 bytes (one per 32 inputs); the F split / 32
 ENGRAM_ROWS = "engram_rows"  # engram table rows, split by hash column (whole columns a rank, slabs padded)
+ROWS = "rows"                # a row-parallel segment's token axis (the planner's row_parallel_rows; activations only)
 
 VISION_QKV = "vision_qkv"    # attn.wqkv rows: per rank its heads' q, k and v rows (grouped, VisionConfig)
 VISION_HEADS = "vision_heads"  # ViT heads: attn.wo input columns (h·d + i), the head axis of q / k / v
@@ -155,17 +156,18 @@ PARAM_RULES: tuple[Rule, ...] = (
 
 LOGICAL_TO_MESH: dict[str, dict[str, str | None]] = {
     "tp": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: None, EXPERT_MLP: TP, SHARED_MLP: TP,
-           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP, ENGRAM_ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
+           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP, ENGRAM_ROWS: TP, ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
     # Expert parallelism: whole routed experts a rank (E/P each, no padding of F). The shared expert is then
     # replicated: splitting it on F would force F's 128-block padding onto every routed expert too, since
     # both share moe_intermediate_size; it is 1/E of the expert weights.
     "ep": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: TP, EXPERT_MLP: None, SHARED_MLP: None,
-           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, ENGRAM_ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
+           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, ENGRAM_ROWS: TP, ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
 }
 
-# Activations: logical axes of the *trailing* dims (leading batch / token dims are never split). Only the ones
-# some code pins (``context.constrain``, the kernels' shard_map specs) are listed; the others follow the
-# parameters' splits through XLA's propagation (the parameter rules' reasons say where the all-reduces fall).
+# Activations: logical axes of the *trailing* dims (leading batch dims are never split; the token dim only in a
+# row-parallel segment's streams). Only the ones some code pins (``context.constrain``, the kernels' shard_map
+# specs) are listed; the others follow the parameters' splits through XLA's propagation (the parameter rules'
+# reasons say where the all-reduces fall).
 ACTIVATION_RULES: dict[str, tuple[tuple[str | None, ...], str]] = {
     "logits_shards": ((VOCAB,), "head output [.., V_pad]: each rank its own vocabulary slice"),
     "logits": ((None,), "gathered logits [.., V] handed to the sampler: replicated"),
@@ -177,6 +179,9 @@ ACTIVATION_RULES: dict[str, tuple[tuple[str | None, ...], str]] = {
     "engram_local_rows": ((ENGRAM_ROWS, None), "engram row indices [.., W, c_max] in each rank's slab: rank r "
                           "gets its own columns' rows (sharding/kernels.engram_gather)"),
     "engram_gathered": ((None, None), "engram rows [.., C, d + d/32] bytes after the all-gather: replicated"),
+    "stream_rows": ((ROWS, None, None), "residual streams [B, T, S, D] of a row-parallel segment: each rank its "
+                    "T/P rows for the HC mixes, collapse, norms and expand (replicated per-row work split, issue "
+                    "#22); the sublayer input is gathered ('replicated') before attention and the MoE"),
     "replicated": ((), "caches, tokens, streams, positions, top-k: every rank holds the same values"),
 }
 

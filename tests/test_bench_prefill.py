@@ -55,7 +55,8 @@ def test_ops_are_attributed_to_their_part(label, part):
     assert trace.part_of(label) == part
 
 
-@pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--rows", "0"], ["--worlds", "3"], ["--layers", "x"]])
+@pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--rows", "0"], ["--worlds", "3"], ["--layers", "x"],
+                                  ["--row-parallel-rows", "-1"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)

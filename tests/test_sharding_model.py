@@ -17,6 +17,7 @@ gives both the prefill logits and the greedy tokens. The cached decode path is c
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -119,6 +120,23 @@ def test_sharded_prefill_and_greedy_match_one_device(name, world):
     assert Counter(op for op, _ in found)["all-reduce"] == 2 * cfg.num_hidden_layers + 1, found
     moved = [shape for op, shape in found if op != "all-reduce"]
     assert moved and all(shape.startswith(f"f32[{BATCH},{PROMPT + NEW},") for shape in moved), found
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.devices
+def test_row_parallel_segment_matches_one_device(world):
+    """The planner's row-parallel segments (``PlanOptions.row_parallel_rows``, issue #22): each rank mixes,
+    collapses, normalises and expands its own rows; the result is world 1's. The data movement says the split
+    happened: the sublayer inputs [B, T, D] are all-gathered (two a layer), on top of §F.4's all-reduces."""
+    cfg, flat, prompt, ref_logits, ref_tokens = setup("mirror")
+    tiles = planner.kernel_tiles(cfg, world, planner.PlanOptions(row_parallel_rows=16))
+    model, mesh = sharding.prepare(cfg, flat, world, dataclasses.replace(OPTIONS, tiles=tiles))
+    logits, tokens, hlo = greedy(model, cfg, prompt, mesh)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    gathers = [shape for op, shape in collectives(hlo)
+               if op == "all-gather" and shape.startswith(f"f32[{BATCH},{PROMPT + NEW},{cfg.hidden_size}]")]
+    assert len(gathers) >= 2 * cfg.num_hidden_layers, collectives(hlo)
 
 
 @pytest.mark.devices(4)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import registry
+from sharding.context import active_mesh, constrain
 
 from ..config import ModelConfig
 from ..param_specs import unit_name
@@ -133,6 +134,12 @@ class Block(nnx.Module):
                        image_bias=options.vision, tiles=options.tiles)
         if options.engram and layer in cfg.engram_layer_ids:
             self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs, tables=options.engram_tables)
+        self.tiles = options.tiles
+
+    def _row_split(self, rows: int) -> bool:
+        """A row-parallel segment (the plan's ``KernelTiles.row_parallel``) under a mesh of more than one device."""
+        mesh = active_mesh()
+        return self.tiles is not None and mesh is not None and self.tiles.row_parallel(rows, mesh.size)
 
     def __call__(self, streams, pre_prev, seg: Segment, cache, csa: CsaState, is_image=None,
                  engram: EngramInput | None = None, taps: dict | None = None):
@@ -145,19 +152,25 @@ class Block(nnx.Module):
                 streams = self.engram(streams, engram)
         if taps is not None:  # §B.13 / VISION.md §V.H item 1: the mean of the streams entering the layer
             taps["entering"] = jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+        # Row-parallel segment: the per-row work (mixes, collapse, norms, expand) on each rank's rows; the sublayer
+        # input is gathered for attention and the MoE, whose outputs come back whole (issue #22).
+        split = self._row_split(streams.shape[1])
+        rows = (lambda x: constrain(x, "stream_rows")) if split else (lambda x: x)
+        whole = (lambda x: constrain(x, "replicated")) if split else (lambda x: x)
+        streams = rows(streams)
         with jax.named_scope("attn"):
             pre_a, post_a, comb_a = hc_mix(streams, self.hc_attn_fn[...], self.hc_attn_base[...],
                                            self.hc_attn_scale[...], **self.hc_kwargs)
-            u = self.attn_norm(collapse(streams, pre_prev))
+            u = whole(self.attn_norm(collapse(streams, pre_prev)))
             if taps is not None:
                 taps["u"] = u
             y, cache, csa = self.attn(u, seg, cache, csa)
-            streams = expand(y, streams, post_a, comb_a)
+            streams = rows(expand(y, streams, post_a, comb_a))
         with jax.named_scope("moe"):
             pre_f, post_f, comb_f = hc_mix(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...],
                                            self.hc_ffn_scale[...], **self.hc_kwargs)
-            y = self.ffn(self.ffn_norm(collapse(streams, pre_a)), is_image)
-            return expand(y, streams, post_f, comb_f), pre_f, cache, csa
+            y = self.ffn(whole(self.ffn_norm(collapse(streams, pre_a))), is_image)
+            return rows(expand(y, streams, post_f, comb_f)), pre_f, cache, csa
 
 
 def _stacked_block(cfg: ModelConfig, unit: tuple[int, ...], options: ModelOptions, rngs: nnx.Rngs) -> Block:

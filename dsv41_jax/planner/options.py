@@ -67,6 +67,7 @@ class PlanOptions:
     engram_tables: str = "host"  # engram tables: "host" (memory-mapped, §F: the default) | "device"
     dspark: bool = False  # the DSpark stages' weights resident (generate --speculate; MODEL.md §B.13)
     vision_images: int = 1  # with ``images``: images one tower call encodes, each planned at the largest bucket
+    row_parallel_rows: int = 0  # world > 1: segments of ≥ this many rows run HC mixes and norms row-parallel (0: off)
 
 
 @dataclass(frozen=True)

@@ -431,6 +431,12 @@ class KernelTiles:
     decode_head_tile: int
     moe_block_m: int
     index_budget: int
+    row_parallel_rows: int = 0  # segments of ≥ this many rows (a multiple of the world) split their per-row work
+
+    def row_parallel(self, rows: int, world: int) -> bool:
+        """Whether a segment of ``rows`` rows at ``world`` runs its HC mixes, collapses, norms and expands
+        row-parallel (each rank T/P rows; the sublayer inputs gathered for attention and the MoE)."""
+        return world > 1 and 0 < self.row_parallel_rows <= rows and rows % world == 0
 
 
 def kernel_tiles(cfg: ModelConfig, world: int, options: PlanOptions = PlanOptions()) -> KernelTiles:
@@ -439,4 +445,5 @@ def kernel_tiles(cfg: ModelConfig, world: int, options: PlanOptions = PlanOption
     adm = admit(cfg, world, block=options.block, uneven=options.uneven)
     return KernelTiles(attention_head_tile=adm.head_tile,
                        decode_head_tile=min(DECODE_HEAD_TILE, adm.heads_per_rank),
-                       moe_block_m=MOE_TILE, index_budget=options.index_budget)
+                       moe_block_m=MOE_TILE, index_budget=options.index_budget,
+                       row_parallel_rows=options.row_parallel_rows if world > 1 else 0)
