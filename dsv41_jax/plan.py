@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--indexer", choices=("pallas", "reference"), default="pallas",
                    help="index selection: pallas (default: the fused scores + top-k kernel, path 'fused', its "
                         "workspace) or reference (PLANNER.md §B-3 paths)")
+    p.add_argument("--row-parallel-rows", type=int, default=0, metavar="N",
+                   help="world > 1: segments of >= N rows run the HC mixes and norms row-parallel (kernel tiles "
+                        "'row_parallel_rows'; default 0 = off, not yet measured on several GPUs)")
     p.add_argument("--budget-gib", type=_positive, default=None,
                    help="usable memory per device for R10 (default: the H200's 139 GiB, PLANNER.md §F)")
     p.add_argument("--no-memory-check", action="store_true", help="skip R10")
@@ -134,7 +137,8 @@ def _options(args: argparse.Namespace, cfg, budget: MemoryBudget | None = None) 
     options = PlanOptions(pf4k=args.pf4k, acknowledge_4k=args.pf4k, replay=args.replay, images=args.images,
                           experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
                           index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer,
-                          vision_images=args.vision_images, dspark=args.speculate)
+                          vision_images=args.vision_images, dspark=args.speculate,
+                          row_parallel_rows=max(args.row_parallel_rows, 0))
     tables = args.engram_tables
     if tables == "auto":
         tables = engram_placement(cfg, args.world, options, budget or MemoryBudget())
@@ -229,6 +233,8 @@ def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, vi
     tiles = kernel_tiles(cfg, plan.world, options)
     rows.append(("kernel tiles BMQ / decode / BM", f"{tiles.attention_head_tile} / {tiles.decode_head_tile} / "
                                                   f"{tiles.moe_block_m}"))
+    rows.append(("row-parallel per-row work", "this segment" if tiles.row_parallel(plan.rows, plan.world) else
+                 f"off (--row-parallel-rows {tiles.row_parallel_rows})" if tiles.row_parallel_rows else "off"))
     for item, value in rows:
         t.add_row(item, value)
     console = Console()
