@@ -17,7 +17,7 @@ _spec.loader.exec_module(bench)
 
 def test_smoke_run_with_an_extra_option(tmp_path, capsys):
     out = tmp_path / "compile.json"
-    assert bench.main(["--config", "tiny", "--impl", "xla", "--rows", "8", "--modes", "scanned",
+    assert bench.main(["--config", "tiny", "--layers", "2", "--impl", "xla", "--rows", "8", "--modes", "scanned",
                        "--xla-option", "xla_backend_optimization_level=0", "--json-out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["xla_options"] == {"xla_backend_optimization_level": 0}
