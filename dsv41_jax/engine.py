@@ -717,6 +717,8 @@ class Engine:
             else:
                 out = result.last
                 pending.append((result.tokens, result.keep_going, None))
+            for read_later in pending[-1][:2]:  # the host reads them next: their copy starts when they are ready
+                read_later.copy_to_host_async()
             dispatched += chunk
 
         t0 = time.perf_counter()

@@ -328,6 +328,8 @@ class SlotEngine:
         self._cache, self._logits = out.cache, out.last_logits
         self._chain = (out.tokens, out.lengths, out.keep_going, out.next_step)
         self._pending.append((out.tokens, out.keep_going, emit))
+        out.tokens.copy_to_host_async()  # _read reads them next: their copy starts when they are ready
+        out.keep_going.copy_to_host_async()
         self.decode_steps += 1
 
     def _read(self, in_flight: int) -> None:
