@@ -113,14 +113,21 @@ def test_forced_accept_all_and_partial_rejections(setup):
 
 
 def test_forced_reject_all_and_fewer_draft_tokens(setup):
-    cfg, _, spec, requests, reference = setup
+    cfg, engine, spec, requests, reference = setup
     ref = (_oracle(requests, reference) + 1) % cfg.vocab_size  # every proposal wrong
     out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, reference)
     assert out.timings.tokens_per_round == 1.0
-    out = spec.generate(requests, 2, oracle=(_oracle(requests, reference), np.ones(ref.shape, bool)))
+    # 2 drafts: the speculator's cache holds max_context + 3 positions instead of + 6; on the same engine with a
+    # context 3 longer it has 5's shape, so the prompt segments run 5's prefill programs (a copy shares the
+    # engine's program table) and only the k = 2 start and round programs compile.
+    longer = copy.copy(engine)
+    longer.max_context = MAX_CONTEXT + 3
+    before = longer.compile_count
+    out = Speculator(longer).generate(requests, 2, oracle=(_oracle(requests, reference), np.ones(ref.shape, bool)))
     _same(out, reference)
     assert out.timings.tokens_per_round > 2.5
+    assert longer.compile_count - before == 2
 
 
 def test_refuses_bad_draft_tokens(setup):
