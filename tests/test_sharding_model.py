@@ -6,8 +6,8 @@ Both configs run f32 with the §C.2 rounding points off (MODEL.md §C.4: the tig
 Tolerance of the logits: atol 1e-4 on logits of size ~3. The only differences are the order of f32 sums:
 per-rank partial sums of wo_b and of the experts are all-reduced, the vocabulary-parallel embedding is summed
 over ranks; each reorders a sum of a few hundred terms (~1e-7 relative), amplified by the layers to a few 1e-6
-(observed ≤ 6e-6 over the ten layers of the tiny config). Without rounding points there is no quantisation boundary to amplify a last-bit change.
-Greedy tokens must be identical.
+(observed ≤ 6e-6 over the ten layers of the tiny config). Without rounding points there is no quantisation
+boundary to amplify a last-bit change. Greedy tokens must be identical.
 
 Greedy decoding is done by recomputation: one program per world over a fixed [B, 52] buffer from an empty
 cache, ``lengths`` growing by one each step (rows ≥ length are padding, docs/DESIGN.md), so a single compile

@@ -31,8 +31,8 @@ def engram_setup():
     assert cfg.engram_layer_ids == (1,)
     weights = make_tiny.random_weights(cfg, 2, dspark=True)
     model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), weights)
-    # As tests/test_speculative.py's `setup`: the reference prefills row by row (the hash history advanced a row at a time), the speculator
-    # in segments (16 + 15 rows).
+    # As tests/test_speculative.py's `setup`: the reference prefills row by row (the hash history advanced a row
+    # at a time), the speculator in segments (16 + 15 rows).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
                     segment_plan=lambda n: fixed_segments(n, 16), short_rows=16)
     assert engine.hasher is not None
