@@ -29,8 +29,8 @@ from dsv41_jax import engram
 from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
-from dsv41_jax.loading import load_weights
-from dsv41_jax.model import EngramInput, ModelOptions, Transformer, init_cache
+from dsv41_jax.loading import build_model
+from dsv41_jax.model import EngramInput, ModelOptions, init_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 mlx_vlm_oracle = pytest.importorskip("mlx_vlm_oracle")
@@ -125,9 +125,7 @@ def case(request, tmp_path_factory):
 def runs(case):
     """Ours on one device: one-pass ragged prefill + decode, and chunked prefill + decode."""
     name, path, cfg, flat, ids, refs = case
-    model = Transformer(cfg, OPTIONS, rngs=nnx.Rngs(0))
-    load_weights(model, flat)
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(build_model(cfg, OPTIONS, flat))  # no random init first (3 s a config)
     fn = forward(graphdef)
     tokens = np.stack([r["tokens"] for r in refs], axis=1)  # [steps, B]
     one_pass = EngramRunner(cfg, state, fn, path).run(ids, [[len(p)] for p in ids], tokens)
@@ -182,7 +180,11 @@ def test_worlds_equal_one_device(case, runs, world):
     shardings = (sharding.state_sharding(model), rep, sharding.cache_sharding(mesh, init_cache(
         cfg, 2, MAX_CONTEXT, "float32")), rep, rep, rep)
     tokens = np.stack([r["tokens"] for r in refs], axis=1)
-    got = EngramRunner(cfg, state, forward(graphdef, shardings), path).run(ids, [[len(p)] for p in ids], tokens)
+    runner = EngramRunner(cfg, state, forward(graphdef, shardings), path)
+    # The first call's cache already placed as the program takes it: its later calls pass the cache it returns,
+    # and an unplaced first cache would make jit trace and lower the program a second time.
+    runner.cache = jax.device_put(runner.cache, shardings[2])
+    got = runner.run(ids, [[len(p)] for p in ids], tokens)
     for (p1, d1), (p2, d2) in zip(runs["one_pass"], got, strict=True):
         np.testing.assert_allclose(p2, p1, rtol=0, atol=ATOL)
         np.testing.assert_allclose(d2, d1, rtol=0, atol=ATOL)

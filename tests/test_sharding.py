@@ -3,6 +3,8 @@ and the shard_map kernel wrappers against the unsharded op (8 simulated CPU devi
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,10 +167,12 @@ def test_wrappers_run_the_kernel_ops_per_device():
     x = jnp.asarray(rng.standard_normal((6, dim)), jnp.float32)
     ids = jnp.asarray(rng.choice(n_exp, (6, 2)), jnp.int32)
     w = jnp.asarray(rng.random((6, 2)), jnp.float32)
-    expected = moe_op(x, ids, w, weights, swiglu_limit=1.0, impl="reference")
+    # Each call jitted, as the model runs them (op by op, the wrappers' shard_map and the op's tile plan dispatch
+    # one small program at a time: 7 of this test's 8 s on CPU).
+    expected = jax.jit(functools.partial(moe_op, swiglu_limit=1.0, impl="reference"))(x, ids, w, weights)
     for layout in ("tp", "ep"):
-        got = sharded_routed_experts(x, ids, w, weights, swiglu_limit=1.0, mesh=mesh, layout=layout,
-                                     impl="reference")
+        got = jax.jit(functools.partial(sharded_routed_experts, swiglu_limit=1.0, mesh=mesh, layout=layout,
+                                        impl="reference"))(x, ids, w, weights)
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
     b, t, h, dh, n, s, k = 1, 2, 8, 32, 4, 4, 2
@@ -179,8 +183,8 @@ def test_wrappers_run_the_kernel_ops_per_device():
             jnp.asarray([0], jnp.int32), jnp.asarray([[2, 3]], jnp.int32),
             jnp.asarray(rng.standard_normal(h), jnp.float32))
     kwargs = dict(window_size=3, scale=dh ** -0.5, impl="reference")
-    expected = attention_op(*args, **kwargs)
-    got = sharded_sparse_attention(*args, mesh=mesh, **kwargs)
+    expected = jax.jit(functools.partial(attention_op, **kwargs))(*args)
+    got = jax.jit(functools.partial(sharded_sparse_attention, mesh=mesh, **kwargs))(*args)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
 
 

@@ -7,8 +7,8 @@ the target's (chi-square at a stated significance) at temperature 1 and with top
 The model is the 5-layer cut of the tiny config that keeps every layer role (window, full r=2, full r=1 as the
 candidate source, reindex with candidates, reuse) plus the three stages, in float32 with the rounding points off,
 so a 6-row verify step and 1-row decode steps agree to f32 summation order and greedy tokens match exactly.
-The same cut of the engram config (an engram layer at 1) checks the engram path: the verify rows hashed on the
-host after the committed history only (prompts that repeat n-grams, so the hashed rows matter).
+The engram path is tests/test_speculative_engram.py's, worlds 2 and 4 tests/test_speculative_sharded.py's (files
+of their own, so `pytest -n 2 --dist loadfile` runs them beside this one); both use this file's helpers.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import gammaincc
 
-from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions, Transformer
@@ -48,11 +47,16 @@ def setup():
     # speculator's prefill takes the segments (16 + 16 + 5 rows: the rings carried across segment programs).
     engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
                     segment_plan=lambda n: fixed_segments(n, 16), short_rows=16)
-    rng = np.random.default_rng(1)
-    prompts = [tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n)) for n in (37, 20, 9)]
-    requests = [Request(p, n) for p, n in zip(prompts, (40, 33, 29))]
+    requests = spec_requests(cfg)
     reference = engine.generate(requests)
     return cfg, engine, Speculator(engine), requests, reference
+
+
+def spec_requests(cfg) -> list[Request]:
+    """Three ragged greedy requests: prompts of 37, 20 and 9 ids, 40, 33 and 29 new tokens."""
+    rng = np.random.default_rng(1)
+    prompts = [tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n)) for n in (37, 20, 9)]
+    return [Request(p, n) for p, n in zip(prompts, (40, 33, 29))]
 
 
 def _oracle(requests, reference, batch_len=MAX_CONTEXT + 16):
@@ -63,6 +67,16 @@ def _oracle(requests, reference, batch_len=MAX_CONTEXT + 16):
     return ref
 
 
+def stage_drafts(requests, reference):
+    """The oracle that forces nothing (``use`` all False): every proposal is the stages' own draft, as with
+    ``oracle=None``, through the forced paths' round program, so a test's random-draft and forced runs compile
+    one round program instead of two (the oracle only selects the drafts after they are drawn:
+    ``speculative._round_in``). The user's program (``oracle=None``) runs in the end-to-end sampling test here
+    and greedy in ``tests/test_generate_cli.py`` (``--speculate dspark`` = ``off``)."""
+    ref = _oracle(requests, reference)
+    return ref, np.zeros(ref.shape, bool)
+
+
 def _same(out, reference):
     for got, want in zip(out.generations, reference.generations, strict=True):
         assert got.token_ids == want.token_ids
@@ -71,7 +85,7 @@ def _same(out, reference):
 
 def test_greedy_random_drafts_match_plain_greedy(setup):
     _, _, spec, requests, reference = setup
-    out = spec.generate(requests, 5)
+    out = spec.generate(requests, 5, oracle=stage_drafts(requests, reference))
     _same(out, reference)
     assert out.timings.rounds >= 28  # random drafts: ~1 token a round
 
@@ -99,48 +113,27 @@ def test_forced_accept_all_and_partial_rejections(setup):
 
 
 def test_forced_reject_all_and_fewer_draft_tokens(setup):
-    cfg, _, spec, requests, reference = setup
+    cfg, engine, spec, requests, reference = setup
     ref = (_oracle(requests, reference) + 1) % cfg.vocab_size  # every proposal wrong
     out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, reference)
     assert out.timings.tokens_per_round == 1.0
-    out = spec.generate(requests, 2, oracle=(_oracle(requests, reference), np.ones(ref.shape, bool)))
+    # 2 drafts: the speculator's cache holds max_context + 3 positions instead of + 6; on the same engine with a
+    # context 3 longer it has 5's shape, so the prompt segments run 5's prefill programs (a copy shares the
+    # engine's program table) and only the k = 2 start and round programs compile.
+    longer = copy.copy(engine)
+    longer.max_context = MAX_CONTEXT + 3
+    before = longer.compile_count
+    out = Speculator(longer).generate(requests, 2, oracle=(_oracle(requests, reference), np.ones(ref.shape, bool)))
     _same(out, reference)
     assert out.timings.tokens_per_round > 2.5
+    assert longer.compile_count - before == 2
 
 
 def test_refuses_bad_draft_tokens(setup):
     _, _, spec, requests, _ = setup
     with pytest.raises(EngineInputError, match="draft-tokens"):
         spec.generate(requests, 6)
-
-
-@pytest.mark.devices(2)
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.devices(4))])
-def test_sharded_greedy_matches_plain_greedy(setup, world):
-    """The stages shard like the target's layers (Markov head on the vocabulary axis): at worlds 2 and 4
-    speculation (random drafts, then forced accept-all) emits the sharded engine's own greedy tokens."""
-    import sharding
-
-    cfg, _, _, requests, _ = setup
-    requests = requests[1:]
-    weights = make_tiny.random_weights(cfg, 0, dspark=True)
-    options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True)
-    model, mesh = sharding.prepare(cfg, weights, world, options)
-    # The prompts (20 and 9 tokens) in one segment: one prefill program for the speculator instead of two, and
-    # the reference prefills row by row through its decode program (15 s a world less compiling). Prompts over
-    # several segments (the rings and the cache carried from one segment program to the next) are the
-    # single-device tests' (`setup`: 16 + 16 + 5 rows).
-    engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(), mesh=mesh,
-                    segment_plan=lambda n: fixed_segments(n, 32), short_rows=32)
-    reference = engine.generate(requests)
-    spec = Speculator(engine)
-    _same(spec.generate(requests, 5), reference)
-    ref = _oracle(requests, reference)
-    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
-    _same(out, reference)
-    assert out.timings.tokens_per_round > 4.0
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -263,67 +256,3 @@ def test_end_id_inside_a_round_stops_like_the_engine(setup):
     ref = _oracle(requests, reference)
     out = Speculator(stopping).generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, want)
-
-
-# ----------------------------------------------------------------------------------------------- engram
-@pytest.fixture(scope="module")
-def engram_setup():
-    """The 5-layer cut with an engram layer (1) and the stages (make_tiny's weights, device tables); two ragged
-    prompts that repeat n-grams."""
-    from dsv41_jax.loading import build_model
-
-    cfg = spec_config("tiny_engram")
-    assert cfg.engram_layer_ids == (1,)
-    weights = make_tiny.random_weights(cfg, 2, dspark=True)
-    model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False, dspark=True), weights)
-    # As `setup`: the reference prefills row by row (the hash history advanced a row at a time), the speculator
-    # in segments (16 + 15 rows).
-    engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=16)
-    assert engine.hasher is not None
-    base = np.random.default_rng(5).integers(3, cfg.image_token_id, 10)
-    prompts = [np.concatenate([base, base[2:8], base, base[:5]]), np.concatenate([base[4:], base[:7], base[4:]])]
-    requests = [Request(tuple(int(t) for t in p), n) for p, n in zip(prompts, (30, 23))]
-    reference = engine.generate(requests)
-    return cfg, Speculator(engine), requests, reference, weights
-
-
-def test_engram_greedy_matches_plain_greedy(engram_setup):
-    """Random drafts (mostly rejected), forced accept-all, and a pattern of rejections of every length: the
-    engram history advances by the committed tokens only, so every path emits the engine's greedy tokens."""
-    _, spec, requests, reference, _ = engram_setup
-    _same(spec.generate(requests, 5), reference)
-    _forced_accept_all_then_partial(spec, requests, reference)
-
-
-def test_engram_reject_all_matches_plain_greedy(engram_setup):
-    """Every proposal wrong: each round commits only its bonus token; the rejected drafts' ids never reach the
-    hash history (they would change the next rows' n-grams)."""
-    cfg, spec, requests, reference, _ = engram_setup
-    ref = (_oracle(requests, reference) + 1) % cfg.image_token_id
-    out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
-    _same(out, reference)
-    assert out.timings.tokens_per_round == 1.0
-
-
-def test_engram_host_tables_match_plain_greedy(engram_setup):
-    """Host tables (``engram_tables="host"``: each call's rows gathered on the host and sent with it): a round's
-    verify rows are gathered like a step's; greedy with a pattern of rejections = the device-table engine's greedy
-    (same weights; host tables = device tables for plain greedy: tests/test_engram_sharding.py)."""
-    from dsv41_jax.engram import HostTables
-    from dsv41_jax.loading import build_model
-    from dsv41_jax.param_specs import is_engram_table
-
-    cfg, _, requests, reference, weights = engram_setup
-    options = ModelOptions(dtype="float32", quant_rounding=False, dspark=True, engram_tables="host")
-    model = build_model(cfg, options, {k: v for k, v in weights.items() if not is_engram_table(k)})
-    engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=(),
-                    segment_plan=lambda n: fixed_segments(n, 16), short_rows=16,
-                    host_tables=HostTables.from_weights(weights, cfg))
-    ref = _oracle(requests, reference)
-    use = np.ones(ref.shape, bool)
-    for b in range(len(requests)):
-        use[b, (np.arange(ref.shape[1]) % (3 + b)) == b] = False
-    out = Speculator(engine).generate(requests, 5, oracle=(ref, use))
-    _same(out, reference)
-    assert 1.5 < out.timings.tokens_per_round < 5.0

@@ -23,7 +23,7 @@ from dsv41_jax.engine import Engine, Request, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions, Transformer
 from dsv41_jax.speculative import Speculator
 from dsv41_jax.vision.preprocess import expand_prompt, load_image, prepare_image
-from test_speculative import MAX_CONTEXT, _oracle, _same  # tests/ is on sys.path (conftest)
+from test_speculative import MAX_CONTEXT, _oracle, _same, stage_drafts  # tests/ is on sys.path
 
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
 
@@ -53,7 +53,9 @@ def _noise(seed: int, cfg):
 
 def test_greedy_after_image_prompts_matches_plain_greedy(setup):
     cfg, engine, spec, requests, reference, other = setup
-    _same(spec.generate(requests, 5), reference)
+    # The stages' own drafts through the forced run's round program (one round compile, not two; the round takes
+    # no image input: tests/test_speculative.py's `stage_drafts`).
+    _same(spec.generate(requests, 5, oracle=stage_drafts(requests, reference)), reference)
     ref = _oracle(requests, reference)  # forced accept-all: the drafts are the reference tokens
     out = spec.generate(requests, 5, oracle=(ref, np.ones(ref.shape, bool)))
     _same(out, reference)
