@@ -39,6 +39,7 @@ from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.engine import Engine, Request
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.profiling import build, trace
+from dsv41_jax.profiling.args import comma_ints
 from dsv41_jax.profiling.cut import cut_layers
 from dsv41_jax.profiling.floors import H200_BYTES_PER_S, cache_bytes, weight_bytes
 
@@ -68,15 +69,15 @@ def parse_args(argv):
                    "of the step inside kernels (command buffers off for the run)")
     a = p.parse_args(argv)
     try:
-        a.batches = _ints(a.batches, "--batches")
-        a.positions = _ints(a.positions, "--positions", minimum=0)
-        a.decode_chunks = _ints(a.decode_chunks, "--decode-chunks")
+        a.batches = comma_ints(a.batches, "--batches")
+        a.positions = comma_ints(a.positions, "--positions", minimum=0)
+        a.decode_chunks = comma_ints(a.decode_chunks, "--decode-chunks")
         a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         bad = [f for f in a.formats if f not in FORMATS]
         if bad or not a.formats:
             raise ValueError(f"--formats takes bf16 and/or fp4, got {a.formats}")
         devices = len(jax.devices())
-        a.worlds = _ints(a.worlds, "--worlds") if a.worlds else [w for w in (1, 2, 4) if w <= devices]
+        a.worlds = comma_ints(a.worlds, "--worlds") if a.worlds else [w for w in (1, 2, 4) if w <= devices]
         if max(a.worlds) > devices:
             raise ValueError(f"--worlds {max(a.worlds)} needs {max(a.worlds)} devices, {devices} present")
         if a.tokens < 1 or a.steps < 1 or a.layers < 1:
@@ -88,16 +89,6 @@ def parse_args(argv):
         a.tokens, a.steps = min(a.tokens, 32), min(a.steps, 16)
     a.impl = a.impl or ("pallas" if jax.default_backend() == "gpu" else "reference")
     return a
-
-
-def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < minimum:
-        raise ValueError(f"{flag} values must be at least {minimum}, got {text!r}")
-    return values
 
 
 def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps: int, bandwidth: float,

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dsv41_jax.profiling.args import comma_ints
+
 FORMATS = {"bf16": "dequantized", "fp4": "fp4"}
 
 
@@ -57,10 +59,10 @@ def parse_args(argv):
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
     a = p.parse_args(argv)
     try:
-        a.layers = _ints(a.layers, "--layers")
-        a.worlds = _ints(a.worlds, "--worlds")
-        a.rows = _ints(a.rows, "--rows")
-        a.row_parallel_rows = _ints(a.row_parallel_rows, "--row-parallel-rows", minimum=0)
+        a.layers = comma_ints(a.layers, "--layers")
+        a.worlds = comma_ints(a.worlds, "--worlds")
+        a.rows = comma_ints(a.rows, "--rows")
+        a.row_parallel_rows = comma_ints(a.row_parallel_rows, "--row-parallel-rows", minimum=0)
         a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         bad = [f for f in a.formats if f not in FORMATS]
         if bad or not a.formats:
@@ -75,16 +77,6 @@ def parse_args(argv):
     if a.quick:
         a.worlds, a.layers, a.rows, a.formats = a.worlds[:1], a.layers[:1], a.rows[:1], ["bf16"]
     return a
-
-
-def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < minimum:
-        raise ValueError(f"{flag} values must be at least {minimum}, got {text!r}")
-    return values
 
 
 def run_case(a, *, world: int, layers: int, rows: int, fmt: str, trace_dir: Path | None,
