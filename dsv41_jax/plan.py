@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--indexer", choices=("pallas", "reference"), default="pallas",
                    help="index selection: pallas (default: the fused scores + top-k kernel, path 'fused', its "
                         "workspace) or reference (PLANNER.md §B-3 paths)")
-    p.add_argument("--row-parallel-rows", type=int, default=0, metavar="N",
+    p.add_argument("--row-parallel-rows", type=_at_least(0), default=0, metavar="N",
                    help="world > 1: segments of >= N rows run the HC mixes and norms row-parallel (kernel tiles "
                         "'row_parallel_rows'; default 0 = off, not yet measured on several GPUs)")
     p.add_argument("--budget-gib", type=_positive, default=None,
@@ -138,7 +138,7 @@ def _options(args: argparse.Namespace, cfg, budget: MemoryBudget | None = None) 
                           experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
                           index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer,
                           vision_images=args.vision_images, dspark=args.speculate,
-                          row_parallel_rows=max(args.row_parallel_rows, 0))
+                          row_parallel_rows=args.row_parallel_rows)
     tables = args.engram_tables
     if tables == "auto":
         tables = engram_placement(cfg, args.world, options, budget or MemoryBudget())

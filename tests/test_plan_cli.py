@@ -59,6 +59,23 @@ def test_table_output(capsys):
     assert "head tile" in text and "L.moe.z" in text
 
 
+def test_row_parallel_is_the_plans_choice(capsys):
+    """``--row-parallel-rows N``: a segment of at least N rows (a multiple of the world) runs its per-row work
+    row-parallel; fewer rows, one device, or the default (0) do not. The kernel tiles carry the threshold."""
+    assert main(["--config", "tiny", "--world", "4", "--rows", "16", "--position", "0",
+                 "--row-parallel-rows", "16"]) == 0
+    assert "this segment" in capsys.readouterr().out
+    assert main(["--config", "tiny", "--world", "4", "--rows", "12", "--position", "0",
+                 "--row-parallel-rows", "16"]) == 0
+    assert "off (--row-parallel-rows 16)" in capsys.readouterr().out
+    tiles = _json(capsys, "--config", "tiny", "--world", "1", "--rows", "16", "--position", "0",
+                  "--row-parallel-rows", "16")["kernel_tiles"]
+    assert tiles["row_parallel_rows"] == 0  # one device: nothing to split over
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "tiny", "--world", "2", "--rows", "16", "--position", "0", "--row-parallel-rows", "-1"])
+    assert e.value.code == 2
+
+
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "dsv41_jax.plan", *args], capture_output=True, text=True)
 
