@@ -126,7 +126,7 @@ def test_sharded_prefill_and_greedy_match_one_device(name, world):
     assert moved and all(shape.startswith(f"f32[{BATCH},{PROMPT + NEW},") for shape in moved), found
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])  # uneven head, group and vocabulary splits; world 2 is the same mechanism
 @pytest.mark.devices
 def test_row_parallel_segment_matches_one_device(world):
     """The planner's row-parallel segments (``PlanOptions.row_parallel_rows``, issue #22): each rank mixes,

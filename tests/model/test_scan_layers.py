@@ -98,12 +98,12 @@ def test_scan_equals_unrolled():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's bound, as test_scan_equals_unrolled")
 def test_group_scan_equals_unrolled_and_the_ungrouped_model(monkeypatch):
-    """The group scan (three repeats of a reindex layer and two reuse layers) against (a) the same stacked
+    """The group scan (two repeats of a reindex layer and two reuse layers) against (a) the same stacked
     weights run repeat by repeat and layer by layer (``scan_layers=False``) and (b) the same weights run as
     single layers and runs (the path before group scans, itself checked against mlx-lm and by DSpark's tests):
     logits, caches, every selection (the leads' come out of the scan) and the taps."""
-    cfg = group_config()
-    assert cfg.layer_steps() == (((0,),), ((1,),), ((2, 5, 8), (3, 4, 6, 7, 9, 10)))
+    cfg = group_config(repeats=2)
+    assert cfg.layer_steps() == (((0,),), ((1,),), ((2, 5), (3, 4, 6, 7)))
     grouped = Transformer(cfg, F32, rngs=nnx.Rngs(1))
     scanned = _run(cfg, F32, nnx.state(grouped))
     unrolled = _run(cfg, dataclasses.replace(F32, scan_layers=False), nnx.state(grouped))
@@ -113,9 +113,9 @@ def test_group_scan_equals_unrolled_and_the_ungrouped_model(monkeypatch):
         per_layer.update({n: np.asarray(var[...])[i] for i, n in enumerate(names)} if len(names) > 1
                          else {names[0]: np.asarray(var[...])})
     monkeypatch.setattr(type(cfg), "_group_length", lambda self, units, i: 0)
-    assert cfg.layer_units() == ((0,), (1,), (2,), (3, 4), (5,), (6, 7), (8,), (9, 10))
+    assert cfg.layer_units() == ((0,), (1,), (2,), (3, 4), (5,), (6, 7))
     ungrouped = _run(cfg, F32, nnx.state(build_model(cfg, F32, per_layer)))
-    assert sorted(scanned[2]) == sorted(ungrouped[2]) == [1, 2, 5, 8]
+    assert sorted(scanned[2]) == sorted(ungrouped[2]) == [1, 2, 5]
     for other in (unrolled, ungrouped):
         for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(other), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
