@@ -408,28 +408,29 @@ class ModelConfig:
 
     def _group_length(self, units: list[tuple[int, ...]], i: int) -> int:
         """How many (reindex layer, its run) repeats start at ``units[i]`` (0 or 1: no group)."""
-        def lead_signature(unit):
-            layer = unit[0]
-            if len(unit) != 1 or self.role(layer) != "reindex" or layer in self.engram_layer_ids:
+        def repeat_signature(j: int):
+            """What must match between repeats, for the pair units[j], units[j + 1]; None: no repeat starts here."""
+            if j + 1 >= len(units):
+                return None
+            lead, run = units[j], units[j + 1]
+            layer = lead[0]
+            if len(lead) != 1 or self.role(layer) != "reindex" or layer in self.engram_layer_ids:
+                return None
+            if not all(self.role(x) == "reuse" and x not in self.engram_layer_ids for x in run):
+                return None
+            readers = {x for x in range(self.num_hidden_layers) if x != layer and layer in (
+                self.index_source(x), self.kv_source(x), self.index_key_source(x))}
+            if readers != set(run):  # only its run reads what the lead publishes
                 return None
             return (self.ratio(layer), self.kv_source(layer), self.index_key_source(layer),
-                    self.uses_candidates(layer), layer == self.candidate_source_layer_id)
+                    self.uses_candidates(layer), layer == self.candidate_source_layer_id,
+                    len(run), self.ratio(run[0]), self.kv_source(run[0]))
 
-        def follows(lead, run):  # run: the reuse layers reading lead's selections, and only they read them
-            readers = {x for x in range(self.num_hidden_layers) if x != lead[0] and lead[0] in (
-                self.index_source(x), self.kv_source(x), self.index_key_source(x))}
-            return (len(run) >= 1 and all(self.role(x) == "reuse" and x not in self.engram_layer_ids for x in run)
-                    and readers == set(run))
-
-        first = lead_signature(units[i]) if i + 1 < len(units) else None
-        if first is None or not follows(units[i], units[i + 1]):
+        first = repeat_signature(i)
+        if first is None:
             return 0
         g = 1
-        while (i + 2 * g + 1 < len(units) and lead_signature(units[i + 2 * g]) == first
-               and follows(units[i + 2 * g], units[i + 2 * g + 1])
-               and len(units[i + 2 * g + 1]) == len(units[i + 1])
-               and self.ratio(units[i + 2 * g + 1][0]) == self.ratio(units[i + 1][0])
-               and self.kv_source(units[i + 2 * g + 1][0]) == self.kv_source(units[i + 1][0])):
+        while repeat_signature(i + 2 * g) == first:
             g += 1
         return g
 

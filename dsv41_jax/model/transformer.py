@@ -188,7 +188,7 @@ class Layers(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, options: ModelOptions, *, rngs: nnx.Rngs):
         self.steps = cfg.layer_steps()
-        self.units = tuple(unit for step in self.steps for unit in step)
+        self.units = cfg.layer_units()
         for unit in self.units:
             block = Block(cfg, unit[0], options, rngs=rngs) if len(unit) == 1 else _stacked_block(
                 cfg, unit, options, rngs)
@@ -213,13 +213,18 @@ def _stack(trees: list):
     return jax.tree.map(lambda *c: jnp.stack(c), *trees)
 
 
+def _unstack(tree, n: int) -> list:
+    """The n rows of a tree stacked [n, ...] (``_stack``'s inverse)."""
+    return [jax.tree.map(lambda a: a[i], tree) for i in range(n)]
+
+
 def _loop(body, carry, xs, n: int, scan: bool):
     """``lax.scan(body, carry, xs)`` over n rows, or the same body unrolled n times (ys stacked alike)."""
     if scan:
         return jax.lax.scan(body, carry, xs)
     ys = []
-    for i in range(n):
-        carry, y = body(carry, jax.tree.map(lambda a: a[i], xs))
+    for x in _unstack(xs, n):
+        carry, y = body(carry, x)
         ys.append(y)
     return carry, _stack(ys)
 
@@ -247,7 +252,7 @@ def _run_stacked(block: Block, caches: list, streams, pre, seg: Segment, csa: Cs
     graphdef, weights = nnx.split(block)
     streams, pre, new, entering = _scan_run(graphdef, weights, _stack(caches), streams, pre, seg, csa, is_image,
                                             taps, scan)
-    return streams, pre, [jax.tree.map(lambda a: a[i], new) for i in range(len(caches))], entering
+    return streams, pre, _unstack(new, len(caches)), entering
 
 
 def _run_groups(leads: Block, runs: Block, lead_caches: list, run_caches: list, streams, pre, seg: Segment,
@@ -258,13 +263,14 @@ def _run_groups(leads: Block, runs: Block, lead_caches: list, run_caches: list, 
     reads them there — consistent within a repeat, which is all a repeat reads (§B.9).
 
     Returns (streams, pre, G new lead caches, G·n new run caches, selections [G,B,T,K], entering of the leads
-    [G,B,T,D] and of the runs [G,n,B,T,D], or None)."""
+    [G,B,T,D] and of the run layers [G·n,B,T,D], or None)."""
     g = len(lead_caches)
     n = len(run_caches) // g
     lead_def, lead_weights = nnx.split(leads)
     run_def, run_weights = nnx.split(runs)
     lead_id = leads.attn.layer
     per_repeat = lambda tree: jax.tree.map(lambda a: a.reshape(g, n, *a.shape[1:]), tree)  # [G·n] -> [G, n]
+    per_layer = lambda tree: jax.tree.map(lambda a: a.reshape(g * n, *a.shape[2:]), tree)  # [G, n] -> [G·n]
 
     def body(carry, xs):
         lw, rw, lc, rc = xs
@@ -275,9 +281,8 @@ def _run_groups(leads: Block, runs: Block, lead_caches: list, run_caches: list, 
 
     xs = (lead_weights, per_repeat(run_weights), _stack(lead_caches), per_repeat(_stack(run_caches)))
     (streams, pre), (lc, rc, topk, lead_entering, run_entering) = _loop(body, (streams, pre), xs, g, scan)
-    new_leads = [jax.tree.map(lambda a: a[i], lc) for i in range(g)]
-    new_runs = [jax.tree.map(lambda a: a[i // n, i % n], rc) for i in range(g * n)]
-    return streams, pre, new_leads, new_runs, topk, lead_entering, run_entering
+    return (streams, pre, _unstack(lc, g), _unstack(per_layer(rc), g * n), topk, lead_entering,
+            per_layer(run_entering))
 
 
 class Transformer(nnx.Module):
@@ -381,9 +386,8 @@ class Transformer(nnx.Module):
                 new_layers.update(zip(runs, run_caches))
                 group_topk.update({j: topk[k] for k, j in enumerate(leads)})
                 if taps:
-                    n = len(runs) // len(leads)
                     entering.update({j: lead_in[k] for k, j in enumerate(leads)})
-                    entering.update({j: run_in[k // n, k % n] for k, j in enumerate(runs)})
+                    entering.update({j: run_in[k] for k, j in enumerate(runs)})
                 continue
             unit = step[0]
             block, i = self.layers.unit(unit), unit[0]

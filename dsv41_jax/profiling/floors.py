@@ -17,6 +17,8 @@ import math
 
 from flax import nnx
 
+from dsv41_jax.loading import param_name
+
 H200_BYTES_PER_S = 4.3e12
 H200_BF16_FLOPS = 668e12
 
@@ -31,7 +33,7 @@ def weight_bytes(model, cfg, rows: int) -> tuple[float, float]:
     touched = distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, rows)
     total = 0.0
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = ".".join(map(str, path))
+        name = param_name(path)
         leaf = var[...]
         shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
         nbytes = math.prod(shape) * leaf.dtype.itemsize
