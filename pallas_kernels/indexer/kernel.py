@@ -1,46 +1,52 @@
-"""Pallas (Triton lowering) kernel: indexer scores fused with an exact top-k (MODEL.md §B.8).
+"""Pallas (Triton lowering) kernels: indexer scores fused with an exact top-k (MODEL.md §B.8).
 
 Why this design. A streaming exact top-512 needs a sort or a per-row heap, which Triton-Pallas cannot express
-(no sort, no large dynamic gathers, no shared-memory control). Instead the kernel finds, per query row, a
-threshold L no larger than the K-th best score, and writes out only the keys at or above it; one small
-``lax.top_k`` over those candidates finishes. The score GEMM is recomputed once per pass (it is the cheap part:
-~11 ms for the 2-layer 300K case at the bf16 rate, the memory traffic is ~0.3 GB per pass):
+(no sort, no shared-memory control). Instead one pass over the keys keeps, per query
+row, only the maximum score of each group of G consecutive keys (1/G of the score matrix), and the K best
+groups are rescored:
 
-1. **maxima** (mode 0): per group of G consecutive keys (G = B_c for the candidate source, else 8), the
-   maximum score -> [rows, N/G] (1/G of the score matrix). XLA takes L = the K-th largest group maximum
-   (−∞ when fewer than K groups are visible). The candidate source's block scores are these maxima (G = B_c),
-   so its candidate blocks (level 1) come from the same pass.
-2. **emit** (mode 1): every key with score > L, and the first (lowest-index) keys with score = L up to the
-   split's quota, written as (score, index) in ascending key order from the split's first slot; slots within
-   a tile come from an exclusive prefix sum done as an MMA with a triangular 0/1 matrix (exact in f32).
+1. **maxima** (``_maxima_kernel``, the only pass over all keys): per key tile, the scores on the MMA and their
+   maximum per group of G keys (G = B_c for the candidate source, so its block scores and level-1 candidate
+   blocks come from the same pass; else 8) -> [rows, N/G] f32.
+2. **groups** (``best_groups``): the K groups with the largest maxima (equal maxima: the lower group first), in
+   key order; in two levels through super-groups of groups when the row is long.
+3. **rescore** (``_rescore_kernel``): the K·G keys of those groups gathered per row and scored again -> [rows,
+   K·G] f32; the top K of them (equal scores: the lower slot, and slots are in key order) are the picks.
 
-Each split's first slot and tie quota come from the maxima, with no counting pass over the keys. For split s
-let a_s = its groups with maximum > L and e_s = those with maximum = L (E_<s: the e of the splits before s).
-A group with maximum = L holds at least one key = L, so at least E_<s ties precede split s and it needs at
-most q_s = max(0, K − E_<s) of its own. Its keys ≥ L lie in its a_s + e_s groups, those in the e_s groups all
-= L, so split s writes at most r_s = min(G·a_s + min(q_s, G·e_s), keys of the split) slots; its first slot is
-Σ_<s r.
-Since Σ a ≤ K − 1 and the e_s of the splits with q_s > 0 sum to < K plus the last one's, Σ r ≤ 2G(K−1) + K
-(and ≤ the keys): the buffer never overflows. Slots are in key order, and the final ``lax.top_k`` prefers the
-lower slot: among equal scores the lower entry index wins, the op's tie rule and the XLA path's. Both passes
-run one compiled kernel (the mode is a runtime input), so a key's score is bitwise the same in both and the
-threshold test is exact.
+Selections of K from a row of up to SELECT_MAX entries run in ``_select_kernel`` (one row in registers, the
+K-th value found bit by bit with 32 count reductions: 0.23 ms for 2,048 × 4,096 on the H200 where
+``lax.top_k``, which sorts, took 0.82 ms); longer rows use ``lax.top_k``. Both pick the same entries.
+
+Why the K best groups hold the exact top-K (with the op's tie rule: among equal scores the lower key index).
+Let L be the K-th largest group maximum. A key with score > L lies in a group with maximum > L: all such groups
+(< K of them) are taken. A key x = L that is needed lies in a taken group: if its group has maximum > L it is
+taken; if its group's maximum is L and the group was not taken, the K groups taken before it at maximum ≥ L
+include every group of maximum > L and K − #(groups > L) groups of maximum L with lower index, each holding a
+key = L below x, so at least K − #(keys > L) tied keys precede x and x is not needed.
+
+Both kernels form a key's score from exact products (bf16, or e4m3 with power-of-two scales) summed in f32, so
+where that sum is exact (the fp4 grid's values at moderate head counts, the tests' cases) the rescored scores
+equal the maxima pass's bitwise; otherwise the two summation orders may differ in the last bits, and so may the
+selection at a K-th score tied within that rounding, as between the op's two implementations.
 
 Scores per key tile: for each head h (a loop), ReLU(q_h · kᵀ) on the MMA with f32 accumulation, times
 w_h·d_I^(−1/2), summed in f32; q and keys in bf16 (fp4-rounded values are exact in bf16) or e4m3 with a
-power-of-two scale per (row, head) and per key folded back exactly (``score_dtype="float8_e4m3fn"``).
-Grid (row block, key split, sequence); a program walks only the key tiles its rows can see. The group maxima
-scale with the cache (rows × N/G), so ``ops`` runs long segments in launches of rows sized to a workspace
-budget (``tiling.launch_rows``; the planner's "fused" path uses the same function).
+power-of-two scale per (row, head) and per key folded back exactly (``score_dtype="float8_e4m3fn"``, maxima
+pass only; the rescore is bf16). Maxima grid (row block, key split, sequence); a program walks only the key
+tiles its rows can see. The group maxima scale with the cache (rows × N/G), so ``ops`` runs long segments in
+launches of rows sized to a workspace budget (``tiling.launch_rows``; the planner's "fused" path uses the
+same function).
 
-Cost (docs/BENCHMARKS.md): 2 score passes, each the full score GEMM over the visible keys; the K-th-maximum
-``lax.top_k`` over N/G maxima, the splits' slots and the final ``lax.top_k`` over the candidates run in XLA
-between and after the passes.
+Cost (docs/BENCHMARKS.md, issue 15): one score pass over the visible keys (~390 TFLOP/s on the H200 at 300 K
+keys); the group selection over N/G maxima; the rescore of K·G keys per row (2·H·d·K·G FLOPs, the keys
+gathered from HBM) and a selection over K·G entries. 2,048 rows at 300 K keys: 10.3 ms (74 % of the bf16
+GEMM rate in useful FLOPs).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,37 +54,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.indexer.tiling import tiling
-
-MAXIMA, EMIT = 0, 1
+from pallas_kernels.indexer.tiling import RESCORE_TILE, SELECT_MAX, SUPER_GROUPS, tiling
 
 
-def _kernel(mode_ref, nvis_ref, thresh_ref, quota_ref, offset_ref, q_ref, w_ref, keys_ref, kscale_ref,
-            kept_ref, maxima_ref, cand_s_ref, cand_i_ref, n_gt_ref, n_eq_ref, *, heads: int, key_tile: int,
-            group: int, tiles_per_split: int, capacity: int, block_size: int, masked: bool):
-    """Refs (one program = BR rows × one key split of one sequence):
-    mode [1] int32; nvis, thresh [BR] (int32, f32); quota, offset [BR] int32 (this split's tie quota and first
-    candidate slot); q [Hp, BR, d]; w [Hp, BR] f32 (× d^-1/2 × q scale); keys [Np, d]; kscale [Np] f32;
-    kept [BR, nb] int8 (candidate mask of reindex layers; unused otherwise).
-    Outputs: maxima [BR, groups of this split] f32; cand_s, cand_i [BR, C + 1] (slot C: spare); n_gt, n_eq
-    [BR] int32."""
-    mode = mode_ref[0]
+def _maxima_kernel(nvis_ref, q_ref, w_ref, keys_ref, kscale_ref, kept_ref, maxima_ref, *, heads: int,
+                   key_tile: int, group: int, tiles_per_split: int, block_size: int, masked: bool):
+    """One program = BR rows × one key split of one sequence. Refs: nvis [BR] int32 (visible keys per row);
+    q [Hp, BR, d]; w [Hp, BR] f32 (× d^-1/2 × q scale); keys [Np, d]; kscale [Np] f32; kept [BR, nb] int8
+    (candidate mask of reindex layers; unused otherwise). Output: maxima [BR, groups of this split] f32."""
     rows_in_block = nvis_ref.shape[0]
-    split = pl.program_id(1)
     nvis = nvis_ref[...]
-    thresh = thresh_ref[...]
-    quota = quota_ref[...]
-    offset = offset_ref[...]
     rows = jnp.arange(rows_in_block)
     iota = jnp.arange(key_tile)
-    strictly_before = (iota[:, None] < iota[None, :]).astype(jnp.bfloat16)   # [KT, KT]: exclusive prefix
     groups_per_tile = key_tile // group
-    first_tile = split * tiles_per_split
+    first_tile = pl.program_id(1) * tiles_per_split
     seen = jnp.maximum(jnp.max(nvis) - first_tile * key_tile, 0)              # keys of this split in range
     live_tiles = jnp.clip((seen + key_tile - 1) // key_tile, 0, tiles_per_split)
-    write_maxima = jnp.broadcast_to(mode == MAXIMA, (rows_in_block,))
 
-    def tile_scores(tile):
+    def store(tile, m):
+        maxima_ref[:, pl.ds(pl.multiple_of(tile * groups_per_tile, groups_per_tile), groups_per_tile)] = m
+
+    def live(tile, carry):
         key0 = (first_tile + tile) * key_tile
         keys = keys_ref[pl.ds(key0, key_tile), :]
 
@@ -92,47 +88,82 @@ def _kernel(mode_ref, nvis_ref, thresh_ref, quota_ref, offset_ref, q_ref, w_ref,
         ok = col[None, :] < nvis[:, None]
         if masked:
             blk = jnp.minimum(col // block_size, kept_ref.shape[1] - 1)
-            kept = plgpu.load(kept_ref.at[rows[:, None], blk[None, :]])
-            ok = ok & (kept != 0)
-        return jnp.where(ok, acc, -jnp.inf), ok, col
-
-    def store_maxima(tile, s):
-        for g in range(groups_per_tile):
-            in_group = (iota // group == g)[None, :]
-            m = jnp.max(jnp.where(in_group, s, -jnp.inf), axis=1)
-            plgpu.store(maxima_ref.at[:, tile * groups_per_tile + g], m, mask=write_maxima)
-
-    def prefix(flags):
-        """Exclusive prefix count along keys (exact: 0/1 products, f32 sums ≤ KT)."""
-        return jnp.dot(flags.astype(jnp.bfloat16), strictly_before,
-                       preferred_element_type=jnp.float32).astype(jnp.int32)
-
-    def live(tile, carry):
-        n_gt, n_eq = carry
-        s, ok, col = tile_scores(tile)
-        store_maxima(tile, s)
-        gt = ok & (s > thresh[:, None])
-        eq = ok & (s == thresh[:, None])
-        eq = eq & (n_eq[:, None] + prefix(eq) < quota[:, None])     # ties: lowest index first, up to the quota
-        take = gt | eq
-        slot = offset[:, None] + n_gt[:, None] + n_eq[:, None] + prefix(take)
-        emit = take & (slot < capacity) & (mode == EMIT)
-        # Lanes that do not emit point at the spare slot `capacity` (never read): an emulated masked scatter
-        # (interpret mode) may still write them, and must not hit a slot another lane fills.
-        idx = (rows[:, None], jnp.where(emit, slot, capacity))
-        plgpu.store(cand_s_ref.at[idx], s, mask=emit)
-        plgpu.store(cand_i_ref.at[idx], jnp.broadcast_to(col[None, :], s.shape), mask=emit)
-        return n_gt + jnp.sum(gt.astype(jnp.int32), axis=1), n_eq + jnp.sum(eq.astype(jnp.int32), axis=1)
-
-    def dead(tile, carry):
-        store_maxima(tile, jnp.full((rows_in_block, key_tile), -jnp.inf, jnp.float32))
+            ok = ok & (plgpu.load(kept_ref.at[rows[:, None], blk[None, :]]) != 0)
+        s = jnp.where(ok, acc, -jnp.inf)
+        store(tile, jnp.max(s.reshape(rows_in_block, groups_per_tile, group), axis=2))
         return carry
 
-    zeros = jnp.zeros((rows_in_block,), jnp.int32)
-    n_gt, n_eq = lax.fori_loop(0, live_tiles, live, (zeros, zeros))
+    def dead(tile, carry):
+        store(tile, jnp.full((rows_in_block, groups_per_tile), -jnp.inf, jnp.float32))
+        return carry
+
+    lax.fori_loop(0, live_tiles, live, 0)
     lax.fori_loop(live_tiles, tiles_per_split, dead, 0)
-    n_gt_ref[...] = n_gt
-    n_eq_ref[...] = n_eq
+
+
+def _rescore_kernel(nvis_ref, cand_ref, q_ref, w_ref, keys_ref, kept_ref, out_ref, *, block_size: int,
+                    masked: bool):
+    """One program = one query row × RESCORE_TILE candidates. Refs: nvis [1] int32; cand [CT] int32 (key
+    indices); q [Hp, d] bf16; w [Hp] f32 (× d^-1/2); keys [Np, d] bf16; kept [1, nb] int8. Output: scores
+    [CT] f32, −∞ for keys not visible or masked."""
+    cand = cand_ref[...]
+    d = keys_ref.shape[1]
+    row = jnp.minimum(cand, keys_ref.shape[0] - 1)        # a last group's keys past N read the padding key
+    keys = plgpu.load(keys_ref.at[row[:, None], jnp.arange(d)[None, :]])                # [CT, d] gathered
+    s = lax.dot_general(q_ref[...], keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    score = jnp.sum(jnp.maximum(s, 0.0) * w_ref[...][:, None], axis=0)                  # [CT]
+    ok = cand < nvis_ref[0]
+    if masked:
+        blk = jnp.minimum(cand // block_size, kept_ref.shape[1] - 1)
+        ok = ok & (plgpu.load(kept_ref.at[0, blk]) != 0)
+    out_ref[...] = jnp.where(ok, score, -jnp.inf)
+
+
+def _select_kernel(v_ref, out_ref, *, k: int, entries: int):
+    """One program = one row. v [M] f32 (M a power of two ≥ entries); out [K + 1] int32: the indices of the K
+    largest of the first ``entries`` values in ascending order (slot K: spare, never read).
+
+    The K-th largest value is found bit by bit on an order-preserving int32 key of the floats (32 count
+    reductions, no sort): the largest key t with #(key ≥ t) ≥ K. Every entry above t is taken, and of those
+    equal to t the lowest-indexed ones, as many as K still needs; slots by exclusive prefix sums."""
+    m = v_ref.shape[0]
+    iota = jnp.arange(m, dtype=jnp.int32)
+    bits = lax.bitcast_convert_type(v_ref[...], jnp.int32)
+    key = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)          # float order (−∞ low, −0 just below +0)
+    key = jnp.where(iota < entries, key, jnp.int32(-2**31))      # padding: below every float
+    sign = jnp.int32(-2**31)
+    prefix = jnp.int32(0)                                         # the K-th key's bits so far, sign flipped
+    for bit in range(31, -1, -1):
+        trial = prefix | (sign if bit == 31 else jnp.int32(1 << bit))
+        enough = jnp.sum((key >= (trial ^ sign)).astype(jnp.int32)) >= k
+        prefix = jnp.where(enough, trial, prefix)
+    kth = prefix ^ sign
+    above = key > kth
+    tied = (key == kth).astype(jnp.int32)
+    take = above | ((tied == 1) & (jnp.cumsum(tied) - tied < k - jnp.sum(above.astype(jnp.int32))))
+    taken = take.astype(jnp.int32)
+    slot = jnp.where(take, jnp.cumsum(taken) - taken, k)
+    plgpu.store(out_ref.at[slot], iota, mask=take)
+
+
+def top_k_indices(v, k: int, *, interpret: bool = False):
+    """The indices of the K largest of each row, in ascending order: v f32 [..., M] -> int32 [..., K].
+    ``lax.top_k``'s picks (the floats' total order, equal values: the lower index), without its sort; rows of
+    up to SELECT_MAX entries (callers fall back to ``lax.top_k`` above it)."""
+    *lead, m = v.shape
+    if m > SELECT_MAX:
+        return jnp.sort(lax.top_k(v, k)[1], axis=-1)
+    rows = math.prod(lead)
+    mp = 1 << max(4, (m - 1).bit_length())
+    flat = jnp.pad(v.reshape(rows, m).astype(jnp.float32), ((0, 0), (0, mp - m)))
+    out = pl.pallas_call(
+        functools.partial(_select_kernel, k=k, entries=m), grid=(rows,),
+        in_specs=[pl.BlockSpec((None, mp), lambda r: (r, 0))],
+        out_specs=pl.BlockSpec((None, k + 1), lambda r: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows, k + 1), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if mp <= 4096 else 8, num_stages=1),
+        interpret=interpret, name="index_select")(flat)
+    return out[:, :k].reshape(*lead, k)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -142,7 +173,7 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
                       block_size: int = 1, score_dtype: str = "bfloat16", block_rows: int | None = None,
                       key_tile: int | None = None, group: int | None = None, splits: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False):
-    """The op's contract (``ops.index_topk``) on the kernel; tiling arguments default as in ``tiling``."""
+    """The op's contract (``ops.index_topk``) on the kernels; tiling arguments default as in ``tiling``."""
     b, t, heads, d = q.shape
     n = keys.shape[1]
     kk = min(k, n)
@@ -157,99 +188,109 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
     tiles = -(-n // kt)
     per_split = -(-tiles // s_count)
     n_pad = s_count * per_split * kt
-    capacity = tl["capacity"]
+    n_groups = -(-n // g)
 
-    qs, ws, ks, kscale = _score_operands(q, w, keys, score_dtype)
     pad_rows = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))
-    qs = jnp.swapaxes(pad_rows(qs), 1, 2)                         # [B, Hp, T_pad, d]
-    ws = jnp.swapaxes(pad_rows(ws), 1, 2)                         # [B, Hp, T_pad]
-    ks = jnp.pad(ks, ((0, 0), (0, n_pad - n), (0, 0)))
-    kscale = jnp.pad(kscale, ((0, 0), (0, n_pad - n)), constant_values=1.0)
-    nvis = jnp.clip((positions.astype(jnp.int32) + 1) // ratio, 0, n)
-    nvis = pad_rows(nvis)                                         # padding rows see nothing
+    nvis = pad_rows(jnp.clip((positions.astype(jnp.int32) + 1) // ratio, 0, n))   # padding rows see nothing
     masked = kept_blocks is not None
     kept = pad_rows(kept_blocks.astype(jnp.int8)) if masked else jnp.zeros((b, t_pad, 1), jnp.int8)
+    maxima = _maxima(q, w, keys, nvis, kept, score_dtype=score_dtype, tl=tl, per_split=per_split, n_pad=n_pad,
+                     block_size=block_size, masked=masked, interpret=interpret)[:, :t, :n_groups]
+    new_kept = None
+    if keep_blocks:
+        from pallas_kernels.indexer.xla import candidate_mask
+        new_kept = candidate_mask(maxima, positions, ratio=ratio, block_size=block_size, keep_blocks=keep_blocks)
+    chosen = best_groups(maxima, min(kk, n_groups), interpret=interpret)               # [B, T, K_g] key order
+    cand = (chosen[..., None] * g + jnp.arange(g, dtype=jnp.int32)).reshape(b, t, -1)  # [B, T, K_g·G]
+    scores = _rescore(q, w, keys, nvis[:, :t], kept[:, :t], cand, block_size=block_size, masked=masked,
+                      num_warps=tl["num_warps"], interpret=interpret)
+    slot = top_k_indices(scores, kk, interpret=interpret)
+    best = jnp.take_along_axis(scores, slot, axis=-1)
+    picks = jnp.take_along_axis(cand, slot, axis=-1)
+    return jnp.where(best > -jnp.inf, picks, -1).astype(jnp.int32), new_kept
 
-    kernel = functools.partial(_kernel, heads=qs.shape[1], key_tile=kt, group=g, tiles_per_split=per_split,
-                               capacity=capacity, block_size=block_size, masked=masked)
-    hp = qs.shape[1]
-    row_vec = pl.BlockSpec((None, br), lambda i, s, bb: (bb, i))
-    split_vec = pl.BlockSpec((None, None, br), lambda i, s, bb: (bb, s, i))
+
+def best_groups(maxima, count: int, per_super: int = SUPER_GROUPS, interpret: bool = False):
+    """The ``count`` groups with the largest maxima (equal maxima: the lower index first), in ascending order.
+    maxima f32 [B, T, M] -> int32 [B, T, count].
+
+    Two levels when M is large (one ``lax.top_k`` over M entries sorts them, ~5 ms for 2,048 × 37.7 K on the
+    H200): the ``count`` best super-groups of ``per_super`` consecutive groups, then the best ``count`` of
+    their groups. Exact with the tie rule by the module docstring's argument, one level up (super-groups hold
+    groups as groups hold keys); both ``lax.top_k`` calls prefer the lower slot, and slots are in index order."""
+    b, t, m = maxima.shape
+    select = functools.partial(top_k_indices, interpret=interpret)
+    if m <= 2 * count * per_super or per_super <= 1:
+        return select(maxima, count)
+    supers = -(-m // per_super)
+    padded = jnp.pad(maxima, ((0, 0), (0, 0), (0, supers * per_super - m)), constant_values=-jnp.inf)
+    best = jnp.max(padded.reshape(b, t, supers, per_super), axis=-1)
+    chosen = select(best, min(count, supers))
+    members = (chosen[..., None] * per_super + jnp.arange(per_super, dtype=jnp.int32)).reshape(b, t, -1)
+    return jnp.take_along_axis(members, select(jnp.take_along_axis(padded, members, axis=-1), count), axis=-1)
+
+
+def _maxima(q, w, keys, nvis, kept, *, score_dtype, tl, per_split, n_pad, block_size, masked, interpret):
+    """The maxima pass: f32 [B, T_pad, n_pad / G] (−∞ for groups no key of which is visible and kept)."""
+    b, t_pad = nvis.shape
+    br, kt, g, s_count = tl["block_rows"], tl["key_tile"], tl["group"], tl["splits"]
+    qs, ws, ks, kscale = _score_operands(q, w, keys, score_dtype)
+    pad_rows = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    qs = jnp.swapaxes(pad_rows(qs), 1, 2)                         # [B, Hp, T_pad, d]
+    ws = jnp.swapaxes(pad_rows(ws), 1, 2)                         # [B, Hp, T_pad]
+    n = keys.shape[1]
+    ks = jnp.pad(ks, ((0, 0), (0, n_pad - n), (0, 0)))
+    kscale = jnp.pad(kscale, ((0, 0), (0, n_pad - n)), constant_values=1.0)
+    hp, d = qs.shape[1], qs.shape[3]
+    kernel = functools.partial(_maxima_kernel, heads=hp, key_tile=kt, group=g, tiles_per_split=per_split,
+                               block_size=block_size, masked=masked)
+    groups_split = per_split * kt // g
     in_specs = [
-        pl.BlockSpec((1,), lambda i, s, bb: (0,)), row_vec, row_vec, split_vec, split_vec,
+        pl.BlockSpec((None, br), lambda i, s, bb: (bb, i)),
         pl.BlockSpec((None, hp, br, d), lambda i, s, bb: (bb, 0, i, 0)),
         pl.BlockSpec((None, hp, br), lambda i, s, bb: (bb, 0, i)),
         pl.BlockSpec((None, n_pad, d), lambda i, s, bb: (bb, 0, 0)),
         pl.BlockSpec((None, n_pad), lambda i, s, bb: (bb, 0)),
         pl.BlockSpec((None, br, kept.shape[2]), lambda i, s, bb: (bb, i, 0)),
     ]
-    groups_split = per_split * kt // g
-    cand = pl.BlockSpec((None, br, capacity + 1), lambda i, s, bb: (bb, i, 0))
-    out_specs = [pl.BlockSpec((None, br, groups_split), lambda i, s, bb: (bb, i, s)), cand, cand,
-                 split_vec, split_vec]
-    out_shape = [jax.ShapeDtypeStruct((b, t_pad, s_count * groups_split), jnp.float32),
-                 jax.ShapeDtypeStruct((b, t_pad, capacity + 1), jnp.float32),
-                 jax.ShapeDtypeStruct((b, t_pad, capacity + 1), jnp.int32),
-                 jax.ShapeDtypeStruct((b, s_count, t_pad), jnp.int32),
-                 jax.ShapeDtypeStruct((b, s_count, t_pad), jnp.int32)]
-    call = pl.pallas_call(
-        kernel, grid=(t_pad // br, s_count, b), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+    return pl.pallas_call(
+        kernel, grid=(t_pad // br, s_count, b), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, br, groups_split), lambda i, s, bb: (bb, i, s)),
+        out_shape=jax.ShapeDtypeStruct((b, t_pad, s_count * groups_split), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tl["num_warps"], num_stages=tl["num_stages"]),
-        interpret=interpret, name="index_topk")
-
-    zeros_split = jnp.zeros((b, s_count, t_pad), jnp.int32)
-    n_groups = -(-n // g)
-    split_keys = per_split * kt
-
-    def after_maxima(outs, state):
-        """L = the K-th largest group maximum (≤ the K-th best score; −∞ when fewer than K groups), and per
-        split its tie quota and first slot (the module docstring's q_s and Σ_<s r)."""
-        maxima = outs[0][:, :, :n_groups]
-        if n_groups >= kk:
-            thresh = lax.top_k(maxima, kk)[0][..., kk - 1]
-        else:
-            thresh = jnp.full((b, t_pad), -jnp.inf, jnp.float32)
-        thresh = jnp.where(jnp.arange(t_pad) < t, thresh, jnp.inf)
-        per_split = jnp.swapaxes(outs[0].reshape(b, t_pad, s_count, -1), 1, 2)        # [B, S, T_pad, groups]
-        above = jnp.sum(per_split > thresh[:, None, :, None], axis=-1, dtype=jnp.int32)
-        at = jnp.sum(per_split == thresh[:, None, :, None], axis=-1, dtype=jnp.int32)
-        quota = jnp.maximum(kk - (jnp.cumsum(at, axis=1) - at), 0)
-        room = jnp.minimum(g * above + jnp.minimum(quota, g * at), split_keys)
-        return (thresh, quota, jnp.cumsum(room, axis=1) - room, maxima, *state[4:])
-
-    def after_emit(outs, state):
-        return (*state[:4], *outs[1:])
-
-    def one_pass(mode, state):
-        outs = call(jnp.full((1,), mode, jnp.int32), nvis, *state[:3], qs, ws, ks, kscale, kept)
-        return lax.cond(mode == MAXIMA, after_maxima, after_emit, outs, state)
-
-    # One compiled kernel runs both passes (a key's score is bitwise the same in both).
-    state = (jnp.zeros((b, t_pad), jnp.float32), zeros_split, zeros_split,
-             jnp.zeros((b, t_pad, n_groups), jnp.float32),
-             jnp.zeros((b, t_pad, capacity + 1), jnp.float32), jnp.zeros((b, t_pad, capacity + 1), jnp.int32),
-             zeros_split, zeros_split)
-    _, _, offset, maxima, cand_s, cand_i, n_gt, n_eq = lax.fori_loop(MAXIMA, EMIT + 1, one_pass, state)
-    new_kept = None
-    if keep_blocks:
-        from pallas_kernels.indexer.xla import candidate_mask
-        new_kept = candidate_mask(maxima[:, :t], positions, ratio=ratio, block_size=block_size,
-                                  keep_blocks=keep_blocks)
-    cand_s, cand_i = cand_s[:, :t], cand_i[:, :t]
-    filled = _written(offset[..., :t], (n_gt + n_eq)[..., :t], capacity)
-    best, slot = lax.top_k(jnp.where(filled, cand_s, -jnp.inf), kk)
-    picks = jnp.take_along_axis(cand_i, slot, axis=-1)
-    return jnp.where(best > -jnp.inf, picks, -1).astype(jnp.int32), new_kept
+        interpret=interpret, name="index_maxima")(nvis, qs, ws, ks, kscale, kept)
 
 
-def _written(offset, taken, capacity: int):
-    """bool [B, T, capacity + 1]: the candidate slots the emit pass wrote. offset, taken [B, S, T]: per split,
-    its first slot and the keys it wrote (runs of consecutive slots, in split order)."""
-    b, _, t = offset.shape
-    bi, ti = jnp.arange(b)[:, None, None], jnp.arange(t)[None, None, :]
-    edges = jnp.zeros((b, t, capacity + 2), jnp.int32)              # +1 where a run starts, -1 after it
-    edges = edges.at[bi, ti, offset].add(1).at[bi, ti, offset + taken].add(-1)
-    return jnp.cumsum(edges, axis=-1)[..., :capacity + 1] > 0
+def _rescore(q, w, keys, nvis, kept, cand, *, block_size, masked, num_warps, interpret):
+    """Scores of each row's candidate keys: cand int32 [B, T, C] -> f32 [B, T, C] (−∞: not visible / masked)."""
+    b, t, c = cand.shape
+    ct = min(RESCORE_TILE, 1 << max(4, (c - 1).bit_length()))
+    c_pad = -(-c // ct) * ct
+    qs, ws, ks, _ = _score_operands(q, w, keys, "bfloat16")
+    hp, d = qs.shape[2], qs.shape[3]
+    if hp < 16:   # the MMA needs 16 rows: padding heads have weight 0
+        qs = jnp.pad(qs, ((0, 0), (0, 0), (0, 16 - hp), (0, 0)))
+        ws = jnp.pad(ws, ((0, 0), (0, 0), (0, 16 - hp)))
+        hp = 16
+    cand_p = jnp.pad(cand, ((0, 0), (0, 0), (0, c_pad - c)), constant_values=keys.shape[1])   # never visible
+    ks = jnp.pad(ks, ((0, 0), (0, 1), (0, 0)))                    # the padding candidates' key
+    n1 = ks.shape[1]
+    kernel = functools.partial(_rescore_kernel, block_size=block_size, masked=masked)
+    in_specs = [
+        pl.BlockSpec((None, 1), lambda i, j, bb: (bb, i)),
+        pl.BlockSpec((None, None, ct), lambda i, j, bb: (bb, i, j)),
+        pl.BlockSpec((None, None, hp, d), lambda i, j, bb: (bb, i, 0, 0)),
+        pl.BlockSpec((None, None, hp), lambda i, j, bb: (bb, i, 0)),
+        pl.BlockSpec((None, n1, d), lambda i, j, bb: (bb, 0, 0)),
+        pl.BlockSpec((None, 1, kept.shape[2]), lambda i, j, bb: (bb, i, 0)),
+    ]
+    out = pl.pallas_call(
+        kernel, grid=(t, c_pad // ct, b), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, ct), lambda i, j, bb: (bb, i, j)),
+        out_shape=jax.ShapeDtypeStruct((b, t, c_pad), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret, name="index_rescore")(nvis, cand_p, qs, ws, ks, kept)
+    return out[..., :c]
 
 
 def _score_operands(q, w, keys, score_dtype: str):

@@ -15,6 +15,7 @@ arithmetic is exact in f32: tolerance 0).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.indexer import index_topk
-from pallas_kernels.indexer.kernel import fp8_exact, index_topk_pallas
+from pallas_kernels.indexer.kernel import fp8_exact, index_topk_pallas, top_k_indices
 from pallas_kernels.indexer.tiling import workspace_bytes
 from pallas_kernels.registry import IMPLEMENTATIONS as IMPLS
 
@@ -149,14 +150,16 @@ CASES = {
     # the full head count and dims; ragged positions (one sequence from 0: rows with 1..7 visible keys)
     "ragged_full_dims": Case(batch=2, rows=7, heads=32, head_dim=128, first_pos=(0, 250)),
     # ratio 2, a head count that is not a power of two, empty rows (position 0 sees no entry); K = 24 > 18
-    # groups of 8, so every visible key is a candidate (the threshold is −∞)
+    # groups of 8, so every group is a candidate (invisible ones too: their keys must come back −∞)
     "ratio2_heads3_full_buffer": Case(batch=2, rows=6, heads=3, head_dim=16, ratio=2, keys=144, k=24,
                                       first_pos=(0, 300)),
     "near_1M_masked": Case(batch=2, rows=4, keys=2048, ratio=512, k=32, block_size=8, masked=True,
                            first_pos=(1_048_572, 1_000_000)),
     # exact scores with ties everywhere; row (0, 2) has w = 0 (all visible scores tie at 0: picks 0 … K−1);
-    # 5 key splits, so the tie quota of each split comes from the groups tied at the threshold before it
+    # groups tied at the K-th group maximum: the lower ones must be the candidates
     "exact_ties": Case(batch=2, rows=6, heads=2, head_dim=16, keys=300, k=24, exact=True, first_pos=(294, 100)),
+    # the same over 588 groups of 8 with K = 8: the kernel picks its groups in two levels (kernel.best_groups)
+    "exact_ties_two_levels": Case(rows=4, heads=2, head_dim=16, keys=4700, k=8, exact=True, first_pos=(4690,)),
 }
 
 
@@ -190,10 +193,27 @@ def test_decode_at_300k(impl):
 
 
 def test_kernel_tiling_and_launches():
-    """Another tiling (128-key tiles, groups of 16, 2 splits, 16-row blocks) in launches of 4 rows (ops'
+    """Another tiling (64-key tiles, groups of 16, 2 splits, 16-row blocks) in launches of 4 rows (ops'
     row blocks) selects what the oracle selects."""
-    run(CASES["ragged_full_dims"], "pallas", seed=5, key_tile=128, block_rows=16, group=16, splits=2,
+    run(CASES["ragged_full_dims"], "pallas", seed=5, key_tile=64, block_rows=16, group=16, splits=2,
         rows_per_block=4)
+
+
+@pytest.mark.parametrize("per_super", [2, 4, 16])
+def test_two_level_group_selection_equals_one_level(per_super):
+    """kernel.best_groups through super-groups picks what one lax.top_k over all maxima picks, tie rule
+    included: small-integer maxima (ties everywhere), −∞ tails, a row of equal maxima, a row with fewer
+    finite groups than it needs; 8 of 700 groups."""
+    from jax import lax
+    from pallas_kernels.indexer.kernel import best_groups
+    rng = np.random.default_rng(per_super)
+    m = rng.integers(0, 6, (2, 3, 700)).astype(np.float32)
+    m[:, :, 650:] = -np.inf
+    m[0, 1] = 0.0
+    m[1, 2] = -np.inf
+    m[1, 2, [5, 300, 699]] = 1.0
+    want = np.sort(np.asarray(lax.top_k(jnp.asarray(m), 8)[1]), axis=-1)
+    np.testing.assert_array_equal(np.asarray(best_groups(jnp.asarray(m), 8, per_super, INTERPRET)), want)
 
 
 def test_fp8_scoring_is_exact():
@@ -255,9 +275,10 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("n,k", [(1000, 64), (777, 777), (300, 1), (4096, 512)])
-def test_radix_top_k_equals_lax_top_k(n, k):
-    """The GPU's radix selection picks exactly ``lax.top_k``'s entries (same order of floats, same tie rule:
-    lower index), on rows full of ReLU ties (zeros of both signs), −∞ (not visible) and negative scores."""
+def test_radix_and_select_kernel_equal_lax_top_k(n, k):
+    """The GPU's radix selection and the select kernel (kernel.top_k_indices) pick exactly ``lax.top_k``'s
+    entries (same order of floats, same tie rule: lower index), on rows full of ReLU ties (zeros of both
+    signs), −∞ (not visible) and negative scores."""
     from jax import lax
 
     from pallas_kernels.indexer.xla import radix_top_k
@@ -271,6 +292,8 @@ def test_radix_top_k_equals_lax_top_k(n, k):
     want = np.sort(np.asarray(lax.top_k(jnp.asarray(s), k)[1]), axis=1)
     got = np.sort(np.asarray(jax.jit(radix_top_k, static_argnums=1)(jnp.asarray(s), k)), axis=1)
     np.testing.assert_array_equal(got, want)
+    select = jax.jit(functools.partial(top_k_indices, k=k, interpret=INTERPRET))   # the kernel: in key order
+    np.testing.assert_array_equal(np.asarray(select(jnp.asarray(s))), want)
 
 
 def test_select_by_radix_marks_invisible_picks(monkeypatch):
