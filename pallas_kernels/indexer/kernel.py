@@ -13,9 +13,9 @@ groups are rescored:
 3. **rescore** (``_rescore_kernel``): the K·G keys of those groups gathered per row and scored again -> [rows,
    K·G] f32; the top K of them (equal scores: the lower slot, and slots are in key order) are the picks.
 
-Selections of K from a row of up to SELECT_MAX entries run in ``_select_kernel`` (one row in registers, the
-K-th value found bit by bit with 32 count reductions: 0.23 ms for 2,048 × 4,096 on the H200 where
-``lax.top_k``, which sorts, took 0.82 ms); longer rows use ``lax.top_k``. Both pick the same entries.
+Selections of K run in ``_select_kernel`` (one row of up to SELECT_MAX entries in registers, the K-th value
+found bit by bit with 32 count reductions: 0.23 ms for 2,048 × 4,096 on the H200 where ``lax.top_k``, which
+sorts, took 0.82 ms); ``top_k_indices`` selects longer rows piece by piece. Both pick ``lax.top_k``'s entries.
 
 Why the K best groups hold the exact top-K (with the op's tie rule: among equal scores the lower key index).
 Let L be the K-th largest group maximum. A key with score > L lies in a group with maximum > L: all such groups
@@ -146,13 +146,27 @@ def _select_kernel(v_ref, out_ref, *, k: int, entries: int):
     plgpu.store(out_ref.at[slot], iota, mask=take)
 
 
-def top_k_indices(v, k: int, *, interpret: bool = False):
+def top_k_indices(v, k: int, *, interpret: bool = False, max_entries: int = SELECT_MAX):
     """The indices of the K largest of each row, in ascending order: v f32 [..., M] -> int32 [..., K].
-    ``lax.top_k``'s picks (the floats' total order, equal values: the lower index), without its sort; rows of
-    up to SELECT_MAX entries (callers fall back to ``lax.top_k`` above it)."""
+    ``lax.top_k``'s picks (the floats' total order, equal values: the lower index), without its sort.
+
+    Rows of up to ``max_entries`` are selected in one program (``_select_kernel``). A longer row is cut into
+    pieces of max_entries / 2: the K best of each piece, then the K best of their union (in index order). Exact:
+    an entry among the row's K best has fewer than K entries before it in (value, then lower index) order, so
+    fewer than K in its piece, and it is among its piece's K best."""
     *lead, m = v.shape
-    if m > SELECT_MAX:
-        return jnp.sort(lax.top_k(v, k)[1], axis=-1)
+    piece = max_entries // 2
+    if m > max_entries:
+        if k > piece // 2:
+            return jnp.sort(lax.top_k(v, k)[1], axis=-1)
+        pieces = -(-m // piece)
+        padded = jnp.pad(v, [(0, 0)] * len(lead) + [(0, pieces * piece - m)], constant_values=-jnp.inf)
+        local = top_k_indices(padded.reshape(*lead, pieces, piece), k, interpret=interpret,
+                              max_entries=max_entries)                                   # [..., pieces, K]
+        union = (local + jnp.arange(pieces, dtype=jnp.int32)[:, None] * piece).reshape(*lead, pieces * k)
+        best = top_k_indices(jnp.take_along_axis(padded, union, axis=-1), k, interpret=interpret,
+                             max_entries=max_entries)
+        return jnp.take_along_axis(union, best, axis=-1)
     rows = math.prod(lead)
     mp = 1 << max(4, (m - 1).bit_length())
     flat = jnp.pad(v.reshape(rows, m).astype(jnp.float32), ((0, 0), (0, mp - m)))

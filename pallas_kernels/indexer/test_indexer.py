@@ -276,8 +276,8 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.parametrize("n,k", [(1000, 64), (777, 777), (300, 1), (4096, 512)])
 def test_radix_and_select_kernel_equal_lax_top_k(n, k):
-    """The GPU's radix selection and the select kernel (kernel.top_k_indices) pick exactly ``lax.top_k``'s
-    entries (same order of floats, same tie rule: lower index), on rows full of ReLU ties (zeros of both
+    """The GPU's radix selection and the select kernel (kernel.top_k_indices, in one program and piece by
+    piece) pick exactly ``lax.top_k``'s entries (same order of floats, same tie rule: lower index), on rows full of ReLU ties (zeros of both
     signs), −∞ (not visible) and negative scores."""
     from jax import lax
 
@@ -294,6 +294,8 @@ def test_radix_and_select_kernel_equal_lax_top_k(n, k):
     np.testing.assert_array_equal(got, want)
     select = jax.jit(functools.partial(top_k_indices, k=k, interpret=INTERPRET))   # the kernel: in key order
     np.testing.assert_array_equal(np.asarray(select(jnp.asarray(s))), want)
+    pieces = jax.jit(functools.partial(top_k_indices, k=k, interpret=INTERPRET, max_entries=4 * k))
+    np.testing.assert_array_equal(np.asarray(pieces(jnp.asarray(s))), want)   # rows longer than a program's
 
 
 def test_select_by_radix_marks_invisible_picks(monkeypatch):

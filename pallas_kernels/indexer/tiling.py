@@ -4,7 +4,7 @@ from __future__ import annotations
 
 TARGET_PROGRAMS = 264  # H200: 132 SMs; split the keys until about two waves of programs run
 RESCORE_TILE = 128     # candidates a rescore program gathers and scores (one MMA of [H, d] × [d, 128])
-SELECT_MAX = 8192      # longest row kernel.top_k_indices selects in registers (else lax.top_k)
+SELECT_MAX = 8192      # longest row kernel.top_k_indices selects in one program (longer: piece by piece)
 SUPER_GROUPS = 8       # groups per super-group in kernel.best_groups (8 beat 16 and 32 on the H200)
 
 
