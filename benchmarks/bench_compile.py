@@ -44,7 +44,7 @@ def parse(argv):
     p.add_argument("--modes", default="scanned,unrolled", help="comma-separated: scanned, unrolled")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compile option on top of compiler.options() (repeatable; true/false, integers), to "
-                        "A/B one, e.g. xla_gpu_enable_llvm_module_compilation_parallelism=true")
+                        "A/B one, e.g. xla_gpu_autotune_level=0; XLA refuses names its build does not know")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
     try:

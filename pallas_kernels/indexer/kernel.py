@@ -108,7 +108,7 @@ def _rescore_kernel(nvis_ref, cand_ref, q_ref, w_ref, keys_ref, kept_ref, out_re
     [CT] f32, −∞ for keys not visible or masked."""
     cand = cand_ref[...]
     d = keys_ref.shape[1]
-    row = jnp.minimum(cand, keys_ref.shape[0] - 1)        # a last group's keys past N read the padding key
+    row = jnp.minimum(cand, keys_ref.shape[0] - 1)        # keys past N (a last group's, padding): read key N−1
     keys = plgpu.load(keys_ref.at[row[:, None], jnp.arange(d)[None, :]])                # [CT, d] gathered
     s = lax.dot_general(q_ref[...], keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     score = jnp.sum(jnp.maximum(s, 0.0) * w_ref[...][:, None], axis=0)                  # [CT]
@@ -228,10 +228,11 @@ def best_groups(maxima, count: int, per_super: int = SUPER_GROUPS, interpret: bo
     """The ``count`` groups with the largest maxima (equal maxima: the lower index first), in ascending order.
     maxima f32 [B, T, M] -> int32 [B, T, count].
 
-    Two levels when M is large (one ``lax.top_k`` over M entries sorts them, ~5 ms for 2,048 × 37.7 K on the
-    H200): the ``count`` best super-groups of ``per_super`` consecutive groups, then the best ``count`` of
-    their groups. Exact with the tie rule by the module docstring's argument, one level up (super-groups hold
-    groups as groups hold keys); both ``lax.top_k`` calls prefer the lower slot, and slots are in index order."""
+    Two levels when M is large (selecting from all M entries was the slow part: ~5 ms by ``lax.top_k`` for
+    2,048 × 37.7 K on the H200): the ``count`` best super-groups of ``per_super`` consecutive groups, then the
+    best ``count`` of their groups. Exact with the tie rule by the module docstring's argument, one level up
+    (super-groups hold groups as groups hold keys); both selections (``top_k_indices``) prefer the lower slot,
+    and slots are in index order."""
     b, t, m = maxima.shape
     select = functools.partial(top_k_indices, interpret=interpret)
     if m <= 2 * count * per_super or per_super <= 1:
@@ -287,15 +288,14 @@ def _rescore(q, w, keys, nvis, kept, cand, *, block_size, masked, num_warps, int
         ws = jnp.pad(ws, ((0, 0), (0, 0), (0, 16 - hp)))
         hp = 16
     cand_p = jnp.pad(cand, ((0, 0), (0, 0), (0, c_pad - c)), constant_values=keys.shape[1])   # never visible
-    ks = jnp.pad(ks, ((0, 0), (0, 1), (0, 0)))                    # the padding candidates' key
-    n1 = ks.shape[1]
+    n = ks.shape[1]
     kernel = functools.partial(_rescore_kernel, block_size=block_size, masked=masked)
     in_specs = [
         pl.BlockSpec((None, 1), lambda i, j, bb: (bb, i)),
         pl.BlockSpec((None, None, ct), lambda i, j, bb: (bb, i, j)),
         pl.BlockSpec((None, None, hp, d), lambda i, j, bb: (bb, i, 0, 0)),
         pl.BlockSpec((None, None, hp), lambda i, j, bb: (bb, i, 0)),
-        pl.BlockSpec((None, n1, d), lambda i, j, bb: (bb, 0, 0)),
+        pl.BlockSpec((None, n, d), lambda i, j, bb: (bb, 0, 0)),
         pl.BlockSpec((None, 1, kept.shape[2]), lambda i, j, bb: (bb, i, 0)),
     ]
     out = pl.pallas_call(

@@ -52,7 +52,7 @@ def workspace_bytes(batch: int, rows: int, keys: int, k: int, *, heads: int, hea
         "maxima": batch * t_pad * (n_pad // g) * 4 * 2 + batch * rows * k * 8,
         "candidates": batch * rows * c * (4 * 4),
         "queries": batch * max(16, hp) * t_pad * (head_dim * (4 + score_bytes + 2) + 16),   # f32, cast, bf16
-        "keys": batch * (n_pad + 1) * (head_dim * (4 + score_bytes + 2) + 8),
+        "keys": batch * n_pad * (head_dim * (4 + score_bytes + 2) + 8),
         "mask": batch * t_pad * -(-keys // block_size) if masked else 0,
         "level1": batch * t_pad * (keep_blocks * 8 + -(-keys // block_size)) if keep_blocks else 0,
     }
