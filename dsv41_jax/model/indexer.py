@@ -51,9 +51,9 @@ class Indexer(nnx.Module):
 
         u [B,T,D]; q_res [B,T,R_q]; positions [B,T]; keys [B,N,d_I]; kept_blocks bool [B,T,⌈N/B_c⌉] (the
         candidate source's, for a candidate-masked layer). Returns (int32 [B,T,K], kept_blocks | None).
-        Scores and selection: ``pallas_kernels.indexer`` (``impl``; one-row decode calls on the XLA path, see
-        ``XLA_DECODE_ROWS``), over blocks of query rows: the XLA path's
-        [rows, H_I, N] scores, the kernel's workspace (``tiling.launch_rows``) within SCORE_BUDGET_BYTES.
+        Scores and selection: ``pallas_kernels.indexer`` (``impl``; see ``XLA_DECODE_ROWS``), over blocks of
+        query rows: the XLA path's [rows, H_I, N] scores, the kernel's workspace (``tiling.launch_rows``) within
+        SCORE_BUDGET_BYTES.
         """
         b, t = u.shape[:2]
         q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
@@ -73,10 +73,11 @@ class Indexer(nnx.Module):
         return index_topk(q, w, keys, positions, kept_blocks, **kw, impl="xla", rows_per_block=block)
 
 
-# A decode step (one row a sequence) selects on the XLA path even with indexer_impl="pallas": measured on the
-# H200 (docs/BENCHMARKS.md, issue 15) one row took 0.62 ms on the XLA path vs 0.87 ms in the kernel at 300 K keys
-# (0.18 vs 0.20 ms at 0); both select the same entries (one tie rule), so the choice is speed only.
-XLA_DECODE_ROWS = 1
+# Launches of at most this many rows a sequence select on the XLA path even with indexer_impl="pallas" (0: none).
+# Measured on the H200 (docs/BENCHMARKS.md, issue 15, 2026-12-02): the 2-layer decode step at 300 K took 2.11 ms
+# on the XLA path and 1.80 ms in the kernel (one row a program), 1.70 / 1.68 ms at 0; both select the same
+# entries (one tie rule), so the choice is speed only.
+XLA_DECODE_ROWS = 0
 SCORE_BUDGET_BYTES = INDEX_BUDGET  # scratch for one block of query rows (score matrices, gathered keys)
 
 

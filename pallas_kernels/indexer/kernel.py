@@ -33,14 +33,16 @@ Scores per key tile: for each head h (a loop), ReLU(q_h · kᵀ) on the MMA with
 w_h·d_I^(−1/2), summed in f32; q and keys in bf16 (fp4-rounded values are exact in bf16) or e4m3 with a
 power-of-two scale per (row, head) and per key folded back exactly (``score_dtype="float8_e4m3fn"``, maxima
 pass only; the rescore is bf16). Maxima grid (row block, key split, sequence); a program walks only the key
-tiles its rows can see. The group maxima scale with the cache (rows × N/G), so ``ops`` runs long segments in
+tiles its rows can see. Launches of few rows (decode: ``tiling.ROW_PROGRAM_MAX``) run ``_row_maxima_kernel``
+instead: one program per (row, key split), the row's heads the MMA's rows (a 16-row block would be mostly
+padding), bf16, reading the key cache in place (masked loads, no padded copy). The group maxima scale with the cache (rows × N/G), so ``ops`` runs long segments in
 launches of rows sized to a workspace budget (``tiling.launch_rows``; the planner's "fused" path uses the
 same function).
 
 Cost (docs/BENCHMARKS.md, issue 15): one score pass over the visible keys (~390 TFLOP/s on the H200 at 300 K
 keys); the group selection over N/G maxima; the rescore of K·G keys per row (2·H·d·K·G FLOPs, the keys
 gathered from HBM) and a selection over K·G entries. 2,048 rows at 300 K keys: 10.3 ms (74 % of the bf16
-GEMM rate in useful FLOPs).
+GEMM rate in useful FLOPs); one decode row: ~0.05 ms of kernels inside the model's decode step.
 """
 
 from __future__ import annotations
@@ -95,6 +97,44 @@ def _maxima_kernel(nvis_ref, q_ref, w_ref, keys_ref, kscale_ref, kept_ref, maxim
 
     def dead(tile, carry):
         store(tile, jnp.full((rows_in_block, groups_per_tile), -jnp.inf, jnp.float32))
+        return carry
+
+    lax.fori_loop(0, live_tiles, live, 0)
+    lax.fori_loop(live_tiles, tiles_per_split, dead, 0)
+
+
+def _row_maxima_kernel(nvis_ref, q_ref, w_ref, keys_ref, kept_ref, maxima_ref, *, key_tile: int, group: int,
+                       tiles_per_split: int, block_size: int, masked: bool):
+    """The maxima pass for few rows (decode): one program = one query row × one key split, the row's heads
+    the MMA's rows, so no MMA row is padding. Refs: nvis [1] int32; q [Hp, d] bf16 (Hp ≥ 16); w [Hp] f32
+    (× d^-1/2); keys [N, d] bf16, the cache as it is (loads masked past the row's visible keys); kept [1, nb]
+    int8. Output: maxima [groups of this split] f32."""
+    nvis = nvis_ref[0]
+    iota = jnp.arange(key_tile)
+    groups_per_tile = key_tile // group
+    first_tile = pl.program_id(1) * tiles_per_split
+    seen = jnp.maximum(nvis - first_tile * key_tile, 0)
+    live_tiles = jnp.clip((seen + key_tile - 1) // key_tile, 0, tiles_per_split)
+
+    def store(tile, m):
+        maxima_ref[pl.ds(pl.multiple_of(tile * groups_per_tile, groups_per_tile), groups_per_tile)] = m
+
+    def live(tile, carry):
+        key0 = (first_tile + tile) * key_tile
+        col = key0 + iota
+        ok = col < nvis
+        keys = plgpu.load(keys_ref.at[pl.ds(key0, key_tile), :], mask=ok[:, None], other=0.0)
+        s = lax.dot_general(q_ref[...], keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        score = jnp.sum(jnp.maximum(s, 0.0) * w_ref[...][:, None], axis=0)                   # [key_tile]
+        if masked:
+            blk = jnp.minimum(col // block_size, kept_ref.shape[1] - 1)
+            ok = ok & (plgpu.load(kept_ref.at[0, blk]) != 0)
+        score = jnp.where(ok, score, -jnp.inf)
+        store(tile, jnp.max(score.reshape(groups_per_tile, group), axis=1))
+        return carry
+
+    def dead(tile, carry):
+        store(tile, jnp.full((groups_per_tile,), -jnp.inf, jnp.float32))
         return carry
 
     lax.fori_loop(0, live_tiles, live, 0)
@@ -208,8 +248,12 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
     nvis = pad_rows(jnp.clip((positions.astype(jnp.int32) + 1) // ratio, 0, n))   # padding rows see nothing
     masked = kept_blocks is not None
     kept = pad_rows(kept_blocks.astype(jnp.int8)) if masked else jnp.zeros((b, t_pad, 1), jnp.int8)
-    maxima = _maxima(q, w, keys, nvis, kept, score_dtype=score_dtype, tl=tl, per_split=per_split, n_pad=n_pad,
-                     block_size=block_size, masked=masked, interpret=interpret)[:, :t, :n_groups]
+    pass_kw = dict(tl=tl, per_split=per_split, n_pad=n_pad, block_size=block_size, masked=masked,
+                   interpret=interpret)
+    if br == 1:
+        maxima = _row_maxima(q, w, keys, nvis, kept, **pass_kw)[:, :, :n_groups]
+    else:
+        maxima = _maxima(q, w, keys, nvis, kept, score_dtype=score_dtype, **pass_kw)[:, :t, :n_groups]
     new_kept = None
     if keep_blocks:
         from pallas_kernels.indexer.xla import candidate_mask
@@ -276,17 +320,47 @@ def _maxima(q, w, keys, nvis, kept, *, score_dtype, tl, per_split, n_pad, block_
         interpret=interpret, name="index_maxima")(nvis, qs, ws, ks, kscale, kept)
 
 
+def _row_maxima(q, w, keys, nvis, kept, *, tl, per_split, n_pad, block_size, masked, interpret):
+    """The maxima pass of few rows (``_row_maxima_kernel``, bf16 operands): f32 [B, T, n_pad / G]."""
+    b, t = nvis.shape
+    kt, g, s_count = tl["key_tile"], tl["group"], tl["splits"]
+    qs, ws, ks, _ = _score_operands(q, w, keys, "bfloat16")
+    qs, ws = _mma_heads(qs, ws)
+    hp, d, n = qs.shape[2], qs.shape[3], ks.shape[1]
+    kernel = functools.partial(_row_maxima_kernel, key_tile=kt, group=g, tiles_per_split=per_split,
+                               block_size=block_size, masked=masked)
+    groups_split = per_split * kt // g
+    in_specs = [
+        pl.BlockSpec((None, 1), lambda i, s, bb: (bb, i)),
+        pl.BlockSpec((None, None, hp, d), lambda i, s, bb: (bb, i, 0, 0)),
+        pl.BlockSpec((None, None, hp), lambda i, s, bb: (bb, i, 0)),
+        pl.BlockSpec((None, n, d), lambda i, s, bb: (bb, 0, 0)),
+        pl.BlockSpec((None, 1, kept.shape[2]), lambda i, s, bb: (bb, i, 0)),
+    ]
+    return pl.pallas_call(
+        kernel, grid=(t, s_count, b), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, groups_split), lambda i, s, bb: (bb, i, s)),
+        out_shape=jax.ShapeDtypeStruct((b, t, s_count * groups_split), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=tl["num_warps"], num_stages=tl["num_stages"]),
+        interpret=interpret, name="index_row_maxima")(nvis, qs, ws, ks, kept)
+
+
+def _mma_heads(qs, ws):
+    """q' [B, T, Hp, d], w' [B, T, Hp] with at least 16 heads (the MMA's rows; padding heads weigh 0)."""
+    hp = qs.shape[2]
+    if hp >= 16:
+        return qs, ws
+    return (jnp.pad(qs, ((0, 0), (0, 0), (0, 16 - hp), (0, 0))), jnp.pad(ws, ((0, 0), (0, 0), (0, 16 - hp))))
+
+
 def _rescore(q, w, keys, nvis, kept, cand, *, block_size, masked, num_warps, interpret):
     """Scores of each row's candidate keys: cand int32 [B, T, C] -> f32 [B, T, C] (−∞: not visible / masked)."""
     b, t, c = cand.shape
     ct = min(RESCORE_TILE, 1 << max(4, (c - 1).bit_length()))
     c_pad = -(-c // ct) * ct
     qs, ws, ks, _ = _score_operands(q, w, keys, "bfloat16")
+    qs, ws = _mma_heads(qs, ws)
     hp, d = qs.shape[2], qs.shape[3]
-    if hp < 16:   # the MMA needs 16 rows: padding heads have weight 0
-        qs = jnp.pad(qs, ((0, 0), (0, 0), (0, 16 - hp), (0, 0)))
-        ws = jnp.pad(ws, ((0, 0), (0, 0), (0, 16 - hp)))
-        hp = 16
     cand_p = jnp.pad(cand, ((0, 0), (0, 0), (0, c_pad - c)), constant_values=keys.shape[1])   # never visible
     n = ks.shape[1]
     kernel = functools.partial(_rescore_kernel, block_size=block_size, masked=masked)
@@ -317,9 +391,9 @@ def _score_operands(q, w, keys, score_dtype: str):
     hp = 1 << max(0, (heads - 1).bit_length())
     q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, hp - heads), (0, 0)))
     w = jnp.pad(w.astype(jnp.float32) * d**-0.5, ((0, 0), (0, 0), (0, hp - heads)))
-    keys = keys.astype(jnp.float32)
-    if score_dtype == "bfloat16":
+    if score_dtype == "bfloat16":   # bf16 keys (the cache's dtype on the GPU) pass through uncopied
         return q.astype(jnp.bfloat16), w, keys.astype(jnp.bfloat16), jnp.ones(keys.shape[:2], jnp.float32)
+    keys = keys.astype(jnp.float32)
     dtype = jnp.dtype(score_dtype)
     eq = jnp.frexp(jnp.max(jnp.abs(q), axis=-1))[1] - 7            # [B,T,Hp]
     ek = jnp.frexp(jnp.max(jnp.abs(keys), axis=-1))[1] - 7          # [B,N]

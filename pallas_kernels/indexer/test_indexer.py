@@ -136,7 +136,14 @@ def assert_same_selection(picks, s, mag, k: int, exact: bool):
         assert differ == near, f"row {i}: sets differ away from the K-th score {kth}: {sorted(differ - near)}"
 
 
+# Every implementation, and both maxima kernels of the pallas one: one program a row (launches of few rows, the
+# default up to tiling.ROW_PROGRAM_MAX rows) and blocks of 16 rows (the prefill kernel).
+VARIANTS = {impl: {} for impl in IMPLS} | {"pallas_row_blocks": {"block_rows": 16}}
+
+
 def run(case: Case, impl: str, seed: int = 0, **kw):
+    if impl == "pallas_row_blocks":
+        impl, kw = "pallas", VARIANTS[impl] | kw
     q, w, keys, positions, kept = make_inputs(case, seed)
     picks, new_kept = index_topk(q, w, keys, positions, kept, ratio=case.ratio, k=case.k,
                                  keep_blocks=case.keep_blocks, block_size=case.block_size, impl=impl,
@@ -163,13 +170,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", VARIANTS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_selection_matches_oracle(name, impl):
     run(CASES[name], impl, seed=zlib.crc32(name.encode()))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", VARIANTS)
 def test_candidate_source_blocks(impl):
     """Level 1: the kept blocks equal the oracle's wherever a block's score is not within the tolerance of
     the K_B-th block score (the newest block always kept; −∞ blocks dropped)."""
@@ -185,7 +192,7 @@ def test_candidate_source_blocks(impl):
         assert (np.abs(block[i][diff] - kth) <= 2 * REL_TOL * mag[i].max()).all(), f"row {i}: blocks {diff}"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", VARIANTS)
 def test_decode_at_300k(impl):
     """Decode: 8 rows at position 300,000 (ratio 64 keeps the keys at 4,688; the kernel splits them over
     programs and merges the splits' candidates)."""
