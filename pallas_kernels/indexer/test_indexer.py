@@ -316,3 +316,18 @@ def test_select_by_radix_marks_invisible_picks(monkeypatch):
     got = np.sort(np.asarray(xla.select(s, 8)), axis=-1)
     np.testing.assert_array_equal(got, want)
     assert (got == -1).sum() == 3
+
+
+def test_key_splits_fill_whole_waves():
+    """tiling.key_splits: at least TARGET_PROGRAMS programs where the keys allow, never more splits than key
+    tiles, and the last wave at least as full as with the least split count (16 row blocks at 300 K keys: 33
+    splits = 4 waves of 132 SMs exactly, not 17 = 272 programs, a nearly empty third wave)."""
+    from pallas_kernels.indexer.tiling import SMS, TARGET_PROGRAMS, key_splits
+    filled = lambda p: p / (-(-p // SMS) * SMS)
+    assert key_splits(16, 1180) == 33
+    for blocks in (1, 2, 3, 8, 16, 32, 40, 64, 300):
+        for tiles in (1, 5, 16, 100, 2360):
+            s = key_splits(blocks, tiles)
+            least = max(1, min(tiles, -(-TARGET_PROGRAMS // blocks)))
+            assert least <= s <= min(tiles, 2 * least)
+            assert filled(blocks * s) >= filled(blocks * least)

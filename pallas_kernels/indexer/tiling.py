@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 TARGET_PROGRAMS = 264  # H200: 132 SMs; split the keys until about two waves of programs run
+SMS = 132              # H200 streaming multiprocessors: a launch's programs are split into whole waves of them
 RESCORE_TILE = 128     # candidates a rescore program gathers and scores (one MMA of [H, d] × [d, 128])
 SELECT_MAX = 8192      # longest row kernel.top_k_indices selects in one program (longer: piece by piece)
 SUPER_GROUPS = 8       # groups per super-group in kernel.best_groups (8 beat 16 and 32 on the H200)
@@ -17,8 +18,8 @@ def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, bl
     row's heads are the MMA's rows, where a block of 16 rows would be mostly padding), 16 for ≤ 16 rows, else 64
     (else ≥ 16 for the MMA); key_tile: 128 keys (each
     key tile re-reads the block's q for all heads, so wider tiles read q less per FLOP); group: keys per
-    maximum (B_c for the candidate source, else 8); splits: key splits per row block so that about
-    TARGET_PROGRAMS programs run (few for a 2,048-row prefill; many for decode); num_warps 4, num_stages 3 (the
+    maximum (B_c for the candidate source, else 8); splits: key splits per row block so that at least
+    TARGET_PROGRAMS programs run, in whole waves (``key_splits``; few for a 2,048-row prefill; many for decode); num_warps 4, num_stages 3 (the
     key tiles' copy pipeline). Defaults: the H200 sweep of docs/BENCHMARKS.md (issue 15, 2026-12-01 22:45 UTC:
     the maxima pass at 2,048 rows × 302 K keys took 12.8 ms with these, 19.4 ms with 64-key tiles). candidates: keys
     rescored per row, min(K, groups)·G (kernel.py)."""
@@ -31,11 +32,27 @@ def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, bl
                          "key_tile")
     tiles = max(1, -(-keys // kt))
     blocks = batch * -(-rows // br)
-    s = min(splits or max(1, min(tiles, -(-TARGET_PROGRAMS // blocks))), tiles)
+    s = min(splits or key_splits(blocks, tiles), tiles)
     kk = max(1, min(k, keys))
     return {"block_rows": br, "key_tile": kt, "group": g, "splits": s,
             "num_warps": num_warps or 4, "num_stages": num_stages or 3,
             "candidates": min(kk, -(-keys // g)) * g}
+
+
+def key_splits(blocks: int, tiles: int) -> int:
+    """Key splits per row block: at least TARGET_PROGRAMS programs in all (up to one split per key tile), and
+    of the split counts up to twice that, the one whose programs fill their last wave of SMS best (the fewest
+    splits among equals). Every program of a long-context launch walks about as many tiles, so a launch
+    lasts as many program-times as it has waves: 16 row blocks × 17 splits = 272 programs ran 2,048 rows of
+    a ratio-2 layer at 300 K at 53 % of the GEMM rate where 264-program launches ran at 72–78 % on the H200
+    (docs/BENCHMARKS.md, issue 15, 2026-12-02)."""
+    least = max(1, min(tiles, -(-TARGET_PROGRAMS // blocks)))
+
+    def filled(s: int) -> float:
+        programs = blocks * s
+        return programs / (-(-programs // SMS) * SMS)
+
+    return max(range(least, min(tiles, 2 * least) + 1), key=lambda s: (filled(s), -s))
 
 
 def workspace_bytes(batch: int, rows: int, keys: int, k: int, *, heads: int, head_dim: int, keep_blocks: int = 0,
