@@ -10,7 +10,8 @@ sorted picks are identical / rows compared; at most 128 evenly spaced rows are c
 even where it is too slow to time).
 
     PYTHONPATH=. python benchmarks/bench_indexer.py [--quick] [--json out.json]
-        [--block-rows 16|32|64] [--key-tile 32|64|128] [--splits S] [--warps 4|8] [--stages 2|3|4]
+        [--block-rows 1|16|32|64] [--key-tile 32|64|128] [--splits S] [--group 4|8|16] [--warps 4|8]
+        [--stages 2|3|4]
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def xla_fn(rows: int, n: int, ratio: int):
     return jax.jit(lambda q, w, k, p: index_topk_xla(q, w, k, p, ratio=ratio, k=TOPK, rows_per_block=block)[0])
 
 
-TILING: dict = {}   # --block-rows / --key-tile / --splits / --warps / --stages (None: kernel defaults)
+TILING: dict = {}   # --block-rows / --key-tile / --splits / --group / --warps / --stages (None: kernel defaults)
 
 
 def kernel_rows(rows: int, n: int) -> int:
@@ -163,7 +164,7 @@ def parse_args(argv):
     p.add_argument("--gemm-tflops", type=float, default=668.0, help="the measured bf16 GEMM rate (TFLOP/s)")
     p.add_argument("--json", help="write the rows to this file")
     for flag, key in (("--block-rows", "block_rows"), ("--key-tile", "key_tile"), ("--splits", "splits"),
-                      ("--warps", "num_warps"), ("--stages", "num_stages")):
+                      ("--group", "group"), ("--warps", "num_warps"), ("--stages", "num_stages")):
         p.add_argument(flag, type=int, default=None, dest=key, help=f"kernel tiling: {key} (default: kernel.tiling)")
     a = p.parse_args(argv)
     quick = a.quick
@@ -187,8 +188,8 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print("error: this benchmark needs a GPU (the kernel only runs compiled there)", file=sys.stderr)
         return 2
-    TILING.update({k: getattr(args, k) for k in ("block_rows", "key_tile", "splits", "num_warps", "num_stages")
-                   if getattr(args, k) is not None})
+    keys = ("block_rows", "key_tile", "splits", "group", "num_warps", "num_stages")
+    TILING.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     results = []
     for rows in args.rows:
         for position in args.positions:
