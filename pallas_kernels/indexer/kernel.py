@@ -35,9 +35,9 @@ power-of-two scale per (row, head) and per key folded back exactly (``score_dtyp
 pass only; the rescore is bf16). Maxima grid (row block, key split, sequence); a program walks only the key
 tiles its rows can see. Launches of few rows (decode: ``tiling.ROW_PROGRAM_MAX``) run ``_row_maxima_kernel``
 instead: one program per (row, key split), the row's heads the MMA's rows (a 16-row block would be mostly
-padding), bf16, reading the key cache in place (masked loads, no padded copy). The group maxima scale with the cache (rows × N/G), so ``ops`` runs long segments in
-launches of rows sized to a workspace budget (``tiling.launch_rows``; the planner's "fused" path uses the
-same function).
+padding), bf16, reading the key cache in place (masked loads, no padded copy). The group maxima scale with
+the cache (rows × N/G), so ``ops`` runs long segments in launches of rows sized to a workspace budget
+(``tiling.launch_rows``; the planner's "fused" path uses the same function).
 
 Cost (docs/BENCHMARKS.md, issue 15): one score pass over the visible keys (~390 TFLOP/s on the H200 at 300 K
 keys); the group selection over N/G maxima; the rescore of K·G keys per row (2·H·d·K·G FLOPs, the keys
