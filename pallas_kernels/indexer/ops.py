@@ -51,8 +51,9 @@ def index_topk(q, w, keys, positions, kept_blocks=None, *, ratio: int, k: int, k
     entry index is selected. Both impls work over blocks of ``rows_per_block`` query rows (default all):
     "xla" (the block's [rows, H, N] scores exist), "pallas" = the fused kernel, one launch per
     block (no score matrix; ``tiling.launch_rows`` sizes a block to a workspace budget), ``score_dtype`` of its
-    MMA inputs (e4m3 runs only when q and keys are exact in it, else bf16; launches of few rows score in bf16); interpret: None = True unless
-    running on a GPU; ``tiling``: block_rows, key_tile, group, splits, num_warps, num_stages (tiling.tiling).
+    MMA inputs (e4m3 runs only when q and keys are exact in it, else bf16; launches of few rows score in
+    bf16); interpret: None = True unless running on a GPU; ``tiling``: block_rows, key_tile, group, splits,
+    num_warps, num_stages (tiling.tiling).
     """
     impl = registry.resolve(impl)  # "reference": the deprecated name of "xla"
     _check(q, w, keys, positions, kept_blocks, keep_blocks, block_size, impl, score_dtype)

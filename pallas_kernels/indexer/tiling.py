@@ -14,15 +14,15 @@ def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, bl
            block_rows=None, key_tile=None, group=None, splits=None, num_warps=None, num_stages=None) -> dict:
     """The kernel's tiling for one launch of ``batch`` × ``rows`` query rows against ``keys`` keys.
 
-    block_rows: query rows per program: 1 for ≤ ROW_PROGRAM_MAX rows (``kernel._row_maxima_kernel``: the
-    row's heads are the MMA's rows, where a block of 16 rows would be mostly padding), 16 for ≤ 16 rows, else 64
-    (else ≥ 16 for the MMA); key_tile: 128 keys (each
-    key tile re-reads the block's q for all heads, so wider tiles read q less per FLOP); group: keys per
-    maximum (B_c for the candidate source, else 8); splits: key splits per row block so that at least
-    TARGET_PROGRAMS programs run, in whole waves (``key_splits``; few for a 2,048-row prefill; many for decode); num_warps 4, num_stages 3 (the
-    key tiles' copy pipeline). Defaults: the H200 sweep of docs/BENCHMARKS.md (issue 15, 2026-12-01 22:45 UTC:
-    the maxima pass at 2,048 rows × 302 K keys took 12.8 ms with these, 19.4 ms with 64-key tiles). candidates: keys
-    rescored per row, min(K, groups)·G (kernel.py)."""
+    block_rows: query rows per program: 1 for ≤ ROW_PROGRAM_MAX rows (``kernel._row_maxima_kernel``: the row's
+    heads are the MMA's rows, where a block of 16 rows would be mostly padding), 16 for ≤ 16 rows, else 64 (else
+    ≥ 16 for the MMA); key_tile: 128 keys (each key tile re-reads the block's q for all heads, so wider tiles
+    read q less per FLOP); group: keys per maximum (B_c for the candidate source, else 8); splits: key splits per
+    row block so that at least TARGET_PROGRAMS programs run, in whole waves (``key_splits``; few for a 2,048-row
+    prefill; many for decode); num_warps 4, num_stages 3 (the key tiles' copy pipeline). Defaults: the H200 sweep
+    of docs/BENCHMARKS.md (issue 15, 2026-12-01 22:45 UTC: the maxima pass at 2,048 rows × 302 K keys took
+    12.8 ms with these, 19.4 ms with 64-key tiles). candidates: keys rescored per row, min(K, groups)·G
+    (kernel.py)."""
     br = block_rows or (1 if rows <= ROW_PROGRAM_MAX else 16 if rows <= 16 else 64)
     kt = key_tile or 128
     g = block_size if keep_blocks else (group or 8)
