@@ -124,11 +124,9 @@ def _row_maxima_kernel(nvis_ref, q_ref, w_ref, keys_ref, kept_ref, maxima_ref, *
         col = key0 + iota
         ok = col < nvis
         keys = plgpu.load(keys_ref.at[pl.ds(key0, key_tile), :], mask=ok[:, None], other=0.0)
-        s = lax.dot_general(q_ref[...], keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        score = jnp.sum(jnp.maximum(s, 0.0) * w_ref[...][:, None], axis=0)                   # [key_tile]
+        score = _head_sum(q_ref[...], keys, w_ref[...])                                       # [key_tile]
         if masked:
-            blk = jnp.minimum(col // block_size, kept_ref.shape[1] - 1)
-            ok = ok & (plgpu.load(kept_ref.at[0, blk]) != 0)
+            ok = ok & _kept(kept_ref, col, block_size)
         score = jnp.where(ok, score, -jnp.inf)
         store(tile, jnp.max(score.reshape(groups_per_tile, group), axis=1))
         return carry
@@ -150,13 +148,24 @@ def _rescore_kernel(nvis_ref, cand_ref, q_ref, w_ref, keys_ref, kept_ref, out_re
     d = keys_ref.shape[1]
     row = jnp.minimum(cand, keys_ref.shape[0] - 1)        # keys past N (a last group's, padding): read key N−1
     keys = plgpu.load(keys_ref.at[row[:, None], jnp.arange(d)[None, :]])                # [CT, d] gathered
-    s = lax.dot_general(q_ref[...], keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    score = jnp.sum(jnp.maximum(s, 0.0) * w_ref[...][:, None], axis=0)                  # [CT]
+    score = _head_sum(q_ref[...], keys, w_ref[...])                                      # [CT]
     ok = cand < nvis_ref[0]
     if masked:
-        blk = jnp.minimum(cand // block_size, kept_ref.shape[1] - 1)
-        ok = ok & (plgpu.load(kept_ref.at[0, blk]) != 0)
+        ok = ok & _kept(kept_ref, cand, block_size)
     out_ref[...] = jnp.where(ok, score, -jnp.inf)
+
+
+def _head_sum(q, keys, w):
+    """One row's scores Σ_h w_h · ReLU(q_h · k), the heads as the MMA's rows: q [Hp, d], keys [C, d], w [Hp]
+    f32 -> [C] f32 (f32 accumulation)."""
+    s = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.sum(jnp.maximum(s, 0.0) * w[:, None], axis=0)
+
+
+def _kept(kept_ref, key, block_size: int):
+    """Whether each key's candidate block is kept: kept [1, nb] int8, key [C] int32 -> bool [C]."""
+    blk = jnp.minimum(key // block_size, kept_ref.shape[1] - 1)
+    return plgpu.load(kept_ref.at[0, blk]) != 0
 
 
 def _select_kernel(v_ref, out_ref, *, k: int, entries: int):
@@ -248,12 +257,12 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
     nvis = pad_rows(jnp.clip((positions.astype(jnp.int32) + 1) // ratio, 0, n))   # padding rows see nothing
     masked = kept_blocks is not None
     kept = pad_rows(kept_blocks.astype(jnp.int8)) if masked else jnp.zeros((b, t_pad, 1), jnp.int8)
-    pass_kw = dict(tl=tl, per_split=per_split, n_pad=n_pad, block_size=block_size, masked=masked,
-                   interpret=interpret)
+    pass_kw = dict(tl=tl, per_split=per_split, block_size=block_size, masked=masked, interpret=interpret)
     if br == 1:
-        maxima = _row_maxima(q, w, keys, nvis, kept, **pass_kw)[:, :, :n_groups]
+        maxima = _row_maxima(q, w, keys, nvis, kept, **pass_kw)
     else:
-        maxima = _maxima(q, w, keys, nvis, kept, score_dtype=score_dtype, **pass_kw)[:, :t, :n_groups]
+        maxima = _maxima(q, w, keys, nvis, kept, score_dtype=score_dtype, n_pad=n_pad, **pass_kw)
+    maxima = maxima[:, :t, :n_groups]
     new_kept = None
     if keep_blocks:
         from pallas_kernels.indexer.xla import candidate_mask
@@ -320,8 +329,9 @@ def _maxima(q, w, keys, nvis, kept, *, score_dtype, tl, per_split, n_pad, block_
         interpret=interpret, name="index_maxima")(nvis, qs, ws, ks, kscale, kept)
 
 
-def _row_maxima(q, w, keys, nvis, kept, *, tl, per_split, n_pad, block_size, masked, interpret):
-    """The maxima pass of few rows (``_row_maxima_kernel``, bf16 operands): f32 [B, T, n_pad / G]."""
+def _row_maxima(q, w, keys, nvis, kept, *, tl, per_split, block_size, masked, interpret):
+    """The maxima pass of few rows (``_row_maxima_kernel``, bf16 operands): f32 [B, T, splits · per_split ·
+    key_tile / G]."""
     b, t = nvis.shape
     kt, g, s_count = tl["key_tile"], tl["group"], tl["splits"]
     qs, ws, ks, _ = _score_operands(q, w, keys, "bfloat16")

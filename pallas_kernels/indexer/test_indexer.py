@@ -284,8 +284,8 @@ def test_bad_shapes_are_refused():
 @pytest.mark.parametrize("n,k", [(1000, 64), (777, 777), (300, 1), (4096, 512)])
 def test_radix_and_select_kernel_equal_lax_top_k(n, k):
     """The GPU's radix selection and the select kernel (kernel.top_k_indices, in one program and piece by
-    piece) pick exactly ``lax.top_k``'s entries (same order of floats, same tie rule: lower index), on rows full of ReLU ties (zeros of both
-    signs), −∞ (not visible) and negative scores."""
+    piece) pick exactly ``lax.top_k``'s entries (same order of floats, same tie rule: lower index), on rows
+    full of ReLU ties (zeros of both signs), −∞ (not visible) and negative scores."""
     from jax import lax
 
     from pallas_kernels.indexer.xla import radix_top_k
