@@ -37,10 +37,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dsv41_jax.config import ConfigError, load_named
-from dsv41_jax.engine import STEP, Engine, Request
+from dsv41_jax.engine import STEP, Engine, Request, merge
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.profiling import build
 from dsv41_jax.profiling.cut import cut_layers
@@ -128,7 +127,7 @@ def measure(cfg, full_layers: int, world: int, args) -> dict:
     produced = jax.device_put(np.zeros(b, np.int32), engine._replicated)
 
     def draft_only(state, rings, bonus, offset, sampling, produced):
-        model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+        model, ctx, vocab = _unwrap(merge(graphdef, state))
         with ctx:
             return _draft(model, rings, bonus, offset, sampling, produced, k, vocab).tokens
 
@@ -137,7 +136,7 @@ def measure(cfg, full_layers: int, world: int, args) -> dict:
     draft_s = _chained(draft_fn, dargs, lambda o: (state, rings, o[:, 0], offset, sampling, produced), steps)
 
     def one_stage(state, x, rings, offset):
-        model, ctx, _ = _unwrap(nnx.merge(graphdef, state))
+        model, ctx, _ = _unwrap(merge(graphdef, state))
         with ctx:
             pos = offset[:, None] + jnp.arange(cfg.dspark_block_size)[None, :]
             pre = jnp.full(x.shape[:3], 1.0 / cfg.hc_mult, jnp.float32)
@@ -149,7 +148,7 @@ def measure(cfg, full_layers: int, world: int, args) -> dict:
     stage_s = _chained(stage_fn, (state, x, rings, offset), lambda o: (state, o, rings, offset), steps)
 
     def head_only(state, h):
-        model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+        model, ctx, vocab = _unwrap(merge(graphdef, state))
         with ctx:
             logits = model.head(model.norm(h))
             return h + 1e-3 * (vocab[1](logits) if vocab else logits)[..., :1].astype(h.dtype)

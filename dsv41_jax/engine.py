@@ -1,10 +1,11 @@
 """Prefill in segments, then decode: static shapes, each program compiled once per shape.
 
 The model is split once (``nnx.split``) into a graph definition and a state pytree; the programs take the state
-as an argument and ``nnx.merge`` it inside, so weights are inputs, not constants baked into programs. Programs
-are compiled ahead of time (``jit(...).lower(...).compile()``), all the shapes a request needs at once and in
-parallel, and kept in the engine's ``ProgramTable`` (one per engine, built with it): each ``Program`` (name,
-function, donated and static arguments) is compiled once per static arguments and input shapes, a shape seen
+as an argument (a ``FlatState``: one flat tuple of arrays, cheap to flatten on every call) and ``merge`` it inside,
+so weights are inputs, not constants baked into programs. Programs are compiled ahead of time
+(``jit(...).lower(...).compile()``), all the shapes a request needs at once and in parallel, and kept in the
+engine's ``ProgramTable`` (one per engine, built with it): each ``Program`` (name, function, donated and static
+arguments) is compiled once per static arguments and input shapes, a shape seen
 before never compiles again, and compile seconds are measured apart from run time.
 
 The programs:
@@ -182,6 +183,38 @@ def image_rows(images):
     return ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
 
 
+@jax.tree_util.register_pytree_node_class
+class FlatState:
+    """The model's state (``nnx.split``) as a flat tuple of arrays and the state's tree definition: what the
+    engine passes its programs. A call flattens its arguments every time, and an ``nnx.State`` flattens in Python
+    one Variable at a time: a call with the 2-layer cut's state (64 arrays) took 178 µs on the H200 machine's
+    host, 94 µs with a FlatState (docs/BENCHMARKS.md, issue 14, 2026-12-02); the decode loop pays it per token."""
+
+    def __init__(self, leaves: tuple, treedef):
+        self.leaves, self.treedef = leaves, treedef
+
+    @classmethod
+    def of(cls, state) -> "FlatState":
+        leaves, treedef = jax.tree.flatten(state)
+        return cls(tuple(leaves), treedef)
+
+    def state(self):
+        """The ``nnx.State`` again (inside a program: of tracers)."""
+        return jax.tree.unflatten(self.treedef, self.leaves)
+
+    def tree_flatten(self):
+        return self.leaves, self.treedef
+
+    @classmethod
+    def tree_unflatten(cls, treedef, leaves):
+        return cls(tuple(leaves), treedef)
+
+
+def merge(graphdef, state: FlatState) -> nnx.Module:
+    """The model of a program's ``graphdef`` and ``FlatState`` argument."""
+    return nnx.merge(graphdef, state.state())
+
+
 def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, keep_first_row: bool):
     """The model part of ``_step``.
 
@@ -193,7 +226,7 @@ def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, 
     ``images``: None (text) or (table [R, D] encoded image rows, row [B,T] i32 (−1: none), roles [B,T] i32):
     the segment's slice of the request's image positions (VISION.md §V.E.6).
     """
-    model = nnx.merge(graphdef, state)
+    model = merge(graphdef, state)
     kwargs = {} if engram is None else {"engram": engram}
     if images is not None:
         kwargs["images"] = image_rows(images)
@@ -211,7 +244,7 @@ def _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram, 
 
 def _encode_images(graphdef, state, batch):
     """``vision.batch.ImageBatch`` -> aligner rows [B_img, M, D] (VISION.md §V.C–§V.D), once per request."""
-    return nnx.merge(graphdef, state).encode_images(batch)
+    return merge(graphdef, state).encode_images(batch)
 
 
 class StepOut(NamedTuple):
@@ -425,7 +458,8 @@ class Engine:
         # decode steps per program call (`_steps`); 1 = one `step[B, 1]` call per token. Engram models and recorded
         # runs decode one step at a time whatever this says.
         self.decode_chunk = int(decode_chunk)
-        graphdef, self.state = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        self.state = FlatState.of(state)  # every program's first argument
         self._programs = ProgramTable(graphdef)  # built once per engine
 
     def check(self, requests: Sequence[Request]) -> None:

@@ -346,7 +346,7 @@ def _trace(req: Request, step, jax, measure) -> dict:
             "layers": [{"scope": s, "seconds": t} for s, t in trace.by_layer(ops)],
             "parts": [{"part": s, "seconds": t} for s, t in trace.by_part(ops)],
             "top_ops": [{"op": o.name, "source": o.source, "seconds": o.seconds, "launches": o.count}
-                        for o in ops[:15]]}
+                        for o in ops[:40]]}
 
 
 # -------------------------------------------------------------------------------------------------- printing

@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx, struct
 
 from .engine import (Engine, EngineInputError, GenerateResult, Generation, Program, Request, Timings,
-                     bucket_rows, image_rows, segment_images)
+                     bucket_rows, image_rows, merge, segment_images)
 from .model.attention import updated_ring, window_in_order
 from .model.cache import Cache
 from .model.dspark import Draft, context_rows, draft
@@ -220,7 +220,7 @@ def _prefill(graphdef, state, spec_cache, ids, lengths, last_logits, engram, ima
     """One prompt segment with taps: (cache, rings) updated, last_logits [B,V] of each sequence's last row.
     ``engram``: the segment's rows (EngramInput) when the model runs engram layers, else None; ``images``: the
     segment's image rows (`engine.segment_images`) for a batch with image prompts, else None."""
-    model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+    model, ctx, vocab = _unwrap(merge(graphdef, state))
     with ctx:
         return _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram, images)
 
@@ -242,7 +242,7 @@ def _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram, ima
 def _start(graphdef, state, cache, rings, last_logits, eos_ids, max_new, sampling, k: int):
     """After the prompt: the first token (as the engine draws it) and the first draft -> (SpecState, token,
     keep_going)."""
-    model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+    model, ctx, vocab = _unwrap(merge(graphdef, state))
     b = last_logits.shape[0]
     token = sample(last_logits, sampling, jnp.int32(0))
     is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
@@ -258,7 +258,7 @@ def _round(graphdef, state, spec: SpecState, eos_ids, max_new, sampling: Samplin
     """One speculative round (module docstring) as one program. ``oracle`` (tests): None, or (tokens [B,L],
     use [B,L] bool): the proposal for position p is ``tokens[b, p]`` where ``use[b, p]`` (forced accept/reject
     paths). ``engram``: the verify rows' EngramInput ([B,K+1], hashed on the host) or None (no engram layers)."""
-    model, ctx, vocab = _unwrap(nnx.merge(graphdef, state))
+    model, ctx, vocab = _unwrap(merge(graphdef, state))
     with ctx:
         return _round_in(model, vocab, spec, eos_ids, max_new, sampling, oracle, engram, k)
 
@@ -333,7 +333,7 @@ class Speculator:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.cfg = engine.cfg
-        state_paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(engine.state)}
+        state_paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(engine.state.state())}
         if not any(p.startswith(("mtp.", "inner.mtp.")) for p in state_paths):
             raise EngineInputError("this model has no DSpark stages (build it with ModelOptions(dspark=True) "
                                    "from a checkpoint that has mtp.* tensors)")

@@ -214,3 +214,14 @@ def test_program_table_compiles_each_program_once_per_shape():
     _, other = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
     table.run(apply, {}, (other, x))
     assert len(table.compiled) == 4 and sorted(key[0] for key in table.compiled) == ["apply"] + ["scale"] * 3
+
+
+def test_programs_take_the_state_flat(setup, engine):
+    """The programs' state argument flattens to the model's arrays in one step (no per-Variable flatten on each
+    call) and gives back the same ``nnx.State``: same tree, the very same arrays."""
+    _, model, _ = setup
+    _, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(engine.state)
+    assert len(leaves) == len(jax.tree.leaves(state)) and treedef.num_nodes == len(leaves) + 1
+    assert jax.tree.structure(engine.state.state()) == jax.tree.structure(state)
+    assert all(a is b for a, b in zip(jax.tree.leaves(engine.state.state()), jax.tree.leaves(state)))

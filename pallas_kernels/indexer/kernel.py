@@ -13,6 +13,10 @@ groups are rescored:
 3. **rescore** (``_rescore_kernel``): the K·G keys of those groups gathered per row and scored again -> [rows,
    K·G] f32; the top K of them (equal scores: the lower slot, and slots are in key order) are the picks.
 
+Rows of at most K·G keys would rescore every key: there G = 1 (``tiling``), the pass keeps every key's score and
+the top K of those are the picks (no group selection, no rescore); the candidate source's block maxima are then
+taken from those scores.
+
 Selections of K run in ``_select_kernel`` (one row of up to SELECT_MAX entries in registers, the K-th value
 found bit by bit with 32 count reductions: 0.23 ms for 2,048 × 4,096 on the H200 where ``lax.top_k``, which
 sorts, took 0.82 ms); ``top_k_indices`` selects longer rows piece by piece. Both pick ``lax.top_k``'s entries.
@@ -92,7 +96,7 @@ def _maxima_kernel(nvis_ref, q_ref, w_ref, keys_ref, kscale_ref, kept_ref, maxim
             blk = jnp.minimum(col // block_size, kept_ref.shape[1] - 1)
             ok = ok & (plgpu.load(kept_ref.at[rows[:, None], blk[None, :]]) != 0)
         s = jnp.where(ok, acc, -jnp.inf)
-        store(tile, jnp.max(s.reshape(rows_in_block, groups_per_tile, group), axis=2))
+        store(tile, _group_max(s, group))
         return carry
 
     def dead(tile, carry):
@@ -128,7 +132,7 @@ def _row_maxima_kernel(nvis_ref, q_ref, w_ref, keys_ref, kept_ref, maxima_ref, *
         if masked:
             ok = ok & _kept(kept_ref, col, block_size)
         score = jnp.where(ok, score, -jnp.inf)
-        store(tile, jnp.max(score.reshape(groups_per_tile, group), axis=1))
+        store(tile, _group_max(score, group))
         return carry
 
     def dead(tile, carry):
@@ -160,6 +164,14 @@ def _head_sum(q, keys, w):
     f32 -> [C] f32 (f32 accumulation)."""
     s = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return jnp.sum(jnp.maximum(s, 0.0) * w[:, None], axis=0)
+
+
+def _group_max(s, group: int):
+    """The maximum of each group of ``group`` consecutive keys (the last axis): [..., C] -> [..., C / group]
+    (group 1: the scores themselves)."""
+    if group == 1:
+        return s
+    return jnp.max(s.reshape(*s.shape[:-1], s.shape[-1] // group, group), axis=-1)
 
 
 def _kept(kept_ref, key, block_size: int):
@@ -265,16 +277,25 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
     maxima = maxima[:, :t, :n_groups]
     new_kept = None
     if keep_blocks:
-        from pallas_kernels.indexer.xla import candidate_mask
-        new_kept = candidate_mask(maxima, positions, ratio=ratio, block_size=block_size, keep_blocks=keep_blocks)
+        from pallas_kernels.indexer.xla import block_maxima, candidate_mask
+        blocks = maxima if g == block_size else block_maxima(maxima, block_size)   # g = 1: every key's score
+        new_kept = candidate_mask(blocks, positions, ratio=ratio, block_size=block_size, keep_blocks=keep_blocks)
+    if g == 1:  # the pass scored every key (tiling: short rows), so select from its scores directly
+        return _picks(maxima, jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), maxima.shape), kk, interpret), new_kept
     chosen = best_groups(maxima, min(kk, n_groups), interpret=interpret)               # [B, T, K_g] key order
     cand = (chosen[..., None] * g + jnp.arange(g, dtype=jnp.int32)).reshape(b, t, -1)  # [B, T, K_g·G]
     scores = _rescore(q, w, keys, nvis[:, :t], kept[:, :t], cand, block_size=block_size, masked=masked,
                       num_warps=tl["num_warps"], interpret=interpret)
-    slot = top_k_indices(scores, kk, interpret=interpret)
+    return _picks(scores, cand, kk, interpret), new_kept
+
+
+def _picks(scores, keys, k: int, interpret: bool):
+    """The keys of the K best scores (equal scores: the lower slot; slots are in key order), −1 where the score
+    is −∞: scores f32 [B, T, C], keys int32 [B, T, C] -> int32 [B, T, K]."""
+    slot = top_k_indices(scores, k, interpret=interpret)
     best = jnp.take_along_axis(scores, slot, axis=-1)
-    picks = jnp.take_along_axis(cand, slot, axis=-1)
-    return jnp.where(best > -jnp.inf, picks, -1).astype(jnp.int32), new_kept
+    picks = jnp.take_along_axis(keys, slot, axis=-1)
+    return jnp.where(best > -jnp.inf, picks, -1).astype(jnp.int32)
 
 
 def best_groups(maxima, count: int, per_super: int = SUPER_GROUPS, interpret: bool = False):

@@ -157,7 +157,7 @@ CASES = {
     # the full head count and dims; ragged positions (one sequence from 0: rows with 1..7 visible keys)
     "ragged_full_dims": Case(batch=2, rows=7, heads=32, head_dim=128, first_pos=(0, 250)),
     # ratio 2, a head count that is not a power of two, empty rows (position 0 sees no entry); K = 24 > 18
-    # groups of 8, so every group is a candidate (invisible ones too: their keys must come back −∞)
+    # groups of 8, so the pass keeps every key's score (tiling: G = 1; invisible keys must come back −∞)
     "ratio2_heads3_full_buffer": Case(batch=2, rows=6, heads=3, head_dim=16, ratio=2, keys=144, k=24,
                                       first_pos=(0, 300)),
     "near_1M_masked": Case(batch=2, rows=4, keys=2048, ratio=512, k=32, block_size=8, masked=True,
@@ -165,6 +165,9 @@ CASES = {
     # exact scores with ties everywhere; row (0, 2) has w = 0 (all visible scores tie at 0: picks 0 … K−1);
     # groups tied at the K-th group maximum: the lower ones must be the candidates
     "exact_ties": Case(batch=2, rows=6, heads=2, head_dim=16, keys=300, k=24, exact=True, first_pos=(294, 100)),
+    # the same over 19 groups of 8 with K = 24: every key's score kept (G = 1), ties selected among them
+    "exact_ties_short": Case(batch=2, rows=6, heads=2, head_dim=16, keys=150, k=24, exact=True,
+                             first_pos=(144, 40)),
     # the same over 588 groups of 8 with K = 8: the kernel picks its groups in two levels (kernel.best_groups)
     "exact_ties_two_levels": Case(rows=4, heads=2, head_dim=16, keys=4700, k=8, exact=True, first_pos=(4690,)),
 }
@@ -176,11 +179,13 @@ def test_selection_matches_oracle(name, impl):
     run(CASES[name], impl, seed=zlib.crc32(name.encode()))
 
 
+@pytest.mark.parametrize("keys", [240, 60])
 @pytest.mark.parametrize("impl", VARIANTS)
-def test_candidate_source_blocks(impl):
+def test_candidate_source_blocks(impl, keys):
     """Level 1: the kept blocks equal the oracle's wherever a block's score is not within the tolerance of
-    the K_B-th block score (the newest block always kept; −∞ blocks dropped)."""
-    case = Case(batch=2, rows=6, keys=240, block_size=4, keep_blocks=12, first_pos=(200, 30))
+    the K_B-th block score (the newest block always kept; −∞ blocks dropped). 60 keys make 15 blocks, fewer
+    than K = 16: the kernel keeps every key's score and takes the block maxima from them."""
+    case = Case(batch=2, rows=6, keys=keys, block_size=4, keep_blocks=12, first_pos=(200, 30))
     _, kept, (want, block), mag = run(case, impl, seed=3)
     assert kept.shape == want.shape
     for i in np.ndindex(*kept.shape[:2]):
@@ -204,6 +209,12 @@ def test_kernel_tiling_and_launches():
     row blocks) selects what the oracle selects."""
     run(CASES["ragged_full_dims"], "pallas", seed=5, key_tile=64, block_rows=16, group=16, splits=2,
         rows_per_block=4)
+
+
+def test_every_group_rescored():
+    """Groups of 8 forced on a row of fewer than K groups (the default scores every key there): every group is
+    a candidate, invisible ones too, and their keys come back −∞."""
+    run(CASES["ratio2_heads3_full_buffer"], "pallas", seed=11, group=8)
 
 
 @pytest.mark.parametrize("per_super", [2, 4, 16])

@@ -8,6 +8,7 @@ RESCORE_TILE = 128     # candidates a rescore program gathers and scores (one MM
 SELECT_MAX = 8192      # longest row kernel.top_k_indices selects in one program (longer: piece by piece)
 SUPER_GROUPS = 8       # groups per super-group in kernel.best_groups (8 beat 16 and 32 on the H200)
 ROW_PROGRAM_MAX = 8    # launches of at most this many rows a sequence (decode) score one row a program
+GROUP = 8              # keys a group maximum stands for (rows too short to need it score every key)
 
 
 def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, block_size: int = 1,
@@ -17,15 +18,18 @@ def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, bl
     block_rows: query rows per program: 1 for ≤ ROW_PROGRAM_MAX rows (``kernel._row_maxima_kernel``: the row's
     heads are the MMA's rows, where a block of 16 rows would be mostly padding), 16 for ≤ 16 rows, else 64 (else
     ≥ 16 for the MMA); key_tile: 128 keys (each key tile re-reads the block's q for all heads, so wider tiles
-    read q less per FLOP); group: keys per maximum (B_c for the candidate source, else 8); splits: key splits per
-    row block so that at least TARGET_PROGRAMS programs run, in whole waves (``key_splits``; few for a 2,048-row
-    prefill; many for decode); num_warps 4, num_stages 3 (the key tiles' copy pipeline). Defaults: the H200 sweep
-    of docs/BENCHMARKS.md (issue 15, 2026-12-01 22:45 UTC: the maxima pass at 2,048 rows × 302 K keys took
-    12.8 ms with these, 19.4 ms with 64-key tiles). candidates: keys rescored per row, min(K, groups)·G
+    read q less per FLOP); group: keys per maximum (B_c for the candidate source, else GROUP; 1 when a row has
+    at most K of those groups: all would be rescored, so the pass keeps every key's score instead); splits: key
+    splits per row block so that at least TARGET_PROGRAMS programs run, in whole waves (``key_splits``; few for a
+    2,048-row prefill; many for decode); num_warps 4, num_stages 3 (the key tiles' copy pipeline). Defaults: the
+    H200 sweep of docs/BENCHMARKS.md (issue 15, 2026-12-01 22:45 UTC: the maxima pass at 2,048 rows × 302 K keys
+    took 12.8 ms with these, 19.4 ms with 64-key tiles). candidates: keys rescored per row, min(K, groups)·G
     (kernel.py)."""
     br = block_rows or (1 if rows <= ROW_PROGRAM_MAX else 16 if rows <= 16 else 64)
     kt = key_tile or 128
-    g = block_size if keep_blocks else (group or 8)
+    g = block_size if keep_blocks else (group or GROUP)
+    if (keep_blocks or not group) and -(-keys // g) <= k:   # every group would be rescored: keep every score
+        g = 1
     if kt % g or g & (g - 1) or kt & (kt - 1) or br & (br - 1) or 1 < br < 16 or kt < 16:
         raise ValueError(f"indexer kernel tiling: block_rows {br} (1, or a power of two ≥ 16) and key_tile "
                          f"{kt} (a power of two ≥ 16) must fit, and the group {g} be a power of two dividing "
