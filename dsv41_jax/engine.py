@@ -16,6 +16,8 @@ The programs:
   Rows ``t >= lengths[b]`` are padding the model ignores (DESIGN.md "Model API"), which gives ragged batches and
   lets a segment run in a larger bucket. Its outputs include the next step's inputs (tokens as ``[B, 1]`` ids,
   ``lengths = keep_going``, the step index), so decode steps chain on the device without the host touching them.
+  A batch of greedy requests runs its own variant that takes the argmax only (no sampling arrays,
+  ``_stop_inputs``); any other sampling settings share one program.
 * ``init[B]``: an empty cache.
 * ``encode[images]`` (only for prompts with images): the vision tower and aligner over every image of the batch,
   padded to one size bucket, once per request (VISION.md §V.G). Its rows stay on device; each ``step`` call of
@@ -488,10 +490,11 @@ class Engine:
         return sizes, rows
 
     def _specs(self, batch: int, program_rows: Sequence[int], record: bool, images: bool = False,
-               slot_steps: bool = False) -> list[Call]:
+               slot_steps: bool = False, greedy: bool = False) -> list[Call]:
         """Everything a batch of ``batch`` with these prefill program sizes runs (``images``: the forward
         programs take image rows, whose shapes are known after encoding: they compile on first use;
-        ``slot_steps``: the step index is [batch], one count per sequence, as `serve.slots` runs it)."""
+        ``slot_steps``: the step index is [batch], one count per sequence, as `serve.slots` runs it; ``greedy``:
+        every request is greedy, so the steps take no sampling arrays, ``_stop_inputs``)."""
         cache = _abstract(jax.eval_shape(lambda: self._init_cache(self.cfg, batch, self.max_context,
                                                                   self.cache_dtype)), self._replicated)
 
@@ -500,7 +503,7 @@ class Engine:
 
         i32 = jnp.int32
         logits, vec = arg((batch, self.vocab_size), jnp.float32), arg((batch,), i32)
-        sampling = _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
+        sampling = None if greedy else _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
         step = arg((batch,) if slot_steps else (), i32)
         stop = (arg((batch,), jnp.bool_), step, arg((len(self.eos_ids or (-1,)),), i32), vec, sampling)
         specs = [Call(INIT, self._init_static(batch), ())]
@@ -553,12 +556,14 @@ class Engine:
         return {"init": self._init_cache, "cfg": self.cfg, "batch": batch, "max_context": self.max_context,
                 "dtype": self.cache_dtype, "sharding": self._replicated}
 
-    def precompile(self, batch: int, prompt_len: int, record_logits: bool = False, images: bool = False) -> float:
+    def precompile(self, batch: int, prompt_len: int, record_logits: bool = False, images: bool = False,
+                   greedy: bool = False) -> float:
         """Compile what a batch of ``batch`` prompts of up to ``prompt_len`` tokens needs; returns seconds.
-        ``images``: the prompts have images, whose prefill programs compile on first use (decode only here)."""
+        ``images``: the prompts have images, whose prefill programs compile on first use (decode only here);
+        ``greedy``: every request will be greedy (its steps are programs of their own, ``_stop_inputs``)."""
         before = self._programs.compile_s
         _, rows = self._plan([Request((0,) * prompt_len)])
-        self._programs.ensure(self._specs(batch, rows, record_logits, images))
+        self._programs.ensure(self._specs(batch, rows, record_logits, images, greedy=greedy))
         return self._programs.compile_s - before
 
     # ------------------------------------------------------------------------------------------ running
@@ -570,10 +575,11 @@ class Engine:
         timings = Timings(prompt_tokens=sum(len(r.prompt_ids) for r in requests), segments=tuple(sizes))
         compile_before, count_before, loaded_before = self._programs.compile_s, self.compile_count, self.programs_loaded
         has_images = any(r.images is not None for r in requests)
-        self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images))
+        greedy = all(r.sampling.greedy for r in requests)
+        self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images, greedy=greedy))
         cache = self._programs.run(INIT, self._init_static(len(requests)), ())
         images = self._encode(requests)
-        stop = self._stop_inputs(requests)
+        stop = self._stop_inputs(requests, argmax_only=True)
         out, prefill_logits, history = self._prefill(requests, cache, stop, sizes, rows, timings, on_prefill,
                                                      record_logits, images)
         step_images = segment_images(images, 0, 0, 1)
@@ -597,7 +603,7 @@ class Engine:
         if self.hasher is not None:
             raise EngineInputError("decode_from needs a model without engram layers")
         batch = len(requests)
-        stop = self._stop_inputs(requests)
+        stop = self._stop_inputs(requests, argmax_only=True)
         timings = Timings()
         t0 = time.perf_counter()
         out = self._call(False, self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
@@ -614,7 +620,7 @@ class Engine:
         ``generate``'s host loop is measured against. ``cache`` is donated and must hold ``steps + 1`` more
         positions."""
         batch = len(last_ids)
-        stop = self._stop_inputs([Request((0,), steps + 2)] * batch)  # nobody stops by length
+        stop = self._stop_inputs([Request((0,), steps + 2)] * batch, argmax_only=True)  # greedy; no length stop
         args, _ = self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
                                   np.ones(batch, np.int32), np.zeros((batch, self.vocab_size), np.float32),
                                   np.ones(batch, bool), np.int32(0), stop, None)
@@ -628,12 +634,16 @@ class Engine:
         jax.block_until_ready(out.tokens)
         return StepTiming((time.perf_counter() - t0) / steps, out.cache, run)
 
-    def _stop_inputs(self, requests) -> tuple:
-        """(eos ids [E], max new tokens [B], SamplingArrays): the step program's per-request constants, placed on
-        the device once per ``generate``."""
+    def _stop_inputs(self, requests, argmax_only: bool = False) -> tuple:
+        """(eos ids [E], max new tokens [B], SamplingArrays | None): the step program's per-request constants,
+        placed on the device once per ``generate``. ``argmax_only``: None instead of the arrays when every request
+        is greedy; the step is then a program of its own that takes the argmax and nothing else (the sampling
+        path sorts the vocabulary every step: `sampling.sample`)."""
         eos = np.array(self.eos_ids or (-1,), np.int32)
         max_new = np.array([r.max_new_tokens for r in requests], np.int32)
-        return jax.device_put((eos, max_new, sampling_arrays([r.sampling for r in requests])), self._replicated)
+        greedy = argmax_only and all(r.sampling.greedy for r in requests)
+        sampling = None if greedy else sampling_arrays([r.sampling for r in requests])
+        return jax.device_put((eos, max_new, sampling), self._replicated)
 
     def _step_args(self, out: StepOut | None, cache, ids, lengths, logits, running, step, stop, history,
                    images=None):

@@ -750,7 +750,8 @@ def generate_with_output(engine, requests, tokenizer, args):
         _say("compiling ...")
     count_before, loaded_before = engine.compile_count, engine.programs_loaded
     compile_s = engine.precompile(len(requests), longest, record_logits=record,
-                                  images=any(r.images is not None for r in requests))
+                                  images=any(r.images is not None for r in requests),
+                                  greedy=all(r.sampling.greedy for r in requests))
     on_prefill, stop_bar = _progress(longest, enabled=not args.json and len(engine.segment_plan(longest)) > 1)
     try:
         result = engine.generate(requests, on_tokens=stream, on_prefill=on_prefill, record_logits=record)

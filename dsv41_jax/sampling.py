@@ -1,7 +1,9 @@
 """Token sampling: greedy, temperature, top-k and top-p, seeded with ``jax.random``.
 
 All settings are per-sequence *arrays*, not static arguments, so one compiled decode step serves every
-setting (changing ``--temperature`` never recompiles). Each sequence draws from its own key stream
+sampled setting (changing ``--temperature``, ``--top-k`` or ``--top-p`` never recompiles). A batch whose requests
+are all greedy passes no arrays (``sample(logits, None, step)``): its step is a program of its own that takes
+the argmax and skips the filters' sort of the vocabulary. Each sequence draws from its own key stream
 ``fold_in(key(seed_b), step)``: its samples do not depend on which other sequences share the batch.
 """
 
@@ -98,10 +100,13 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, params: SamplingArrays, step: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, params: SamplingArrays | None, step: jax.Array) -> jax.Array:
     """Next ids [B] int32 from logits [B, V]; ``step`` (int32, scalar or [B]: each sequence's own count, as the
-    server's slots keep it) indexes each sequence's key stream."""
+    server's slots keep it) indexes each sequence's key stream. ``params`` None: every sequence is greedy (the
+    argmax only; with arrays the filters sort the vocabulary whatever the settings)."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if params is None:
+        return greedy_ids
     masked = filtered_logits(logits, params.temperature, params.top_k, params.top_p)
     steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), greedy_ids.shape)
 

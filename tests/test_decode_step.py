@@ -97,11 +97,13 @@ def _backend_compiles(fn):
 def test_one_program_per_decode_step(setup):
     """A short prompt compiles two programs (the empty cache and the one-row step, which prefill row by row
     reuses); after that each new token is one call of the step program (no sampling program), and a second
-    request compiles nothing (counted by JAX's backend-compile events, as tests/test_engine.py does)."""
+    request with other sampling settings compiles nothing (counted by JAX's backend-compile events, as
+    tests/test_engine.py does). A greedy request runs a step of its own, compiled once, with no sort in it."""
     _, _, prompts = setup
     engine = make_engine(setup)
     before = set(engine._programs.compiled)  # engines of one model (other test files too) share a table
-    first = engine.generate([Request(prompts[1], 3)])  # batch 1: shapes no other test here compiles
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+    first = engine.generate([Request(prompts[1], 3, sampled)])  # batch 1: shapes no other test here compiles
     new = {key: exe for key, exe in engine._programs.compiled.items() if key not in before}
     assert first.timings.programs_compiled == 2 and sorted(key[0] for key in new) == ["init", "step"]
     # The cache and the logits are updated in place: the step's outputs alias its inputs (no cache copy).
@@ -112,11 +114,21 @@ def test_one_program_per_decode_step(setup):
     calls = _count_calls(engine)
     steps = 9
     out, compiles = _backend_compiles(lambda: engine.generate(
-        [Request(prompts[1][1:], steps, SamplingParams(temperature=0.7, top_p=0.9, seed=1))]))
+        [Request(prompts[1][1:], steps, SamplingParams(temperature=1.3, top_k=5, seed=2))]))
     assert compiles == [] and out.timings.programs_compiled == 0
     prefill_calls = len(prompts[1]) - 1  # a 5-row prompt: a short segment, one call per row
     assert calls == ["init"] + ["step"] * (prefill_calls + steps - 1)
     assert out.timings.decode_steps == steps == len(out.generations[0].token_ids)
+
+    seen = set(engine._programs.compiled)
+    greedy = engine.generate([Request(prompts[1], 3)])
+    (argmax,) = [exe for key, exe in engine._programs.compiled.items() if key not in seen]
+    assert greedy.timings.programs_compiled == 1
+    vocab_sorts = lambda exe: [line for line in exe.as_text().splitlines()  # noqa: E731
+                               if " sort(" in line and f"[1,{engine.vocab_size}]" in line.split(" sort(")[0]]
+    assert vocab_sorts(step) and not vocab_sorts(argmax)
+    _, compiles = _backend_compiles(lambda: engine.generate([Request(prompts[1][2:], 4)]))
+    assert compiles == []
 
 
 def test_head_on_last_rows_and_chained_steps_keep_the_tokens(setup):

@@ -124,10 +124,12 @@ def test_stops_at_end_id_per_sequence(setup, engine):
 
 
 def test_no_recompiles_while_generating(setup, engine):
-    """After one request of each batch size, new prompt lengths, more new tokens and other sampling settings
-    compile nothing: counted by JAX's own backend-compile events, not by the engine's table."""
+    """After one greedy and one sampled request of each batch size, new prompt lengths, more new tokens and
+    other sampling settings compile nothing: counted by JAX's own backend-compile events, not by the engine's
+    table."""
     _, _, prompts = setup
-    engine.generate([Request(prompts[0], 2)], record_logits=True)  # warm (a no-op after the tests above)
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):  # warm (no-ops after the tests above)
+        engine.generate([Request(prompts[0], 2, sampling)], record_logits=True)
     with backend_compiles() as compiles:
         count = engine.compile_count
         engine.generate([Request(prompts[0][:30], 12, SamplingParams(temperature=0.8, top_k=20, top_p=0.9))],

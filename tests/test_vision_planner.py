@@ -87,7 +87,7 @@ def test_workspace_bounds_xla_temporaries():
     """The tower compiled for one image at TINY-V's largest bucket (1,024 patches, 64 rows): XLA's temporaries
     fit the planner's workspace (observed 17.8 of 24.2 MB: the [2, 1,024, 1,024] f32 scores dominate both)."""
     import jax
-    from dsv41_jax.engine import _encode_images
+    from dsv41_jax.engine import FlatState, _encode_images
 
     from dsv41_jax.loading import build_model
     from dsv41_jax.vision.batch import build_batch
@@ -100,7 +100,7 @@ def test_workspace_bounds_xla_temporaries():
     batch = build_batch([image], TINY_V.vision, n_bucket=planner.patch_buckets(TINY_V.vision)[-1],
                         m_bucket=planner.token_buckets(TINY_V.vision)[-1])
     graphdef, state = nnx.split(model)
-    compiled = jax.jit(lambda s, b: _encode_images(graphdef, s, b)).lower(state, batch).compile()
+    compiled = jax.jit(lambda s, b: _encode_images(graphdef, s, b)).lower(FlatState.of(state), batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     plan = planner.plan_vision(TINY_V, 1, 0, planner.PlanOptions(images=True, dense="f32"))
     assert 0 < temp <= plan.workspace_total, (temp, plan.workspace_total)
