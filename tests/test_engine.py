@@ -135,6 +135,7 @@ def test_no_recompiles_while_generating(setup, engine):
         engine.generate([Request(prompts[0][:30], 12, SamplingParams(temperature=0.8, top_k=20, top_p=0.9))],
                         record_logits=True)
         engine.generate([Request(prompts[1][:11], 9, SamplingParams(temperature=1.3, seed=5))], record_logits=True)
+        engine.generate([Request(prompts[1][:13], 5)], record_logits=True)
     assert compiles == [] and engine.compile_count == count
 
 

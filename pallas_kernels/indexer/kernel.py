@@ -13,9 +13,9 @@ groups are rescored:
 3. **rescore** (``_rescore_kernel``): the K·G keys of those groups gathered per row and scored again -> [rows,
    K·G] f32; the top K of them (equal scores: the lower slot, and slots are in key order) are the picks.
 
-Rows of at most K·G keys would rescore every key: there G = 1 (``tiling``), the pass keeps every key's score and
-the top K of those are the picks (no group selection, no rescore); the candidate source's block maxima are then
-taken from those scores.
+A key buffer of at most K·G keys (a cache sized for a short context) would rescore every key: there G = 1
+(``tiling``; static, by the buffer's size), the pass keeps every key's score and the top K of those are the picks
+(no group selection, no rescore); the candidate source's block maxima are then taken from those scores.
 
 Selections of K run in ``_select_kernel`` (one row of up to SELECT_MAX entries in registers, the K-th value
 found bit by bit with 32 count reductions: 0.23 ms for 2,048 × 4,096 on the H200 where ``lax.top_k``, which

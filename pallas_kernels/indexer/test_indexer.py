@@ -257,10 +257,12 @@ def test_xla_row_blocks_are_invisible():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_planner_workspace_bounds_xla_temporaries():
+@pytest.mark.parametrize("n, k", [(4000, 64), (2000, 512)])
+def test_planner_workspace_bounds_xla_temporaries(n, k):
     """tiling.workspace_bytes (what the planner reserves for one launch) ≥ XLA's temporaries of the
-    compiled op (the candidate source: 64 rows × 32 heads × 128 dims against 4,000 keys)."""
-    b, t, h, d, n, k = 1, 64, 32, 128, 4000, 64
+    compiled op (the candidate source: 64 rows × 32 heads × 128 dims against 4,000 keys in groups of 8, and
+    against 2,000 keys where every key's score is kept, G = 1)."""
+    b, t, h, d = 1, 64, 32, 128
     args = (jnp.zeros((b, t, h, d)), jnp.zeros((b, t, h)), jnp.zeros((b, n, d)), jnp.zeros((b, t), jnp.int32))
     kw = dict(keep_blocks=8, block_size=8)
     compiled = index_topk_pallas.lower(*args, ratio=1, k=k, interpret=INTERPRET, **kw).compile()

@@ -18,8 +18,9 @@ def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, bl
     block_rows: query rows per program: 1 for ≤ ROW_PROGRAM_MAX rows (``kernel._row_maxima_kernel``: the row's
     heads are the MMA's rows, where a block of 16 rows would be mostly padding), 16 for ≤ 16 rows, else 64 (else
     ≥ 16 for the MMA); key_tile: 128 keys (each key tile re-reads the block's q for all heads, so wider tiles
-    read q less per FLOP); group: keys per maximum (B_c for the candidate source, else GROUP; 1 when a row has
-    at most K of those groups: all would be rescored, so the pass keeps every key's score instead); splits: key
+    read q less per FLOP); group: keys per maximum (B_c for the candidate source, else GROUP; 1 when the key
+    buffer holds at most K of those groups — a cache sized for a short context —: all would be rescored, so the
+    pass keeps every key's score instead; the choice is static, by the buffer, not the visible keys); splits: key
     splits per row block so that at least TARGET_PROGRAMS programs run, in whole waves (``key_splits``; few for a
     2,048-row prefill; many for decode); num_warps 4, num_stages 3 (the key tiles' copy pipeline). Defaults: the
     H200 sweep of docs/BENCHMARKS.md (issue 15, 2026-12-01 22:45 UTC: the maxima pass at 2,048 rows × 302 K keys
@@ -28,12 +29,12 @@ def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, bl
     br = block_rows or (1 if rows <= ROW_PROGRAM_MAX else 16 if rows <= 16 else 64)
     kt = key_tile or 128
     g = block_size if keep_blocks else (group or GROUP)
-    if (keep_blocks or not group) and -(-keys // g) <= k:   # every group would be rescored: keep every score
-        g = 1
     if kt % g or g & (g - 1) or kt & (kt - 1) or br & (br - 1) or 1 < br < 16 or kt < 16:
         raise ValueError(f"indexer kernel tiling: block_rows {br} (1, or a power of two ≥ 16) and key_tile "
                          f"{kt} (a power of two ≥ 16) must fit, and the group {g} be a power of two dividing "
                          "key_tile")
+    if (keep_blocks or not group) and -(-keys // g) <= k:   # every group would be rescored: keep every score
+        g = 1
     tiles = max(1, -(-keys // kt))
     blocks = batch * -(-rows // br)
     s = min(splits or key_splits(blocks, tiles), tiles)
