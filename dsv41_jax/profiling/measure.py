@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax import compiler
+from dsv41_jax.engine import FlatState, merge
 from sharding import replicated
 
 
@@ -83,6 +84,7 @@ def decode_step(model, cache, *, position: int, seed: int = 3, hasher=None, dona
 
 def _model_step(model, cache, rows: int, position: int, kind: str, seed: int, hasher, donate: bool = False) -> Step:
     graphdef, state = nnx.split(model)
+    state = FlatState.of(state)  # as the engine passes it: a call's host cost as the engine's
     rep = replicated(model.mesh)
     batch, vocab = cache.offset.shape[0], model.vocab_size
     ids_host = np.random.default_rng(seed).integers(0, vocab, (batch, rows), dtype=np.int32)
@@ -94,7 +96,7 @@ def _model_step(model, cache, rows: int, position: int, kind: str, seed: int, ha
         """-> (cache, last-row logits [B, V] f32, greedy next token [B] i32)."""
         kwargs = {} if engram is None else {"engram": engram}
         # the head on each sequence's last row only, as the engine's step runs it (issue #22)
-        last, cache = nnx.merge(graphdef, state)(ids, cache, lengths=lengths, logit_rows=lengths - 1, **kwargs)
+        last, cache = merge(graphdef, state)(ids, cache, lengths=lengths, logit_rows=lengths - 1, **kwargs)
         last = last.astype(jnp.float32)
         return cache, last, jnp.argmax(last, axis=-1).astype(jnp.int32)
 
