@@ -9,7 +9,9 @@ filled to the position, for each world, expert format, batch and position.
 Per case it prints:
 
 * ``step ms``: the step program (forward of the last tokens + sampling + stop flags, cache donated) chained
-  ``--steps`` times on the device with one wait at the end (``Engine.step_seconds``): the device-bound rate;
+  ``--steps`` times on the device with one wait at the end (``Engine.step_seconds``): the device-bound rate, for
+  greedy sequences (the argmax-only program); ``sampled``: the same with temperature 1 and top-p 0.9 (the
+  sampling filters sort the vocabulary every step);
 * ``floor ms``: the bytes the step must read ÷ 4.3 TB/s (``--bandwidth``), per device: every weight but the
   routed experts and the embedding (B rows), the routed experts the batch touches (expected distinct experts per
   layer under uniform routing, E·(1 − (1 − k/E)^B)), and the cache the step reads (window rings, the top-k
@@ -42,8 +44,10 @@ from dsv41_jax.profiling import build, trace
 from dsv41_jax.profiling.args import comma_ints
 from dsv41_jax.profiling.cut import cut_layers
 from dsv41_jax.profiling.floors import H200_BYTES_PER_S, cache_bytes, weight_bytes
+from dsv41_jax.sampling import SamplingParams
 
 TRACE_STEPS = 3
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9)  # the `sampled` column's settings
 FORMATS = {"bf16": "dequantized", "fp4": "fp4"}
 
 
@@ -94,7 +98,7 @@ def parse_args(argv):
 def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps: int, bandwidth: float,
              trace_dir: Path | None = None, chunks: tuple[int, ...] = (1,)) -> list[dict]:
     """One row per decode chunk: the step-only figures (measured once) and that chunk's generate-loop rate."""
-    capacity = position + steps + tokens + 2 + (TRACE_STEPS + 1 if trace_dir else 0) + max(chunks)
+    capacity = position + 2 * (steps + 1) + tokens + 2 + (TRACE_STEPS + 1 if trace_dir else 0) + max(chunks)
     engine = Engine(model, cfg, max_context=capacity, eos_ids=(), mesh=mesh)
     last = np.random.default_rng(position + batch).integers(0, cfg.vocab_size, batch).astype(np.int32)
 
@@ -105,6 +109,7 @@ def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps:
     cache = fresh_cache()
     t0 = time.perf_counter()
     step_s, cache, program = engine.step_seconds(cache, last, steps)
+    sampled_s, cache, _ = engine.step_seconds(cache, last, steps, SAMPLED)
     kernel_s = None
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -132,18 +137,19 @@ def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps:
                      "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s, "weight_gb": weights / 1e9,
                      "cache_gb": kv / 1e9, "experts_per_layer": touched, "step_tok_s": batch / step_s,
                      "gen_tok_s": gen_tok_s, "gen_over_step": gen_tok_s / (batch / step_s),
-                     "tokens": out.timings.generated_tokens, "case_s": time.perf_counter() - t0,
+                     "sampled_ms": sampled_s * 1e3, "tokens": out.timings.generated_tokens, "case_s": time.perf_counter() - t0,
                      "kernel_share": None if kernel_s is None else kernel_s / step_s})
     return rows
 
 
-HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'chunk':>5} {'step ms':>8} {'floor ms':>8} {'ratio':>6} "
+HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'chunk':>5} {'step ms':>8} {'sampled':>8} "
+          f"{'floor ms':>8} {'ratio':>6} "
           f"{'exp/layer':>9} {'step tok/s':>10} {'gen tok/s':>10} {'gen/step':>8} {'kernels':>7}")
 
 
 def fmt_row(r: dict) -> str:
     return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['chunk']:>5} "
-            f"{r['step_ms']:>8.4g} "
+            f"{r['step_ms']:>8.4g} {r['sampled_ms']:>8.4g} "
             f"{r['floor_ms']:>8.4g} {r['ratio']:>6.3g} {r['experts_per_layer']:>9.1f} {r['step_tok_s']:>10.1f} "
             f"{r['gen_tok_s']:>10.1f} {r['gen_over_step']:>8.1%} "
             f"{'-' if r['kernel_share'] is None else format(r['kernel_share'], '.0%'):>7}")

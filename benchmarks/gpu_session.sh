@@ -4,8 +4,8 @@
 # - the GPU tests of what changed without a device run: the profile steps taking a FlatState, the greedy
 #   (argmax-only) step program, the indexer's G = 1 launches (`pallas_kernels/indexer`, `tests/test_decode_step.py`,
 #   `tests/test_engine.py`, `tests/model/test_indexer_switch.py`);
-# - `bench_decode` on the greedy step program (issue 14: batch 1 read 1.50-1.51x its floor in a `_gpu` loop on
-#   2026-12-02, not yet in `bench_decode`'s table), batches 1/8/32 at 0 and 300 K;
+# - `bench_decode` on the greedy step program and, beside it, the sampled one (issue 14: batch 1 read 1.50-1.51x
+#   its floor in a `_gpu` loop on 2026-12-02, not yet in `bench_decode`'s table), batches 1/8/32 at 0 and 300 K;
 # - the 2-layer prefill at 0 and 300,000 (issue 15's <= 1.6x bound: 1.685x on 2026-12-02; issue 22's world-1
 #   <= 20 ms: 21.60 ms).
 # Each part has its own time limit (seconds, overridable by the variables named below).

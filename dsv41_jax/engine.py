@@ -614,13 +614,14 @@ class Engine:
         timings.decode_s = time.perf_counter() - t0
         return GenerateResult(generations, timings)
 
-    def step_seconds(self, cache, last_ids, steps: int) -> StepTiming:
+    def step_seconds(self, cache, last_ids, steps: int, sampling: SamplingParams | None = None) -> StepTiming:
         """``steps`` calls of the one-row step program chained on the device (each feeding the previous step's
         tokens), nothing read back, one wait at the end, after one warm-up call: the device-bound rate that
         ``generate``'s host loop is measured against. ``cache`` is donated and must hold ``steps + 1`` more
-        positions."""
+        positions. ``sampling``: every sequence's settings (default greedy: the argmax-only step program)."""
         batch = len(last_ids)
-        stop = self._stop_inputs([Request((0,), steps + 2)] * batch, argmax_only=True)  # greedy; no length stop
+        requests = [Request((0,), steps + 2, sampling or SamplingParams())] * batch  # nobody stops by length
+        stop = self._stop_inputs(requests, argmax_only=True)
         args, _ = self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
                                   np.ones(batch, np.int32), np.zeros((batch, self.vocab_size), np.float32),
                                   np.ones(batch, bool), np.int32(0), stop, None)

@@ -53,7 +53,7 @@ def test_quick_smoke_run_on_cpu(tmp_path, capsys, monkeypatch):
     row, chunked = report["rows"]  # one row per decode chunk, the step-only figures shared
     assert (row["world"], row["experts"], row["batch"], row["position"], row["tokens"]) == (1, "bf16", 1, 0, 6)
     assert (row["chunk"], chunked["chunk"], chunked["tokens"], chunked["step_ms"]) == (1, 3, 6, row["step_ms"])
-    assert row["step_ms"] > 0 and row["floor_ms"] > 0 and row["gen_tok_s"] > 0
+    assert row["step_ms"] > 0 and row["sampled_ms"] > 0 and row["floor_ms"] > 0 and row["gen_tok_s"] > 0
     assert math.isclose(row["ratio"], row["step_ms"] / row["floor_ms"], rel_tol=1e-9)
     assert row["kernel_share"] > 0  # the traced steps' XLA ops were found and attributed
     assert "step tok/s" in capsys.readouterr().out
