@@ -137,7 +137,8 @@ def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps:
                      "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s, "weight_gb": weights / 1e9,
                      "cache_gb": kv / 1e9, "experts_per_layer": touched, "step_tok_s": batch / step_s,
                      "gen_tok_s": gen_tok_s, "gen_over_step": gen_tok_s / (batch / step_s),
-                     "sampled_ms": sampled_s * 1e3, "tokens": out.timings.generated_tokens, "case_s": time.perf_counter() - t0,
+                     "sampled_ms": sampled_s * 1e3, "tokens": out.timings.generated_tokens,
+                     "case_s": time.perf_counter() - t0,
                      "kernel_share": None if kernel_s is None else kernel_s / step_s})
     return rows
 

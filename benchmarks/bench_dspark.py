@@ -109,7 +109,7 @@ def measure(cfg, full_layers: int, world: int, args) -> dict:
                                  dtype="bfloat16")
 
     step1 = engine.step_seconds(cache(), last, steps).seconds
-    stop = engine._stop_inputs([Request((0,), 10**8)] * b, argmax_only=True)  # greedy, as step_seconds
+    stop = engine._stop_inputs([Request((0,), 10**8)] * b, greedy=True)  # as step_seconds
     ids6 = np.tile(last[:, None], (1, k + 1))
     lengths6 = np.full(b, k + 1, np.int32)
     sargs, _ = engine._step_args(None, cache(), ids6, lengths6, np.zeros((b, cfg.vocab_size), np.float32),

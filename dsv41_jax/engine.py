@@ -212,6 +212,11 @@ class FlatState:
         return cls(tuple(leaves), treedef)
 
 
+def all_greedy(requests) -> bool:
+    """Whether every request is greedy: such a batch runs the argmax-only step programs (``Engine._stop_inputs``)."""
+    return all(r.sampling.greedy for r in requests)
+
+
 def merge(graphdef, state: FlatState) -> nnx.Module:
     """The model of a program's ``graphdef`` and ``FlatState`` argument."""
     return nnx.merge(graphdef, state.state())
@@ -575,11 +580,11 @@ class Engine:
         timings = Timings(prompt_tokens=sum(len(r.prompt_ids) for r in requests), segments=tuple(sizes))
         compile_before, count_before, loaded_before = self._programs.compile_s, self.compile_count, self.programs_loaded
         has_images = any(r.images is not None for r in requests)
-        greedy = all(r.sampling.greedy for r in requests)
+        greedy = all_greedy(requests)
         self._programs.ensure(self._specs(len(requests), rows, record_logits, has_images, greedy=greedy))
         cache = self._programs.run(INIT, self._init_static(len(requests)), ())
         images = self._encode(requests)
-        stop = self._stop_inputs(requests, argmax_only=True)
+        stop = self._stop_inputs(requests, greedy=greedy)
         out, prefill_logits, history = self._prefill(requests, cache, stop, sizes, rows, timings, on_prefill,
                                                      record_logits, images)
         step_images = segment_images(images, 0, 0, 1)
@@ -603,7 +608,7 @@ class Engine:
         if self.hasher is not None:
             raise EngineInputError("decode_from needs a model without engram layers")
         batch = len(requests)
-        stop = self._stop_inputs(requests, argmax_only=True)
+        stop = self._stop_inputs(requests, greedy=all_greedy(requests))
         timings = Timings()
         t0 = time.perf_counter()
         out = self._call(False, self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
@@ -621,7 +626,7 @@ class Engine:
         positions. ``sampling``: every sequence's settings (default greedy: the argmax-only step program)."""
         batch = len(last_ids)
         requests = [Request((0,), steps + 2, sampling or SamplingParams())] * batch  # nobody stops by length
-        stop = self._stop_inputs(requests, argmax_only=True)
+        stop = self._stop_inputs(requests, greedy=all_greedy(requests))
         args, _ = self._step_args(None, cache, np.asarray(last_ids, np.int32).reshape(batch, 1),
                                   np.ones(batch, np.int32), np.zeros((batch, self.vocab_size), np.float32),
                                   np.ones(batch, bool), np.int32(0), stop, None)
@@ -635,14 +640,13 @@ class Engine:
         jax.block_until_ready(out.tokens)
         return StepTiming((time.perf_counter() - t0) / steps, out.cache, run)
 
-    def _stop_inputs(self, requests, argmax_only: bool = False) -> tuple:
+    def _stop_inputs(self, requests, greedy: bool = False) -> tuple:
         """(eos ids [E], max new tokens [B], SamplingArrays | None): the step program's per-request constants,
-        placed on the device once per ``generate``. ``argmax_only``: None instead of the arrays when every request
-        is greedy; the step is then a program of its own that takes the argmax and nothing else (the sampling
-        path sorts the vocabulary every step: `sampling.sample`)."""
+        placed on the device once per ``generate``. ``greedy`` (the caller's ``all_greedy(requests)``): None
+        instead of the arrays; the step is then a program of its own that takes the argmax and nothing else (the
+        sampling path sorts the vocabulary every step: `sampling.sample`)."""
         eos = np.array(self.eos_ids or (-1,), np.int32)
         max_new = np.array([r.max_new_tokens for r in requests], np.int32)
-        greedy = argmax_only and all(r.sampling.greedy for r in requests)
         sampling = None if greedy else sampling_arrays([r.sampling for r in requests])
         return jax.device_put((eos, max_new, sampling), self._replicated)
 

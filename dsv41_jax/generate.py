@@ -743,6 +743,8 @@ def make_requests(specs, prompt_ids, cfg, args) -> tuple[list, int]:
 
 def generate_with_output(engine, requests, tokenizer, args):
     """Compile, then generate with streamed text and the prefill progress bar; compile time folded in."""
+    from .engine import all_greedy  # noqa: PLC0415
+
     longest = max(len(r.prompt_ids) for r in requests)
     record = bool(args.logits_out)
     stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
@@ -751,7 +753,7 @@ def generate_with_output(engine, requests, tokenizer, args):
     count_before, loaded_before = engine.compile_count, engine.programs_loaded
     compile_s = engine.precompile(len(requests), longest, record_logits=record,
                                   images=any(r.images is not None for r in requests),
-                                  greedy=all(r.sampling.greedy for r in requests))
+                                  greedy=all_greedy(requests))
     on_prefill, stop_bar = _progress(longest, enabled=not args.json and len(engine.segment_plan(longest)) > 1)
     try:
         result = engine.generate(requests, on_tokens=stream, on_prefill=on_prefill, record_logits=record)
