@@ -254,6 +254,14 @@ def _encode_images(graphdef, state, batch):
     return merge(graphdef, state).encode_images(batch)
 
 
+def keeps_going(running, tokens, eos_ids, step, max_new):
+    """Whether each sequence goes on after drawing ``tokens`` [B] as its token number ``step`` (scalar or [B]): it
+    was running, the token is no end id (``eos_ids`` [E]) and not its ``max_new`` [B]-th -> bool [B]. The step
+    program computes it on the device (jnp arrays) to chain steps; the host loop computes the same from the
+    tokens it reads (numpy arrays), so it never reads the device's flags back (one transfer a step, not two)."""
+    return running & ~(tokens[:, None] == eos_ids[None, :]).any(axis=-1) & (step + 1 < max_new)
+
+
 class StepOut(NamedTuple):
     """What ``_step`` returns. The last four are the next decode step's ``ids``, ``lengths``, ``running`` and
     ``step`` as they are: the host chains steps without reading them (or changing their shapes) first."""
@@ -280,20 +288,18 @@ def _step(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_
     cache, last_logits, first = _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram,
                                          keep_first_row)
     tokens = sample(last_logits, sampling, step)
-    is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
-    keep_going = running & ~is_eos & (step + 1 < max_new)
+    keep_going = keeps_going(running, tokens, eos_ids, step, max_new)
     return StepOut(cache, last_logits, first, tokens[:, None], keep_going.astype(jnp.int32), keep_going,
                    step + 1)
 
 
 class Chunk(NamedTuple):
     """What ``_steps`` returns: ``last``, the last step's ``StepOut`` (the next call chains on it as on a step's);
-    ``tokens`` [B, k] i32 and ``keep_going`` [B, k] bool, the token of each of the k steps and whether the sequence
-    went on after it."""
+    ``tokens`` [B, k] i32, the token of each of the k steps (whether a sequence went on after each, the host
+    derives from them: `keeps_going`)."""
 
     last: StepOut
     tokens: jax.Array
-    keep_going: jax.Array
 
 
 def _steps(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_ids, max_new,
@@ -310,11 +316,11 @@ def _steps(graphdef, state, cache, ids, lengths, last_logits, running, step, eos
         out = _step(graphdef, state, cache, ids, lengths, logits, running, step, eos_ids, max_new, sampling,
                     images, None, False)
         return ((out.cache, out.last_logits, out.tokens, out.lengths, out.keep_going, out.next_step),
-                (out.tokens[:, 0], out.keep_going))
+                out.tokens[:, 0])
 
-    carry, (tokens, keep) = jax.lax.scan(one, (cache, last_logits, ids, lengths, running, step), length=k)
+    carry, tokens = jax.lax.scan(one, (cache, last_logits, ids, lengths, running, step), length=k)
     cache, logits, ids, lengths, running, step = carry
-    return Chunk(StepOut(cache, logits, None, ids, lengths, running, step), tokens.T, keep.T)
+    return Chunk(StepOut(cache, logits, None, ids, lengths, running, step), tokens.T)
 
 
 class StepTiming(NamedTuple):
@@ -743,7 +749,9 @@ class Engine:
             ahead = 0
         else:  # calls kept queued: a chunk call already holds `chunk` tokens
             ahead = 1 if on_tokens else (DECODE_AHEAD if chunk == 1 else 2)
-        pending = collections.deque([(out.tokens, out.keep_going, first_row)])  # oldest first
+        pending = collections.deque([(out.tokens, first_row)])  # oldest first
+        eos = np.array(self.eos_ids or (-1,), np.int32)   # the stop rule's constants on the host (`keeps_going`)
+        max_new = np.array([r.max_new_tokens for r in requests], np.int32)
         dispatched = 1  # token indices dispatched so far
         alive = np.ones(batch, bool)  # sequences producing the token read next
         produced: list[list[int]] = [[] for _ in range(batch)]
@@ -762,20 +770,19 @@ class Engine:
             result = run(*args)
             if chunk == 1:
                 out = result
-                pending.append((out.tokens, out.keep_going, out.first))
+                pending.append((out.tokens, out.first))
             else:
                 out = result.last
-                pending.append((result.tokens, result.keep_going, None))
-            for read_later in pending[-1][:2]:  # the host reads them next: their copy starts when they are ready
-                read_later.copy_to_host_async()
+                pending.append((result.tokens, None))
+            pending[-1][0].copy_to_host_async()  # the host reads them next: the copy starts when they are ready
             dispatched += chunk
 
         t0 = time.perf_counter()
         while pending:
             while ahead and len(pending) <= ahead and dispatched < longest:
                 dispatch(out.tokens, out.lengths, out.keep_going, out.next_step)
-            tokens, keep, first = pending.popleft()
-            tokens_np, keep_np = np.asarray(tokens).reshape(batch, -1), np.asarray(keep).reshape(batch, -1)
+            tokens, first = pending.popleft()
+            tokens_np = np.asarray(tokens).reshape(batch, -1)
             for j in range(tokens_np.shape[1]):
                 if record and alive[0]:
                     recorded.append(np.asarray(first)[0])
@@ -785,7 +792,7 @@ class Engine:
                         finish[b] = "eos"
                 if on_tokens:
                     on_tokens(step, tokens_np[:, j], alive.copy())
-                alive = keep_np[:, j]
+                alive = keeps_going(alive, tokens_np[:, j], eos, step, max_new)
                 step += 1
                 if not alive.any():
                     break

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import INIT, STEP, Engine, EngineInputError, Program, Request, bucket_rows
+from ..engine import INIT, STEP, Engine, EngineInputError, Program, Request, bucket_rows, keeps_going
 from ..sampling import sampling_arrays
 
 # (kind, value): ("token", id) for each generated token, then ("done", finish_reason) once:
@@ -139,7 +139,7 @@ class SlotEngine:
         self._logits = np.zeros((slots, engine.vocab_size), np.float32)
         self._chain = _host_chain(slots)  # the next step's (ids, lengths, running, step): device or host arrays
         self._halt = np.zeros(slots, bool)  # slots whose request the host dropped while the chain runs it
-        self._pending: collections.deque = collections.deque()  # (tokens, keep, [(row, job)]) not read yet
+        self._pending: collections.deque = collections.deque()  # (tokens, [(row, job)]) not read yet
         self._step_program = None  # the compiled step[S, 1], looked up once
         self.decode_steps = 0
         self.prefill_calls = 0
@@ -285,7 +285,7 @@ class SlotEngine:
         # Token 0 was drawn with step 0: the slot's chain goes on at step 1.
         self._join(job, out.cache, out.last_logits, (out.tokens, out.lengths, out.keep_going, np.ones(1, np.int32)),
                    history)
-        self._pending.append((out.tokens, out.keep_going, [(0, job)]))
+        self._pending.append((out.tokens, [(0, job)]))
 
     def _decode_step(self) -> None:
         """One ``step[S, 1]``: on the previous step's chain, with the host's rows where it has any (a short
@@ -327,27 +327,28 @@ class SlotEngine:
         out = self._step_program(*args)
         self._cache, self._logits = out.cache, out.last_logits
         self._chain = (out.tokens, out.lengths, out.keep_going, out.next_step)
-        self._pending.append((out.tokens, out.keep_going, emit))
+        self._pending.append((out.tokens, emit))
         out.tokens.copy_to_host_async()  # _read reads them next: their copy starts when they are ready
-        out.keep_going.copy_to_host_async()
         self.decode_steps += 1
 
     def _read(self, in_flight: int) -> None:
         """Read the tokens of all but the newest ``in_flight`` dispatched calls: report them, free the slots
         of requests that end (an end id: 'stop', not reported; the last new token: 'length')."""
         while len(self._pending) > in_flight:
-            tokens, keep, emit = self._pending.popleft()
-            tokens, keep = np.asarray(tokens)[:, 0], np.asarray(keep)
+            tokens, emit = self._pending.popleft()
+            tokens = np.asarray(tokens)[:, 0]
             for row, job in emit:
                 if job.finished or job.cancelled:
                     continue  # its slot was freed while this call ran
                 token = int(tokens[row])
-                job.steps, job.last, job.keep = job.steps + 1, token, bool(keep[row])
+                keep = bool(keeps_going(True, tokens[row:row + 1], self._eos, job.steps,
+                                        job.request.max_new_tokens)[0])  # the step's own rule, on the host
+                job.steps, job.last, job.keep = job.steps + 1, token, keep
                 if token in self.engine.eos_ids:
                     self._finish(job, "stop")
                     continue
                 job.sink("token", token)
-                if not keep[row]:
+                if not keep:
                     self._finish(job, "length")
 
     def _finish(self, job: Job, reason: str) -> None:
