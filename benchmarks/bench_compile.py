@@ -3,6 +3,7 @@
     python benchmarks/bench_compile.py                        # H200: the 40-layer flash model, world 1
     python benchmarks/bench_compile.py --layers 8 --rows 256  # a cut
     python benchmarks/bench_compile.py --config tiny --impl xla --rows 16   # CPU smoke run
+    python benchmarks/bench_compile.py --modes scanned --steps decode       # one step only (an option's A/B)
 
 Weights are abstract (shapes with shardings, `profiling.build.build_model(abstract=True)`): nothing is allocated,
 so the whole model compiles on one device. Per step and mode it prints the seconds of tracing + lowering
@@ -42,6 +43,7 @@ def parse(argv):
     p.add_argument("--rows", type=int, default=2048, help="prefill rows")
     p.add_argument("--impl", choices=("xla", "pallas"), default="pallas")
     p.add_argument("--modes", default="scanned,unrolled", help="comma-separated: scanned, unrolled")
+    p.add_argument("--steps", default="decode,prefill", help="comma-separated: decode, prefill")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compile option on top of compiler.options() (repeatable; true/false, integers), to "
                         "A/B one, e.g. xla_gpu_autotune_level=0; XLA refuses names its build does not know")
@@ -54,6 +56,9 @@ def parse(argv):
     modes = [m for m in a.modes.split(",") if m]
     if not modes or any(m not in ("scanned", "unrolled") for m in modes):
         p.error(f"--modes must name scanned and/or unrolled, got {a.modes!r}")
+    a.steps = [x for x in a.steps.split(",") if x]
+    if not a.steps or any(x not in BOUND_S for x in a.steps):
+        p.error(f"--steps must name decode and/or prefill, got {','.join(a.steps)!r}")
     if a.rows < 1 or (a.layers is not None and a.layers < 1):
         p.error("--rows and --layers must be at least 1")
     return a, modes
@@ -116,7 +121,7 @@ def _run(a, modes) -> int:
     print(f"{'step':10s} {'mode':9s} {'trace s':>8s} {'compile s':>10s} {'total s':>8s} {'bound s':>8s} "
           f"{'ratio':>6s} {'2nd run s':>10s} {'bound s':>8s} {'calls':>6s} {'fusions':>8s} {'while':>6s}", flush=True)
     rows_out = []
-    for kind, rows in (("decode", 1), ("prefill", a.rows)):
+    for kind, rows in [(k, 1 if k == "decode" else a.rows) for k in ("decode", "prefill") if k in a.steps]:
         for mode in modes:
             r = compile_step(cfg, dataclasses.replace(base, scan_layers=mode == "scanned"), rows, a.xla_options)
             total = r["trace_s"] + r["compile_s"]
