@@ -179,7 +179,8 @@ def test_an_executable_from_jax_s_own_cache_is_run_but_not_stored(store, jax_cac
     directory, counts = store
     compiler.use_store(None)
     x = jnp.arange(5.0)
-    jax.jit(lambda a: jnp.cumsum(a) * 2.0).lower(x).compile()  # into JAX's cache
+    # into JAX's cache, with the options `compiler.compile` passes (on a GPU they are part of JAX's cache key)
+    jax.jit(lambda a: jnp.cumsum(a) * 2.0).lower(x).compile(compiler.options())
     compiler.use_store(directory)
     program, loaded = compiler.compile(jax.jit(lambda a: jnp.cumsum(a) * 2.0), (x,), identity="g")
     np.testing.assert_array_equal(program(x), jnp.cumsum(x) * 2.0)
