@@ -774,7 +774,7 @@ class Engine:
             else:
                 out = result.last
                 pending.append((result.tokens, None))
-            pending[-1][0].copy_to_host_async()  # the host reads them next: the copy starts when they are ready
+            pending[-1][0].copy_to_host_async()  # the host reads it next: the copy starts when it is ready
             dispatched += chunk
 
         t0 = time.perf_counter()
