@@ -78,8 +78,9 @@ def by_component(ops: list[OpTime]) -> list[tuple[str, float]]:
 # The model's parts, each named by substrings of an op's ``file:function`` label (first match wins: a compressor
 # op inside ``Attention._compress`` is the compressor's, not attention's).
 PARTS = (
-    ("indexer", ("index_topk", "Indexer.", "indexer.py:", "kernel.py:_maxima", "kernel.py:_rescore",
-                 "kernel.py:best_groups", "xla.py:select", "xla.py:scores", "radix_top_k", "block_maxima",
+    ("indexer", ("index_topk", "Indexer.", "indexer.py:", "kernel.py:_maxima", "kernel.py:_row_maxima",
+                 "kernel.py:_rescore", "kernel.py:best_groups", "kernel.py:top_k_indices", "kernel.py:_picks",
+                 "kernel.py:_score_operands", "xla.py:select", "xla.py:scores", "radix_top_k", "block_maxima",
                  "candidate_mask")),
     ("compressor", ("Compressor.", "write_rows", "_take_rows", "Attention._compress")),
     ("hc", ("hc.py:", "comb_pallas", "norms.py:rms_scale")),
