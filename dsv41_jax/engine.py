@@ -516,7 +516,7 @@ class Engine:
         logits, vec = arg((batch, self.vocab_size), jnp.float32), arg((batch,), i32)
         sampling = None if greedy else _abstract(sampling_arrays([SamplingParams()] * batch), self._replicated)
         step = arg((batch,) if slot_steps else (), i32)
-        stop = (arg((batch,), jnp.bool_), step, arg((len(self.eos_ids or (-1,)),), i32), vec, sampling)
+        stop = (arg((batch,), jnp.bool_), step, arg(self.stop_ids().shape, i32), vec, sampling)
         specs = [Call(INIT, self._init_static(batch), ())]
         for t in sorted({1, *program_rows}) if not images else ():
             ids = arg((batch, t), i32)
@@ -646,13 +646,21 @@ class Engine:
         jax.block_until_ready(out.tokens)
         return StepTiming((time.perf_counter() - t0) / steps, out.cache, run)
 
+    def stop_ids(self) -> np.ndarray:
+        """The end ids as the step program and the host loops take them: int32 [E], (-1,) when there are none
+        (no token is −1)."""
+        return np.array(self.eos_ids or (-1,), np.int32)
+
+    def _stop_constants(self, requests) -> tuple[np.ndarray, np.ndarray]:
+        """(end ids [E], max new tokens [B]) on the host: the stop rule's constants (`keeps_going`)."""
+        return self.stop_ids(), np.array([r.max_new_tokens for r in requests], np.int32)
+
     def _stop_inputs(self, requests, greedy: bool = False) -> tuple:
         """(eos ids [E], max new tokens [B], SamplingArrays | None): the step program's per-request constants,
         placed on the device once per ``generate``. ``greedy`` (the caller's ``all_greedy(requests)``): None
         instead of the arrays; the step is then a program of its own that takes the argmax and nothing else (the
         sampling path sorts the vocabulary every step: `sampling.sample`)."""
-        eos = np.array(self.eos_ids or (-1,), np.int32)
-        max_new = np.array([r.max_new_tokens for r in requests], np.int32)
+        eos, max_new = self._stop_constants(requests)
         sampling = None if greedy else sampling_arrays([r.sampling for r in requests])
         return jax.device_put((eos, max_new, sampling), self._replicated)
 
@@ -750,8 +758,7 @@ class Engine:
         else:  # calls kept queued: a chunk call already holds `chunk` tokens
             ahead = 1 if on_tokens else (DECODE_AHEAD if chunk == 1 else 2)
         pending = collections.deque([(out.tokens, first_row)])  # oldest first
-        eos = np.array(self.eos_ids or (-1,), np.int32)   # the stop rule's constants on the host (`keeps_going`)
-        max_new = np.array([r.max_new_tokens for r in requests], np.int32)
+        eos, max_new = self._stop_constants(requests)
         dispatched = 1  # token indices dispatched so far
         alive = np.ones(batch, bool)  # sequences producing the token read next
         produced: list[list[int]] = [[] for _ in range(batch)]

@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx, struct
 
 from .engine import (Engine, EngineInputError, GenerateResult, Generation, Program, Request, Timings,
-                     bucket_rows, image_rows, merge, segment_images)
+                     bucket_rows, image_rows, keeps_going, merge, segment_images)
 from .model.attention import updated_ring, window_in_order
 from .model.cache import Cache
 from .model.dspark import Draft, context_rows, draft
@@ -245,8 +245,7 @@ def _start(graphdef, state, cache, rings, last_logits, eos_ids, max_new, samplin
     model, ctx, vocab = _unwrap(merge(graphdef, state))
     b = last_logits.shape[0]
     token = sample(last_logits, sampling, jnp.int32(0))
-    is_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
-    running = ~is_eos & (1 < max_new)
+    running = keeps_going(jnp.ones((b,), bool), token, eos_ids, 0, max_new)  # token 0, as the engine's step
     produced = jnp.ones((b,), jnp.int32)
     with ctx:
         d = _draft(model, rings, token, cache.offset, sampling, produced, k, vocab)

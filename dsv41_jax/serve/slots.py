@@ -95,8 +95,8 @@ def _host_chain(batch: int) -> tuple:
 
 @dataclass
 class Job:
-    """One request in the slot engine. ``sink`` gets its events on the engine thread. ``steps``, ``last`` and
-    ``keep``: the tokens read so far, the last one and whether it goes on (the host's view, a step behind)."""
+    """One request in the slot engine. ``sink`` gets its events on the engine thread. ``steps`` and ``last``: the
+    tokens read so far and the last one (the host's view, a step behind)."""
 
     id: int
     request: Request
@@ -108,7 +108,6 @@ class Job:
     finished: bool = False
     steps: int = 0
     last: int = 0
-    keep: bool = True
 
 
 class SlotEngine:
@@ -129,7 +128,7 @@ class SlotEngine:
         self.running: list[Job | None] = [None] * slots  # by slot: feeding a short prompt, or decoding
         self._reserved = [False] * slots
         self._host_feed = engine.hasher is not None  # engram: the host hashes (so reads) every step's ids
-        self._eos = np.array(engine.eos_ids or (-1,), np.int32)
+        self._eos = engine.stop_ids()
         self._sampling = sampling_arrays([Request(()).sampling] * slots)
         self._max_new = np.ones(slots, np.int32)
         self._stop = None  # (eos, max_new, sampling) on the device; None: changed since placed
@@ -343,7 +342,7 @@ class SlotEngine:
                 token = int(tokens[row])
                 keep = bool(keeps_going(True, tokens[row:row + 1], self._eos, job.steps,
                                         job.request.max_new_tokens)[0])  # the step's own rule, on the host
-                job.steps, job.last, job.keep = job.steps + 1, token, keep
+                job.steps, job.last = job.steps + 1, token
                 if token in self.engine.eos_ids:
                     self._finish(job, "stop")
                     continue
