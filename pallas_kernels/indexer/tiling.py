@@ -6,6 +6,7 @@ TARGET_PROGRAMS = 264  # H200: 132 SMs; split the keys until about two waves of 
 SMS = 132              # H200 streaming multiprocessors: a launch's programs are split into whole waves of them
 RESCORE_TILE = 128     # candidates a rescore program gathers and scores (one MMA of [H, d] × [d, 128])
 SELECT_MAX = 8192      # longest row kernel.top_k_indices selects in one program (longer: piece by piece)
+SELECT_BITS = 1        # bits of the K-th value kernel._select_kernel decides a step (H200: 1 beat 2 and 4)
 SUPER_GROUPS = 8       # groups per super-group in kernel.best_groups (8 beat 16 and 32 on the H200)
 ROW_PROGRAM_MAX = 8    # launches of at most this many rows a sequence (decode) score one row a program
 GROUP = 8              # keys a group maximum stands for (rows too short to need it score every key)

@@ -1,6 +1,9 @@
 """Pallas (Triton lowering) kernel: fused sparse prefill attention (PLANNER.md §D, MODEL.md §B.6).
 
-One program per (head tile j, query row t, sequence b). It loads `lanes` query heads once, then walks the
+One program per (head tile j, query row t, sequence b), or, for launches of few rows (decode), per (head tile,
+key split, row, sequence): each split runs the online softmax over its run of the key tiles and stores its state
+(f32 numerator, max, denominator; ≤ 16 row-splits · H · Dh · 4 bytes, 2 MB at H = 64, Dh = 512), and
+``_combine`` joins them with the sink. It loads `lanes` query heads once, then walks the
 row's keys in tiles of `key_tile`: the compressed entries the indexer picked (gathered from the pool, list
 order), then the row's window slice (ascending positions), with one online softmax in float32 (base 2). The
 sink joins the denominator last, then 1/l (PLANNER §D rule 4). V = K, so each key tile serves both dots.
@@ -71,13 +74,13 @@ def _online_softmax_step(carry, q, keys, key_ok, scale_log2):
 
 def _kernel(q_pos_ref, first_row_ref, q_ref, pool_ref, topk_ref, window_ref, sinks_ref, *rest,
             num_heads: int, head_tile: int, lanes: int, window_size: int, key_tile: int,
-            num_comp_tiles: int, scale_log2: float):
+            num_comp_tiles: int, scale_log2: float, splits: int):
     """Refs: q_pos, first_row: [] int32; q: [H, Dh]; pool: [N, Dh]; topk: [Kp] int32; window: [S, Dh];
-    sinks: [H] f32; rest = ([aliased poison input,] o: [H, Dh])."""
-    o_ref = rest[-1]
+    sinks: [H] f32; rest = ([aliased poison input,] o: [H, Dh]), or with ``splits`` > 1 (program axis 0 =
+    head tile · splits + split) this split's (acc: [H, Dh] f32, m: [H] f32, l: [H] f32) before the sink."""
     head_dim = q_ref.shape[-1]
     num_rows = window_ref.shape[0]
-    h0 = pl.program_id(0) * head_tile
+    h0 = (pl.program_id(0) // splits) * head_tile
     lane = jnp.arange(lanes)
     head_ok = (lane < head_tile) & (h0 + lane < num_heads)                      # [L]
     q = plgpu.load(q_ref.at[pl.ds(h0, lanes), :], mask=head_ok[:, None], other=0)
@@ -104,10 +107,30 @@ def _kernel(q_pos_ref, first_row_ref, q_ref, pool_ref, topk_ref, window_ref, sin
 
     carry = (jnp.full((lanes,), _M_INIT, jnp.float32), jnp.zeros((lanes,), jnp.float32),
              jnp.zeros((lanes, head_dim), jnp.float32))
-    carry = lax.fori_loop(0, num_comp_tiles, compressed_tile, carry)
-    carry = lax.fori_loop(0, pl.cdiv(window_size, key_tile), window_tile, carry)
+    window_tiles = pl.cdiv(window_size, key_tile)
+    if splits == 1:
+        carry = lax.fori_loop(0, num_comp_tiles, compressed_tile, carry)
+        carry = lax.fori_loop(0, window_tiles, window_tile, carry)
+        _finish(carry, sinks_ref, rest[-1], h0=h0, lanes=lanes, head_ok=head_ok)
+        return
+    # this split's run of the key tiles: the compressed ones, then the window's
+    per_split = pl.cdiv(num_comp_tiles + window_tiles, splits)
+    first = (pl.program_id(0) % splits) * per_split
+    last = first + per_split
+    carry = lax.fori_loop(jnp.minimum(first, num_comp_tiles), jnp.minimum(last, num_comp_tiles),
+                          compressed_tile, carry)
+    carry = lax.fori_loop(jnp.clip(first - num_comp_tiles, 0, window_tiles),
+                          jnp.clip(last - num_comp_tiles, 0, window_tiles), window_tile, carry)
     m, l, acc = carry
+    acc_ref, m_ref, l_ref = rest
+    plgpu.store(acc_ref.at[pl.ds(h0, lanes), :], acc, mask=head_ok[:, None])
+    plgpu.store(m_ref.at[pl.ds(h0, lanes)], m, mask=head_ok)
+    plgpu.store(l_ref.at[pl.ds(h0, lanes)], l, mask=head_ok)
 
+
+def _finish(carry, sinks_ref, o_ref, *, h0, lanes: int, head_ok):
+    """The sink joins the denominator, then 1/l; rows without a valid key are zeros."""
+    m, l, acc = carry
     sink = plgpu.load(sinks_ref.at[pl.ds(h0, lanes)], mask=head_ok, other=0.0) * LOG2E
     m_final = jnp.maximum(m, sink)
     rescale = jnp.exp2(m - m_final)
@@ -117,19 +140,33 @@ def _kernel(q_pos_ref, first_row_ref, q_ref, pool_ref, topk_ref, window_ref, sin
     plgpu.store(o_ref.at[pl.ds(h0, lanes), :], out.astype(o_ref.dtype), mask=head_ok[:, None])
 
 
+SPLIT_ROWS = 16  # rows × key splits a launch aims at (1 row: up to 16 splits; ≥ 16 rows: no split)
+
+
+def key_splits(rows: int, key_tiles: int) -> int:
+    """Programs per (head tile, row) over the row's key tiles: 1 unless the launch has few rows (decode), where
+    one program per head tile walked all of a row's ~10 key tiles alone (latency-bound: ~22 µs a layer for one
+    row on the H200); then up to one per key tile, so that about SPLIT_ROWS row-splits run. It depends on the
+    rows and keys only, not on the head tile, so a (row, head) result does not either (PLANNER §D rule 3)."""
+    return max(1, min(key_tiles, SPLIT_ROWS // max(rows, 1)))
+
+
 @functools.partial(jax.jit, static_argnames=(
-    "window_size", "scale", "head_tile", "key_tile", "num_warps", "num_stages", "interpret"))
+    "window_size", "scale", "head_tile", "key_tile", "num_warps", "num_stages", "splits", "interpret"))
 def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks, out_init=None, *,
                             window_size: int, scale: float, head_tile: int | None = None,
                             key_tile: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None,
+                            num_stages: int | None = None, splits: int | None = None,
                             interpret: bool = False):
     """Pallas sparse attention; contract of `ops.sparse_attention` (shapes checked there).
 
     q: [B, T, H, Dh] (Dh a power of two >= 16); kv_pool: [B, N, Dh]; topk: [B, T, K] int32 (-1 = none);
     window: [B, S, Dh]; window_start: [B]; q_pos: [B, T]; sinks: [H] f32.
     out_init: optional [B, T, H, Dh] buffer the output is written into in place (tests poison it with NaN to
-    prove every element is written). Returns o: [B, T, H, Dh] in q's dtype.
+    prove every element is written; unused when the keys are split). splits: programs per (head tile, row)
+    over the keys (default ``key_splits``); with more than one, each writes its partial softmax state
+    (f32 numerator, running max, denominator) and ``_combine`` joins them and the sink.
+    Returns o: [B, T, H, Dh] in q's dtype.
     """
     batch, num_q, num_heads, head_dim = q.shape
     head_tile = min(32, num_heads) if head_tile is None else head_tile
@@ -148,12 +185,14 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
         window = jnp.zeros((batch, 1, head_dim), q.dtype)
     q_pos = q_pos.astype(jnp.int32)
     first_row = q_pos - window_start.astype(jnp.int32)[:, None] - (window_size - 1)
+    key_tiles = num_comp_tiles + pl.cdiv(window_size, key_tile)
+    splits = key_splits(batch * num_q, key_tiles) if splits is None else max(1, min(splits, key_tiles))
     kernel = functools.partial(
         _kernel, num_heads=num_heads, head_tile=head_tile, lanes=lanes, window_size=window_size,
-        key_tile=key_tile, num_comp_tiles=num_comp_tiles, scale_log2=scale * LOG2E)
+        key_tile=key_tile, num_comp_tiles=num_comp_tiles, scale_log2=scale * LOG2E, splits=splits)
 
-    # Grid (head tile, row, sequence): CUDA schedules the first axis fastest, so the programs that share a
-    # row's gathered keys run side by side and hit L2.
+    # Grid (head tile · splits + split, row, sequence): CUDA schedules the first axis fastest, so the programs
+    # that share a row's gathered keys run side by side and hit L2.
     row_scalar = pl.BlockSpec((None, None), lambda j, t, b: (b, t))
     per_seq = lambda n: pl.BlockSpec((None, n, head_dim), lambda j, t, b: (b, 0, 0))
     heads_of_row = pl.BlockSpec((None, None, num_heads, head_dim), lambda j, t, b: (b, t, 0, 0))
@@ -164,6 +203,21 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
         pl.BlockSpec((num_heads,), lambda j, t, b: (0,)),
     ]
     operands = [q_pos, first_row, q, kv_pool, topk, window, sinks.astype(jnp.float32)]
+    grid = (pl.cdiv(num_heads, head_tile) * splits, num_q, batch)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        part = lambda *shape: pl.BlockSpec((None, None, None, *shape),
+                                           lambda j, t, b: (b, t, j % splits) + (0,) * len(shape))
+        acc, m, l = pl.pallas_call(
+            kernel, grid=grid, in_specs=in_specs,
+            out_specs=[part(num_heads, head_dim), part(num_heads), part(num_heads)],
+            out_shape=[jax.ShapeDtypeStruct((batch, num_q, splits, num_heads, head_dim), jnp.float32),
+                       jax.ShapeDtypeStruct((batch, num_q, splits, num_heads), jnp.float32),
+                       jax.ShapeDtypeStruct((batch, num_q, splits, num_heads), jnp.float32)],
+            compiler_params=params, interpret=interpret, name="sparse_attention_split")(*operands)
+        # materialised: left to fuse, XLA recomputed the join inside the consumer's GEMV (each output column
+        # re-reading every split's numerator: +12 µs a decode layer on the H200)
+        return lax.optimization_barrier(_combine(acc, m, l, sinks).astype(q.dtype))
     aliases = {}
     if out_init is not None:
         in_specs.append(heads_of_row)
@@ -171,12 +225,24 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
         aliases = {len(operands) - 1: 0}
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(num_heads, head_tile), num_q, batch),
+        grid=grid,
         in_specs=in_specs,
         out_specs=heads_of_row,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=params,
         interpret=interpret,
         name="sparse_attention",
     )(*operands)
+
+
+def _combine(acc, m, l, sinks):
+    """The splits' softmax states joined, then the sink, as ``_finish`` does for one: acc f32 [B, T, S, H, Dh],
+    m, l f32 [B, T, S, H] (log2 units; a split without a valid key has l = 0) -> o f32 [B, T, H, Dh]."""
+    sink = sinks.astype(jnp.float32) * LOG2E                                    # [H]
+    m_final = jnp.maximum(jnp.max(m, axis=2), sink)                             # [B, T, H]
+    rescale = jnp.exp2(m - m_final[:, :, None])                                 # [B, T, S, H]
+    numerator = jnp.sum(acc * rescale[..., None], axis=2)
+    l_total = jnp.sum(l * rescale, axis=2)
+    out = numerator / (l_total + jnp.exp2(sink - m_final))[..., None]
+    return jnp.where((l_total > 0)[..., None], out, 0.0)

@@ -86,13 +86,14 @@ def run_op(impl: str, args, window: int):
     return np.asarray(out.astype(jnp.float32))
 
 
-def run_kernel(args, window: int, head_tile=None, tiling=(None, None, None)):
-    """The kernel on a NaN-poisoned output buffer; tiling = (key_tile, num_warps, num_stages), None = default."""
+def run_kernel(args, window: int, head_tile=None, tiling=(None, None, None), splits=None):
+    """The kernel on a NaN-poisoned output buffer; tiling = (key_tile, num_warps, num_stages), None = default;
+    splits: programs per (head tile, row) over the keys (None: the kernel's choice by rows)."""
     poison = jnp.full(args[0].shape, jnp.nan, args[0].dtype)
     key_tile, num_warps, num_stages = tiling
     out = sparse_attention_pallas(*args, poison, window_size=window, scale=args[0].shape[-1] ** -0.5,
                                   head_tile=head_tile, key_tile=key_tile, num_warps=num_warps,
-                                  num_stages=num_stages, interpret=INTERPRET)
+                                  num_stages=num_stages, splits=splits, interpret=INTERPRET)
     return np.asarray(out.astype(jnp.float32))
 
 
@@ -136,11 +137,32 @@ def test_window_only_layer(impl):
 
 
 @pytest.mark.parametrize("tiling", [(16, 4, 3), (32, 4, 2)])
-def test_other_key_tiles(tiling):
-    """The benchmark's alternative tilings compute the same function (ragged last compressed/window tile)."""
+@pytest.mark.parametrize("splits", [1, None])
+def test_other_key_tiles(tiling, splits):
+    """The benchmark's alternative tilings compute the same function (ragged last compressed/window tile), with
+    the keys in one program per (head tile, row) or split over several."""
     case = Case(rows=3, heads=16, head_dim=64, topk=70, window=20, first_pos=(30,))
     args = make_inputs(case, seed=tiling[0])
-    assert_close(run_kernel(args, case.window, tiling=tiling), reference_f32(args, case.window))
+    assert_close(run_kernel(args, case.window, tiling=tiling, splits=splits), reference_f32(args, case.window))
+
+
+def test_key_splits_of_decode_rows():
+    """Few rows split their key tiles over programs (a 512-pick, 128-window decode row: 10 tiles of 64 keys,
+    10 programs per head tile), prefill segments do not; any split count — past the tile count, splits whose
+    run is only window tiles, or only padding — gives the oracle's values, and the same as one program up to
+    the f32 combine's rounding."""
+    from pallas_kernels.sparse_attention.kernel import key_splits
+    assert key_splits(1, 10) == 10 and key_splits(8, 10) == 2 and key_splits(16, 10) == 1
+    assert key_splits(2048, 10) == 1 and key_splits(1, 3) == 3
+    case = Case(rows=1, heads=16, head_dim=64, topk=70, window=20, first_pos=(30,), q_gain=3.0)
+    args = make_inputs(case, seed=5)
+    ref = reference_f32(args, case.window)
+    one = run_kernel(args, case.window, splits=1)
+    assert_close(one, ref)
+    for splits in (2, 3, 7):
+        out = run_kernel(args, case.window, splits=splits)
+        assert_close(out, ref)
+        np.testing.assert_allclose(out, one, rtol=2**-7, atol=2**-7 * np.abs(one).max())
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
