@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.indexer import kernel as indexer_kernel
 from pallas_kernels.indexer.kernel import fp8_exact, index_topk_pallas
 from pallas_kernels.indexer.tiling import launch_rows
 from pallas_kernels.indexer.xla import index_topk_xla, map_row_blocks
@@ -166,6 +167,8 @@ def parse_args(argv):
     for flag, key in (("--block-rows", "block_rows"), ("--key-tile", "key_tile"), ("--splits", "splits"),
                       ("--group", "group"), ("--warps", "num_warps"), ("--stages", "num_stages")):
         p.add_argument(flag, type=int, default=None, dest=key, help=f"kernel tiling: {key} (default: kernel.tiling)")
+    p.add_argument("--score-pass", choices=("triton", "mosaic"), default=None,
+                   help="the maxima pass of prefill launches (kernel.SCORE_PASS; mosaic: sm_90 only)")
     a = p.parse_args(argv)
     quick = a.quick
     try:
@@ -190,6 +193,8 @@ def main(argv=None) -> int:
         return 2
     keys = ("block_rows", "key_tile", "splits", "group", "num_warps", "num_stages")
     TILING.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    if args.score_pass:
+        indexer_kernel.SCORE_PASS = args.score_pass
     results = []
     for rows in args.rows:
         for position in args.positions:

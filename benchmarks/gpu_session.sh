@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One lent-H200 call of the checks owed after a session's CPU-only changes (run from the repo root; $OUT set by
 # the device tool; everything also lands in $OUT/session.txt):
+# - the Mosaic GPU score pass inside the indexer op (issue 15; opt-in, kernel.SCORE_PASS): its tests, the op
+#   at 2,048 rows × 300 K with it, and the 2-layer prefill at 0 / 300,000 with it (flip the default if equal);
 # - the GPU tests of the engine's decode paths (the host loop's stop rule, `tests/test_decode_step.py`,
 #   `tests/test_engine.py`, `tests/test_serve_slots.py`);
 # - `bench_decode` (issue 14): batches 1/8/32 at 0 and 300 K, greedy and sampled, the generate loop beside the
@@ -14,6 +16,17 @@ OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 {
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; date -u
+echo "== Mosaic GPU score pass"
+timeout ${MOSAIC_S:-120} python3 -m pytest -x -p no:cacheprovider -p no:randomly pallas_kernels/indexer/test_mosaic.py \
+  > "$OUT/mosaic_tests.txt" 2>&1
+echo "mosaic tests exit status $? (log: mosaic_tests.txt)"
+timeout 60 python3 benchmarks/bench_indexer.py --rows 2048 --positions 300000 --ratios 1,2 --repeats 3 \
+  --score-pass mosaic 2>&1 | grep -E "^\| 2048"
+timeout ${PROFILE_S:-150} python3 -c "import sys; from pallas_kernels.indexer import kernel; kernel.SCORE_PASS = 'mosaic'
+from dsv41_jax import profile; sys.exit(profile.main(sys.argv[1:]))" --config dsv41_flash --layers 2 --world 1 \
+  --rows 2048 --position 0,300000 --impl pallas --repeats 7 --json-out "$OUT/profile_mosaic.json" 2>&1 \
+  | grep -E '^==|median|floor'
+date -u
 echo "== GPU tests"
 timeout ${TESTS_S:-300} python3 -m pytest -q -x -p no:cacheprovider tests/test_decode_step.py tests/test_engine.py \
   tests/test_serve_slots.py > "$OUT/tests.txt" 2>&1

@@ -61,7 +61,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.indexer import mosaic
 from pallas_kernels.indexer.tiling import RESCORE_TILE, SELECT_BITS, SELECT_MAX, SUPER_GROUPS, tiling
+
+# The maxima pass of prefill launches on an H200: "triton" (``_maxima_kernel``, every launch) or "mosaic"
+# (``mosaic.py``, warp-specialised, where ``mosaic.supported``: the kernel alone 6.24 vs 10.39 ms at 2,048 rows ×
+# 302 K keys, bitwise equal to its reference on the H200). Opt-in until the whole op through it has run on the
+# H200 (``test_mosaic.py``'s GPU test and the 300 K profile; docs/DESIGN.md "The indexer's score pass").
+SCORE_PASS = "triton"
 
 
 def _maxima_kernel(nvis_ref, q_ref, w_ref, keys_ref, kscale_ref, kept_ref, maxima_ref, *, heads: int,
@@ -350,6 +357,11 @@ def _maxima(q, w, keys, nvis, kept, *, score_dtype, tl, per_split, n_pad, block_
     b, t_pad = nvis.shape
     br, kt, g, s_count = tl["block_rows"], tl["key_tile"], tl["group"], tl["splits"]
     qs, ws, ks, kscale = _score_operands(q, w, keys, score_dtype)
+    if SCORE_PASS == "mosaic" and mosaic.supported(group=g, head_dim=qs.shape[-1], heads=qs.shape[2],
+                                                   masked=masked, score_dtype=score_dtype, interpret=interpret):
+        t = q.shape[1]   # per sequence: q' [Hp, T, d], w' [Hp, T], its keys and visible counts
+        return jnp.stack([mosaic.maxima(jnp.swapaxes(qs[i], 0, 1), jnp.swapaxes(ws[i], 0, 1), ks[i], nvis[i, :t])
+                          for i in range(b)])
     pad_rows = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     qs = jnp.swapaxes(pad_rows(qs), 1, 2)                         # [B, Hp, T_pad, d]
     ws = jnp.swapaxes(pad_rows(ws), 1, 2)                         # [B, Hp, T_pad]

@@ -1,0 +1,175 @@
+"""The Mosaic GPU maxima pass (``mosaic.py``) against a float32 reference of the same function.
+
+Inputs are small integers times powers of two, so every product and partial sum is exact in f32 and any
+summation order gives the same bits: comparisons are bitwise (−∞ included). On CPU the kernel body runs in
+jax's Mosaic GPU interpreter (``jax._src.pallas.mosaic_gpu.interpret``: warpgroups as threads, shared memory,
+barriers and TMA copies simulated; private API, so those tests skip where it is missing) and its GPU program is
+traced and lowered for CUDA; on an H200 it runs compiled, and the whole op with it selects what the Triton
+pass selects.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from pallas_kernels.indexer import kernel, mosaic
+
+ON_H200 = mosaic.supported(group=8, head_dim=128, heads=32, masked=False, score_dtype="bfloat16", interpret=False)
+
+
+def reference(q, w, keys, nvis):
+    """q [H, T, d], w f32 [H, T], keys [N, d], nvis int32 [T] -> f32 [T, ⌈N/8⌉] (float32, HIGHEST)."""
+    s = jnp.einsum("htd,nd->htn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    score = jnp.einsum("htn,ht->tn", jnp.maximum(s, 0.0), w, precision=lax.Precision.HIGHEST)
+    n = keys.shape[0]
+    score = jnp.where(jnp.arange(n)[None, :] < nvis[:, None], score, -jnp.inf)
+    score = jnp.pad(score, ((0, 0), (0, -n % 8)), constant_values=-jnp.inf)
+    return jnp.max(score.reshape(score.shape[0], -1, 8), axis=-1)
+
+
+def inputs(seed, heads, t, n, d=128, nvis=None):
+    rng = np.random.default_rng(seed)
+    grid = lambda shape, scale: (rng.integers(-3, 4, shape) * scale).astype(np.float32)
+    q = jnp.asarray(grid((heads, t, d), 0.5), jnp.bfloat16)
+    keys = jnp.asarray(grid((n, d), 0.25), jnp.bfloat16)
+    w = jnp.asarray(grid((heads, t), 0.125))
+    if nvis is None:
+        nvis = rng.integers(0, n + 1, t)
+        nvis[:3] = [0, n, 1]
+    return q, w, keys, jnp.asarray(nvis, jnp.int32)
+
+
+def check(args, **tiling):
+    if not ON_H200:
+        tiling["interpret"] = _interpreter()
+    ref = np.asarray(reference(*args))
+    out = np.asarray(jax.block_until_ready(mosaic.maxima(*args, **tiling)))
+    assert out.shape == ref.shape
+    assert np.isfinite(ref).any() and np.isneginf(ref).any()
+    np.testing.assert_array_equal(out.view(np.int32), ref.view(np.int32))
+
+
+def test_permute_keys_is_an_8x8_transpose_per_64_keys():
+    k = jnp.arange(256 * 2, dtype=jnp.float32).reshape(256, 2)
+    p = mosaic.permute_keys(k)
+    assert float(p[1, 0]) == 8 * 2      # position 8i + g = 1 (i = 0, g = 1) holds key 8g + i = 8
+    np.testing.assert_array_equal(mosaic.permute_keys(p), k)
+
+
+def test_maxima_equal_the_reference():
+    """Two row blocks and key splits; ragged rows (no keys, all keys, one key)."""
+    check(inputs(0, heads=4, t=128, n=1024), splits=2)
+
+
+def test_maxima_ragged_shapes_other_tilings_and_dead_steps():
+    """T not a multiple of 64 and N not of 8 nor of a step; 64-key halves, a q slot count that does not divide
+    the heads, the schedule barrier on; a block that sees at most 70 keys (most steps dead) and one that sees none."""
+    check(inputs(1, heads=3, t=100, n=601), kpw=64, key_slots=3, q_slots=2, sched=True, splits=2)
+    t, n = 192, 768
+    nvis = np.concatenate([np.arange(64) + 7, np.zeros(64, np.int64), np.full(64, n)])
+    check(inputs(2, heads=3, t=t, n=n, nvis=nvis), splits=2)
+
+
+def test_lowers_for_cuda_at_the_release_shape():
+    """2,048 rows × 302,048 keys, 32 heads of 128: the kernel traces and lowers to a Mosaic GPU call."""
+    heads, t, n, d = 32, 2048, 302_048, 128
+    args = (jax.ShapeDtypeStruct((heads, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((heads, t), jnp.float32),
+            jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((t,), jnp.int32))
+    lowered = jax.jit(mosaic.maxima).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_only_compiled_sm90_bf16_unmasked_groups_of_8_use_it():
+    kw = dict(group=8, head_dim=128, heads=32, masked=False, score_dtype="bfloat16")
+    assert not mosaic.supported(**kw, interpret=True)
+    for change in (dict(group=1), dict(head_dim=64), dict(masked=True), dict(score_dtype="float8_e4m3fn")):
+        assert not mosaic.supported(**{**kw, **change}, interpret=False)
+
+
+@pytest.mark.skipif(not ON_H200, reason="the Mosaic GPU pass runs compiled on an H200 only")
+def test_index_topk_selects_as_with_the_triton_pass(monkeypatch):
+    """The whole op (ratio 1 and 2, 256 rows against 40 K keys, 32 heads of 128, K = 512) picks the same
+    entries with either maxima pass."""
+    from pallas_kernels.indexer import index_topk
+    rng = np.random.default_rng(7)
+    t, n, heads = 256, 40_000, 32
+    q = jnp.asarray(rng.integers(-3, 4, (1, t, heads, 128)) * 0.5, jnp.bfloat16)
+    keys = jnp.asarray(rng.integers(-3, 4, (1, n, 128)) * 0.25, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1, t, heads)), jnp.float32)
+    for ratio in (1, 2):
+        pos = jnp.asarray(np.arange(t)[None] + ratio * n - t, jnp.int32)
+        run = jax.jit(functools.partial(index_topk, ratio=ratio, k=512, impl="pallas"))
+        monkeypatch.setattr(kernel, "SCORE_PASS", "mosaic")
+        jax.clear_caches()
+        got = np.sort(np.asarray(run(q, w, keys, pos)[0]), axis=-1)
+        monkeypatch.setattr(kernel, "SCORE_PASS", "triton")
+        jax.clear_caches()   # the kernel's jitted op read the switch when it was traced
+        run = jax.jit(functools.partial(index_topk, ratio=ratio, k=512, impl="pallas"))
+        want = np.sort(np.asarray(run(q, w, keys, pos)[0]), axis=-1)
+        np.testing.assert_array_equal(got, want)
+
+
+def _interpreter():
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        _patch_interpreter_wgmma()
+    except Exception as e:  # noqa: BLE001 - a private API: absent or changed in this jax
+        pytest.skip(f"no usable Mosaic GPU interpreter in jax {jax.__version__}: {e}")
+    return InterpretGPUParams()
+
+
+_PATCHED = False
+
+
+def _patch_interpreter_wgmma():
+    """The Mosaic GPU interpreter (jax 0.10.2, ``interpret/gpu_callbacks.wgmma``) reads wgmma operands through
+    ``to_range``, which only understands NDIndexer transforms: a B operand given as
+    ``plgpu.transpose_ref(ref, (1, 0))`` (what FA3 and this kernel do for K) fails with "'TransposeTransform'
+    object has no attribute 'indices'". Wrap it: strip a trailing TransposeTransform from the operands'
+    transforms, read the buffer with the remaining indexers, then transpose. CPU-interpret only."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
+    from jax._src.pallas.mosaic.interpret import utils as iu
+    from jax._src.state.types import TransposeTransform
+    import numpy as np
+
+    def read(key_arr, transforms, gtid, info, sm):
+        transforms = tuple(gc._remove_noop_transforms(transforms))
+        perm = None
+        if transforms and isinstance(transforms[-1], TransposeTransform):
+            perm = transforms[-1].permutation
+            transforms = transforms[:-1]
+        transforms = jax.tree.map(int, transforms)
+        x, _, _ = sm.get_buffer_content(gc.HostAllocationKey.from_array(key_arr), iu.to_range(transforms), gtid,
+                                        logging_info=info)
+        return x if perm is None else np.transpose(x, perm)
+
+    def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key_as_array, acc_transforms,
+              acc_dtype, a_allocation_key_as_array, a_transforms, b_allocation_key_as_array, b_transforms,
+              source_info=None):
+        device_id = int(device_id)
+        grid_point_coords = tuple(int(x) for x in grid_point_coords)
+        thread_id = int(thread_id)
+        sm = gc._get_shared_memory()
+        gtid = sm.get_global_thread_id(device_id, thread_id)
+        info = iu.GPULoggingInfo(device_id=device_id, grid_point_coords=grid_point_coords, thread_id=thread_id,
+                                 source_info=source_info)
+        a = read(a_allocation_key_as_array, a_transforms, gtid, info, sm)
+        b = read(b_allocation_key_as_array, b_transforms, gtid, info, sm)
+        acc_key = gc.HostAllocationKey.from_array(acc_allocation_key_as_array)
+        acc_range = iu.to_range(jax.tree.map(int, gc._remove_noop_transforms(acc_transforms)))
+        acc, _, _ = sm.get_buffer_content(acc_key, acc_range, gtid, logging_info=info)
+        res = acc + np.matmul(a.astype(np.float32), b.astype(np.float32), dtype=np.float32).astype(acc_dtype)
+        sm.store_buffer_content(acc_key, acc_range, res, gtid, logging_info=info)
+        return token
+
+    gc.wgmma = wgmma
+    _PATCHED = True
