@@ -358,10 +358,14 @@ def _maxima(q, w, keys, nvis, kept, *, score_dtype, tl, per_split, n_pad, block_
     br, kt, g, s_count = tl["block_rows"], tl["key_tile"], tl["group"], tl["splits"]
     qs, ws, ks, kscale = _score_operands(q, w, keys, score_dtype)
     if SCORE_PASS == "mosaic" and mosaic.supported(group=g, head_dim=qs.shape[-1], heads=qs.shape[2],
-                                                   masked=masked, score_dtype=score_dtype, interpret=interpret):
+                                                   masked=masked and g != block_size, score_dtype=score_dtype,
+                                                   interpret=interpret):
         t = q.shape[1]   # per sequence: q' [Hp, T, d], w' [Hp, T], its keys and visible counts
-        return jnp.stack([mosaic.maxima(jnp.swapaxes(qs[i], 0, 1), jnp.swapaxes(ws[i], 0, 1), ks[i], nvis[i, :t])
-                          for i in range(b)])
+        maxima = jnp.stack([mosaic.maxima(jnp.swapaxes(qs[i], 0, 1), jnp.swapaxes(ws[i], 0, 1), ks[i],
+                                          nvis[i, :t]) for i in range(b)])
+        if masked:   # a group is one candidate block: its maximum is −∞ when the block is dropped
+            maxima = jnp.where(kept[:, :t, : maxima.shape[2]] != 0, maxima, -jnp.inf)
+        return maxima
     pad_rows = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     qs = jnp.swapaxes(pad_rows(qs), 1, 2)                         # [B, Hp, T_pad, d]
     ws = jnp.swapaxes(pad_rows(ws), 1, 2)                         # [B, Hp, T_pad]

@@ -1,6 +1,7 @@
 """The indexer's maxima pass as a warp-specialised Pallas Mosaic GPU kernel (Hopper, sm_90a).
 
-Same function as ``kernel._maxima_kernel`` with groups of 8 keys, no candidate mask and bf16 operands:
+Same function as ``kernel._maxima_kernel`` with groups of 8 keys and bf16 operands (a reindex layer's candidate
+mask, one block per group, is applied to the maxima after: ``kernel._maxima``):
 maxima[t, g] = max over the keys j of group g of Σ_h w'[h, t]·ReLU(q[h, t]·keys[j]) (bf16 MMA, f32 accumulation,
 f32 head sum; w' = w·d^(−1/2), ``kernel._score_operands``), −∞ where j ≥ nvis[t]. ``kernel`` calls it for the
 prefill launches it fits (``supported``); the Triton pass runs everything else (and every CPU interpret run).
@@ -45,8 +46,8 @@ SMEM_LIMIT = 227 * 1024
 
 
 def supported(*, group: int, head_dim: int, heads: int, masked: bool, score_dtype: str, interpret: bool) -> bool:
-    """Whether a maxima launch runs here: compiled on an sm_90 GPU, bf16 operands, groups of 8, no candidate mask,
-    the 128-wide index heads of the release, at most 64 heads."""
+    """Whether a maxima launch runs here: compiled on an sm_90 GPU, bf16 operands, groups of 8, no mask inside a
+    group, the 128-wide index heads of the release, at most 64 heads."""
     if interpret or not _API or masked or score_dtype != "bfloat16" or group != GROUP:
         return False
     if head_dim != HEAD_DIM or heads > 64 or jax.default_backend() != "gpu":

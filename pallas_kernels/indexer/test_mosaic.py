@@ -85,6 +85,27 @@ def test_lowers_for_cuda_at_the_release_shape():
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.parametrize("case", ["two sequences, ratio 2", "candidate-masked", "candidate source"])
+def test_the_op_lowers_through_it_for_cuda(monkeypatch, case):
+    """With the switch on and the pass supported, the op's prefill launch (512 rows against 302 K keys) calls the
+    Mosaic GPU kernel once per sequence and lowers for CUDA (its plumbing: operand layouts, the candidate mask
+    applied per group, the candidate source's block maxima)."""
+    monkeypatch.setattr(kernel, "SCORE_PASS", "mosaic")
+    monkeypatch.setattr(mosaic, "supported", lambda **kw: not kw["masked"])
+    b, t, n = (2, 512, 151_024) if case.startswith("two") else (1, 512, 302_048)
+    s = jax.ShapeDtypeStruct
+    args = [s((b, t, 32, 128), jnp.bfloat16), s((b, t, 32), jnp.float32), s((b, n, 128), jnp.bfloat16),
+            s((b, t), jnp.int32)]
+    kw = dict(ratio=2 if case.startswith("two") else 1, k=512, block_size=8)
+    if case == "candidate-masked":
+        args.append(s((b, t, n // 8), jnp.bool_))
+    if case == "candidate source":
+        kw["keep_blocks"] = 2048
+    op = jax.jit(functools.partial(kernel.index_topk_pallas, **kw))
+    text = op.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= b and "index_maxima" not in text
+
+
 def test_only_compiled_sm90_bf16_unmasked_groups_of_8_use_it():
     kw = dict(group=8, head_dim=128, heads=32, masked=False, score_dtype="bfloat16")
     assert not mosaic.supported(**kw, interpret=True)
@@ -94,25 +115,24 @@ def test_only_compiled_sm90_bf16_unmasked_groups_of_8_use_it():
 
 @pytest.mark.skipif(not ON_H200, reason="the Mosaic GPU pass runs compiled on an H200 only")
 def test_index_topk_selects_as_with_the_triton_pass(monkeypatch):
-    """The whole op (ratio 1 and 2, 256 rows against 40 K keys, 32 heads of 128, K = 512) picks the same
-    entries with either maxima pass."""
+    """The whole op (ratio 1 and 2, and candidate-masked; 256 rows against 40 K keys, 32 heads of 128, K = 512)
+    picks the same entries with either maxima pass."""
     from pallas_kernels.indexer import index_topk
     rng = np.random.default_rng(7)
     t, n, heads = 256, 40_000, 32
     q = jnp.asarray(rng.integers(-3, 4, (1, t, heads, 128)) * 0.5, jnp.bfloat16)
     keys = jnp.asarray(rng.integers(-3, 4, (1, n, 128)) * 0.25, jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((1, t, heads)), jnp.float32)
-    for ratio in (1, 2):
+    kept = jnp.asarray(rng.random((1, t, n // 8)) < 0.3)
+    for ratio, masks in ((1, ()), (2, ()), (1, (kept,))):    # the last: a reindex layer's candidate blocks
         pos = jnp.asarray(np.arange(t)[None] + ratio * n - t, jnp.int32)
-        run = jax.jit(functools.partial(index_topk, ratio=ratio, k=512, impl="pallas"))
-        monkeypatch.setattr(kernel, "SCORE_PASS", "mosaic")
-        jax.clear_caches()
-        got = np.sort(np.asarray(run(q, w, keys, pos)[0]), axis=-1)
-        monkeypatch.setattr(kernel, "SCORE_PASS", "triton")
-        jax.clear_caches()   # the kernel's jitted op read the switch when it was traced
-        run = jax.jit(functools.partial(index_topk, ratio=ratio, k=512, impl="pallas"))
-        want = np.sort(np.asarray(run(q, w, keys, pos)[0]), axis=-1)
-        np.testing.assert_array_equal(got, want)
+        picks = {}
+        for score_pass in ("mosaic", "triton"):
+            monkeypatch.setattr(kernel, "SCORE_PASS", score_pass)
+            jax.clear_caches()   # the kernel's jitted op reads the switch when it is traced
+            run = jax.jit(functools.partial(index_topk, ratio=ratio, k=512, block_size=8, impl="pallas"))
+            picks[score_pass] = np.sort(np.asarray(run(q, w, keys, pos, *masks)[0]), axis=-1)
+        np.testing.assert_array_equal(picks["mosaic"], picks["triton"])
 
 
 def _interpreter():
