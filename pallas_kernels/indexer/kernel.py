@@ -19,8 +19,8 @@ A key buffer of at most K·G keys (a cache sized for a short context) would resc
 
 Selections of K run in ``_select_kernel`` (one row of up to SELECT_MAX entries in registers, the K-th value
 found bit by bit with up to 32 count reductions, stopping once exactly K entries lie at or above the bits found:
-0.10 ms for 2,048 × 4,096 on the H200 where ``lax.top_k``, which sorts, took 0.82 ms); ``top_k_indices``
-selects longer rows piece by piece. Both pick ``lax.top_k``'s entries.
+0.23 ms for 2,048 × 4,096 on the H200 where ``lax.top_k``, which sorts, took 0.82 ms; the early stop took a
+later measurement of it from 119 to 96 µs); ``top_k_indices`` selects longer rows piece by piece. Both pick ``lax.top_k``'s entries.
 
 Why the K best groups hold the exact top-K (with the op's tie rule: among equal scores the lower key index).
 Let L be the K-th largest group maximum. A key with score > L lies in a group with maximum > L: all such groups
@@ -65,9 +65,10 @@ from pallas_kernels.indexer import mosaic
 from pallas_kernels.indexer.tiling import RESCORE_TILE, SELECT_BITS, SELECT_MAX, SUPER_GROUPS, tiling
 
 # The maxima pass of prefill launches on an H200: "triton" (``_maxima_kernel``, every launch) or "mosaic"
-# (``mosaic.py``, warp-specialised, where ``mosaic.supported``: the kernel alone 6.24 vs 10.39 ms at 2,048 rows ×
-# 302 K keys, bitwise equal to its reference on the H200). Opt-in until the whole op through it has run on the
-# H200 (``test_mosaic.py``'s GPU test and the 300 K profile; docs/DESIGN.md "The indexer's score pass").
+# (``mosaic.py``, warp-specialised, where ``mosaic.supported``: its kernel body, in the prototype wrapper it was
+# written in, 6.24 vs 10.39 ms at 2,048 rows × 302 K keys and bitwise equal to its reference on the H200).
+# Opt-in until the op through this module has run on the H200 (``benchmarks/gpu_mosaic.sh``). Read when the op
+# is traced: set it before the first call (the jitted op keeps what it traced).
 SCORE_PASS = "triton"
 
 
@@ -248,6 +249,8 @@ def top_k_indices(v, k: int, *, interpret: bool = False, max_entries: int = SELE
     pieces of max_entries / 2: the K best of each piece, then the K best of their union (in index order). Exact:
     an entry among the row's K best has fewer than K entries before it in (value, then lower index) order, so
     fewer than K in its piece, and it is among its piece's K best."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits (of the K-th value decided a step) must divide 32 and be at most 8, got {bits}")
     *lead, m = v.shape
     piece = max_entries // 2
     if m > max_entries:
@@ -353,7 +356,8 @@ def best_groups(maxima, count: int, per_super: int = SUPER_GROUPS, interpret: bo
 
 
 def _maxima(q, w, keys, nvis, kept, *, score_dtype, tl, per_split, n_pad, block_size, masked, interpret):
-    """The maxima pass: f32 [B, T_pad, n_pad / G] (−∞ for groups no key of which is visible and kept)."""
+    """The maxima pass: f32 [B, ≥ T, ≥ ⌈N / G⌉] (−∞ for groups no key of which is visible and kept; the Triton
+    pass returns [B, T_pad, n_pad / G], the Mosaic one [B, T, ⌈N / 8⌉])."""
     b, t_pad = nvis.shape
     br, kt, g, s_count = tl["block_rows"], tl["key_tile"], tl["group"], tl["splits"]
     qs, ws, ks, kscale = _score_operands(q, w, keys, score_dtype)
@@ -364,7 +368,7 @@ def _maxima(q, w, keys, nvis, kept, *, score_dtype, tl, per_split, n_pad, block_
         maxima = jnp.stack([mosaic.maxima(jnp.swapaxes(qs[i], 0, 1), jnp.swapaxes(ws[i], 0, 1), ks[i],
                                           nvis[i, :t]) for i in range(b)])
         if masked:   # a group is one candidate block: its maximum is −∞ when the block is dropped
-            maxima = jnp.where(kept[:, :t, : maxima.shape[2]] != 0, maxima, -jnp.inf)
+            maxima = jnp.where(kept[:, :t, :maxima.shape[2]] != 0, maxima, -jnp.inf)
         return maxima
     pad_rows = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     qs = jnp.swapaxes(pad_rows(qs), 1, 2)                         # [B, Hp, T_pad, d]

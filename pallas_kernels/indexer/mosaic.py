@@ -32,12 +32,8 @@ from jax import lax
 
 from pallas_kernels.indexer.tiling import key_splits
 
-try:   # the Mosaic GPU Pallas API (jax >= 0.10.2); without it ``supported`` is False
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    _API = hasattr(plgpu, "kernel") and hasattr(plgpu, "wgmma")
-except ImportError:  # pragma: no cover - depends on the installed jax
-    _API = False
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 GROUP = 8          # keys per maximum
 BM = 64            # query rows per program (one wgmma M tile)
@@ -48,7 +44,7 @@ SMEM_LIMIT = 227 * 1024
 def supported(*, group: int, head_dim: int, heads: int, masked: bool, score_dtype: str, interpret: bool) -> bool:
     """Whether a maxima launch runs here: compiled on an sm_90 GPU, bf16 operands, groups of 8, no mask inside a
     group, the 128-wide index heads of the release, at most 64 heads."""
-    if interpret or not _API or masked or score_dtype != "bfloat16" or group != GROUP:
+    if interpret or masked or score_dtype != "bfloat16" or group != GROUP:
         return False
     if head_dim != HEAD_DIM or heads > 64 or jax.default_backend() != "gpu":
         return False
@@ -81,10 +77,7 @@ def _kernel(*, heads, d, kpw, steps, key_slots, q_slots,
     def load_row(ref):         # [64] SMEM vector -> WGMMA row layout
         if interpret:          # the interpreter has no rule for plgpu.load (load_p)
             return ref[...]
-        try:
-            return plgpu.load(ref, (), layout=row_layout)
-        except TypeError:      # guard against a changed plgpu.load signature in other jax versions
-            return plgpu.layout_cast(ref[...], row_layout)
+        return plgpu.load(ref, (), layout=row_layout)
 
     def body(live_ref, nvis_ref, q_ref, w_ref, k_ref, out_ref,
              q_smem, k_smem, w_smem, nv_smem, o_smem, q_bar, k_bar, w_bar, nv_bar, q_free, k_free, sched_bar):
@@ -298,10 +291,6 @@ def maxima(q, w, keys, nvis, *, kpw: int = 128, key_slots: int = 2, q_slots: int
     kw = dict(grid=(rb, s), grid_names=("rb", "sp"), num_threads=3, thread_name="wg")
     if interpret:
         kw["interpret"] = interpret
-    out_shape = jax.ShapeDtypeStruct((t_pad, out_cols), jnp.float32)
-    try:
-        call = plgpu.kernel(entry, out_type=out_shape, **kw)
-    except TypeError:          # jax versions where the keyword is out_shape
-        call = plgpu.kernel(entry, out_shape=out_shape, **kw)
+    call = plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((t_pad, out_cols), jnp.float32), **kw)
     out = call(live, nvis, q, w, kp)
     return out[:t, :groups] if (t_pad, out_cols) != (t, groups) else out

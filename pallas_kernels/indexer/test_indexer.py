@@ -312,7 +312,7 @@ def test_radix_and_select_kernel_equal_lax_top_k(n, k):
     want = np.sort(np.asarray(lax.top_k(jnp.asarray(s), k)[1]), axis=1)
     got = np.sort(np.asarray(jax.jit(radix_top_k, static_argnums=1)(jnp.asarray(s), k)), axis=1)
     np.testing.assert_array_equal(got, want)
-    for bits in (1, 4):   # the K-th value's bits one or four a step (early stop either way)
+    for bits in (1, 2, 4):   # the K-th value's bits one, two or four a step (early stop each way)
         select = jax.jit(functools.partial(top_k_indices, k=k, interpret=INTERPRET, bits=bits))   # key order
         np.testing.assert_array_equal(np.asarray(select(jnp.asarray(s))), want)
     pieces = jax.jit(functools.partial(top_k_indices, k=k, interpret=INTERPRET, max_entries=4 * k))

@@ -106,6 +106,35 @@ def test_the_op_lowers_through_it_for_cuda(monkeypatch, case):
     assert text.count("mosaic_gpu") >= b and "index_maxima" not in text
 
 
+def test_the_op_through_it_selects_as_with_the_triton_pass(monkeypatch):
+    """The op's plumbing around the pass, run on CPU with the kernel replaced by its float32 reference: two
+    sequences, ratio 1 and 2, a candidate-masked layer and the candidate source pick what the Triton pass picks
+    (interpret mode)."""
+    rng = np.random.default_rng(3)
+    b, t, n, heads = 2, 40, 600, 4
+    q = jnp.asarray(rng.integers(-3, 4, (b, t, heads, 128)) * 0.5, jnp.bfloat16)
+    keys = jnp.asarray(rng.integers(-3, 4, (b, n, 128)) * 0.25, jnp.bfloat16)
+    w = jnp.asarray(rng.integers(-3, 4, (b, t, heads)) * 0.125, jnp.float32)
+    kept = jnp.asarray(rng.random((b, t, n // 8)) < 0.4)
+    cases = [dict(ratio=1), dict(ratio=2), dict(ratio=1, kept=kept), dict(ratio=1, keep_blocks=16)]
+    for case in cases:
+        kw = dict(ratio=case["ratio"], k=32, block_size=8, keep_blocks=case.get("keep_blocks", 0),
+                  interpret=True)
+        pos = jnp.asarray(np.arange(t)[None].repeat(b, 0) + case["ratio"] * n - t - np.array([[0], [77]]), jnp.int32)
+        extra = (case["kept"],) if "kept" in case else ()
+        out = {}
+        for score_pass in ("mosaic", "triton"):
+            monkeypatch.setattr(kernel, "SCORE_PASS", score_pass)
+            monkeypatch.setattr(mosaic, "supported", lambda **kw: not kw["masked"])
+            monkeypatch.setattr(mosaic, "maxima", lambda q, w, keys, nvis: reference(q, w, keys, nvis))
+            jax.clear_caches()
+            picks, blocks = kernel.index_topk_pallas(q, w, keys, pos, *extra, **kw)
+            out[score_pass] = (np.sort(np.asarray(picks), axis=-1), None if blocks is None else np.asarray(blocks))
+        np.testing.assert_array_equal(out["mosaic"][0], out["triton"][0])
+        if out["triton"][1] is not None:
+            np.testing.assert_array_equal(out["mosaic"][1], out["triton"][1])
+
+
 def test_only_compiled_sm90_bf16_unmasked_groups_of_8_use_it():
     kw = dict(group=8, head_dim=128, heads=32, masked=False, score_dtype="bfloat16")
     assert not mosaic.supported(**kw, interpret=True)
@@ -122,7 +151,7 @@ def test_index_topk_selects_as_with_the_triton_pass(monkeypatch):
     t, n, heads = 256, 40_000, 32
     q = jnp.asarray(rng.integers(-3, 4, (1, t, heads, 128)) * 0.5, jnp.bfloat16)
     keys = jnp.asarray(rng.integers(-3, 4, (1, n, 128)) * 0.25, jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((1, t, heads)), jnp.float32)
+    w = jnp.asarray(rng.integers(-3, 4, (1, t, heads)) * 0.125, jnp.float32)   # exact sums: same bits both ways
     kept = jnp.asarray(rng.random((1, t, n // 8)) < 0.3)
     for ratio, masks in ((1, ()), (2, ()), (1, (kept,))):    # the last: a reindex layer's candidate blocks
         pos = jnp.asarray(np.arange(t)[None] + ratio * n - t, jnp.int32)

@@ -1,9 +1,9 @@
 """Pallas (Triton lowering) kernel: fused sparse prefill attention (PLANNER.md §D, MODEL.md §B.6).
 
-One program per (head tile j, query row t, sequence b), or, for launches of few rows (decode), per (head tile,
-key split, row, sequence): each split runs the online softmax over its run of the key tiles and stores its state
-(f32 numerator, max, denominator; ≤ 16 row-splits · H · Dh · 4 bytes, 2 MB at H = 64, Dh = 512), and
-``_combine`` joins them with the sink. It loads `lanes` query heads once, then walks the
+One program per (head tile j, query row t, sequence b), or, for launches of at most SPLIT_ROWS rows (decode), per
+(head tile, key tile, row, sequence): each split runs the online softmax over its key tile and stores its state
+(f32 numerator, max, denominator: rows · tiles · H · Dh · 4 bytes, 10 MB at 8 rows, 10 tiles, H = 64,
+Dh = 512), and ``_combine`` joins them with the sink as ``_finish`` does for one. It loads `lanes` query heads once, then walks the
 row's keys in tiles of `key_tile`: the compressed entries the indexer picked (gathered from the pool, list
 order), then the row's window slice (ascending positions), with one online softmax in float32 (base 2). The
 sink joins the denominator last, then 1/l (PLANNER §D rule 4). V = K, so each key tile serves both dots.
@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 LOG2E = math.log2(math.e)
 # Running max before any valid key: finite, so exp2(m_old - m_new) never sees (-inf) - (-inf).
 _M_INIT = -1e30
+SPLIT_ROWS = 8  # launches of at most this many rows split each row's key tiles over programs (``key_splits``)
 
 
 HIGHEST = lax.Precision.HIGHEST
@@ -140,15 +141,14 @@ def _finish(carry, sinks_ref, o_ref, *, h0, lanes: int, head_ok):
     plgpu.store(o_ref.at[pl.ds(h0, lanes), :], out.astype(o_ref.dtype), mask=head_ok[:, None])
 
 
-SPLIT_ROWS = 16  # rows × key splits a launch aims at (1 row: up to 16 splits; ≥ 16 rows: no split)
-
-
 def key_splits(rows: int, key_tiles: int) -> int:
-    """Programs per (head tile, row) over the row's key tiles: 1 unless the launch has few rows (decode), where
-    one program per head tile walked all of a row's ~10 key tiles alone (latency-bound: ~22 µs a layer for one
-    row on the H200); then up to one per key tile, so that about SPLIT_ROWS row-splits run. It depends on the
-    rows and keys only, not on the head tile, so a (row, head) result does not either (PLANNER §D rule 3)."""
-    return max(1, min(key_tiles, SPLIT_ROWS // max(rows, 1)))
+    """Programs per (head tile, row) over the row's key tiles: one per key tile in launches of at most
+    SPLIT_ROWS rows (decode, a speculative verify), where one program per head tile walked all of a row's ~10
+    key tiles alone (latency-bound: 22 µs a layer for one row on the H200), else 1. Every split launch cuts a
+    row's keys the same way, so a row's result does not depend on the batch up to SPLIT_ROWS rows, nor on the
+    head tile (PLANNER §D rule 3); a launch of more rows rounds its join differently (f32, within 2^-7 relative
+    in the tests)."""
+    return key_tiles if rows <= SPLIT_ROWS else 1
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -192,7 +192,7 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
         key_tile=key_tile, num_comp_tiles=num_comp_tiles, scale_log2=scale * LOG2E, splits=splits)
 
     # Grid (head tile · splits + split, row, sequence): CUDA schedules the first axis fastest, so the programs
-    # that share a row's gathered keys run side by side and hit L2.
+    # of one row (its head tiles and key splits) run side by side and share its q and gathered keys in L2.
     row_scalar = pl.BlockSpec((None, None), lambda j, t, b: (b, t))
     per_seq = lambda n: pl.BlockSpec((None, n, head_dim), lambda j, t, b: (b, 0, 0))
     heads_of_row = pl.BlockSpec((None, None, num_heads, head_dim), lambda j, t, b: (b, t, 0, 0))
@@ -237,7 +237,7 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
 
 
 def _combine(acc, m, l, sinks):
-    """The splits' softmax states joined, then the sink, as ``_finish`` does for one: acc f32 [B, T, S, H, Dh],
+    """The splits' softmax states joined, then the sink, as ``_finish`` does for one split in the kernel: acc f32 [B, T, S, H, Dh],
     m, l f32 [B, T, S, H] (log2 units; a split without a valid key has l = 0) -> o f32 [B, T, H, Dh]."""
     sink = sinks.astype(jnp.float32) * LOG2E                                    # [H]
     m_final = jnp.maximum(jnp.max(m, axis=2), sink)                             # [B, T, H]

@@ -2,8 +2,8 @@
 ``pallas_kernels.registry``); contract in docs/DESIGN.md. The gather ``reference.py`` is the tests' oracle only.
 
 Decode uses the same kernel: it is correct for any T (one program per (head tile, row, sequence)). A launch of
-fewer than 16 rows (decode) also splits each row's key tiles over programs (``kernel.key_splits``) and joins
-their softmax states after (flash-decoding): one program per head tile walked a decode row's ~10 key tiles
+at most 8 rows (decode) also splits each row's key tiles over programs, one a tile (``kernel.key_splits``), and
+joins their softmax states after (flash-decoding): one program per head tile walked a decode row's ~10 key tiles
 alone, 22 µs a layer on the H200, now 5.5 µs + a 2.4 µs join (docs/BENCHMARKS.md, issue 14).
 """
 

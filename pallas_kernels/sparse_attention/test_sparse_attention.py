@@ -147,21 +147,25 @@ def test_other_key_tiles(tiling, splits):
 
 
 def test_key_splits_of_decode_rows():
-    """Few rows split their key tiles over programs (a 512-pick, 128-window decode row: 10 tiles of 64 keys,
-    10 programs per head tile), prefill segments do not; any split count — past the tile count, splits whose
-    run is only window tiles, or only padding — gives the oracle's values, and the same as one program up to
-    the f32 combine's rounding."""
+    """Launches of at most 8 rows split every key tile off (a 512-pick, 128-window decode row: 10 tiles of 64
+    keys), prefill segments do not; any split count — one a tile (some splits only window keys, the row's
+    compressed list empty or its window cut), or runs of several tiles — gives the oracle's values, and the same
+    as one program up to the f32 join's rounding; a row without any valid key stays exactly zero."""
     from pallas_kernels.sparse_attention.kernel import key_splits
-    assert key_splits(1, 10) == 10 and key_splits(8, 10) == 2 and key_splits(16, 10) == 1
-    assert key_splits(2048, 10) == 1 and key_splits(1, 3) == 3
-    case = Case(rows=1, heads=16, head_dim=64, topk=70, window=20, first_pos=(30,), q_gain=3.0)
-    args = make_inputs(case, seed=5)
+    assert key_splits(1, 10) == 10 and key_splits(8, 10) == 10 and key_splits(9, 10) == 1
+    assert key_splits(2048, 10) == 1
+    case = Case(rows=4, heads=16, head_dim=64, topk=70, window=20, first_pos=(30,), q_gain=3.0)
+    q, pool, topk, window, window_start, q_pos, sinks = make_inputs(case, seed=5)
+    q_pos = q_pos.at[0, 3].set(-1)
+    topk = topk.at[0, 3].set(-1)            # row 3 sees no key; row 1's compressed list is empty
+    args = (q, pool, topk, window, window_start, q_pos, sinks)
     ref = reference_f32(args, case.window)
-    one = run_kernel(args, case.window, splits=1)
+    one = run_kernel(args, case.window, tiling=(16, 4, 3), splits=1)
     assert_close(one, ref)
-    for splits in (2, 3, 7):
-        out = run_kernel(args, case.window, splits=splits)
+    for splits in (None, 3, 5):            # 7 tiles of 16 keys: 7 splits, runs of 3 and of 2
+        out = run_kernel(args, case.window, tiling=(16, 4, 3), splits=splits)
         assert_close(out, ref)
+        assert (out[0, 3] == 0).all()
         np.testing.assert_allclose(out, one, rtol=2**-7, atol=2**-7 * np.abs(one).max())
 
 
