@@ -168,7 +168,8 @@ def parse_args(argv):
                       ("--group", "group"), ("--warps", "num_warps"), ("--stages", "num_stages")):
         p.add_argument(flag, type=int, default=None, dest=key, help=f"kernel tiling: {key} (default: kernel.tiling)")
     p.add_argument("--score-pass", choices=("triton", "mosaic"), default=None,
-                   help="the maxima pass of prefill launches (kernel.SCORE_PASS; mosaic: sm_90 only)")
+                   help="the maxima pass of prefill launches (kernel.SCORE_PASS; mosaic: sm_90 only, its own "
+                        "tiling: the --block-rows/--key-tile/--splits/--warps/--stages options apply to triton)")
     a = p.parse_args(argv)
     quick = a.quick
     try:
