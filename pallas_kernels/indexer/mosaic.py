@@ -38,6 +38,7 @@ GROUP = 8          # keys per maximum
 BM = 64            # query rows per program (one wgmma M tile)
 HEAD_DIM = 128     # the index head dim the shared-memory tiling is laid out for (128-byte swizzle)
 SMEM_LIMIT = 227 * 1024
+COMPUTE_REGS, MEM_REGS = 232, 40  # registers a thread of the compute / memory warpgroups (setmaxnreg), as FA3
 
 
 def supported(*, group: int, head_dim: int, heads: int, masked: bool, score_dtype: str, interpret: bool) -> bool:
@@ -63,10 +64,8 @@ def smem_bytes(*, kpw: int, key_slots: int, q_slots: int, heads: int, d: int = H
             + 2 * (kpw // 64) * BM * 8 * 4 + 1024)
 
 
-def _kernel(*, heads, d, kpw, steps, key_slots, q_slots,
-            out_bufs, sched, compute_regs, mem_regs, head_unroll, interpret):
-    """The CTA's body: warpgroups 0 and 1 compute, 2 copies (module docstring). ``maxima`` fixes out_bufs = 1,
-    head_unroll = 1 and the register split 232 / 40 (as measured on the H200)."""
+def _kernel(*, heads, d, kpw, steps, key_slots, q_slots, sched, interpret):
+    """The CTA's body: warpgroups 0 and 1 compute, 2 copies (module docstring)."""
     ks = 2 * kpw               # keys per step
     chunks = kpw // 64         # 64-key blocks per warpgroup half-step (each -> [64, 8] group maxima)
     wgmma_layout = plgpu.Layout.WGMMA
@@ -96,7 +95,7 @@ def _kernel(*, heads, d, kpw, steps, key_slots, q_slots,
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(compute_regs, action="increase")
+            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
             plgpu.barrier_wait(w_bar)
             plgpu.barrier_wait(nv_bar)
             nv = load_row(nv_smem)                                        # [64] int32
@@ -105,14 +104,13 @@ def _kernel(*, heads, d, kpw, steps, key_slots, q_slots,
 
             def store_out(step, parts):
                 """parts: chunks x [64, 8] f32 -> out[rows, groups of (step, wg)]."""
-                buf = step % out_bufs
-                plgpu.wait_smem_to_gmem(chunks * (out_bufs - 1), wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the staging buffer's last copy has read it
                 for c in range(chunks):
-                    o_smem[wg, buf, c] = parts[c]
+                    o_smem[wg, c] = parts[c]
                 plgpu.commit_smem()
                 g0 = (split_key0 + step * ks + wg * kpw) // GROUP
                 for c in range(chunks):
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg, buf, c],
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg, c],
                                             out_ref.at[pl.ds(row0, BM), pl.ds(g0 + c * 8, 8)])
 
             pl.when(wg == 1)(schedule)
@@ -137,7 +135,7 @@ def _kernel(*, heads, d, kpw, steps, key_slots, q_slots,
                     return acc + jnp.maximum(s, 0.0) * lax.broadcast_in_dim(wh, (BM, kpw), (0,))
 
                 acc0 = lay(jnp.zeros((BM, kpw), jnp.float32), wgmma_layout)
-                acc = lax.fori_loop(0, heads, head, acc0, unroll=head_unroll)
+                acc = lax.fori_loop(0, heads, head, acc0)
                 plgpu.barrier_arrive(k_free.at[kslot])
                 lim = nv - (split_key0 + step * ks + wg * kpw)               # visible keys of this half-step
                 parts = []
@@ -164,7 +162,7 @@ def _kernel(*, heads, d, kpw, steps, key_slots, q_slots,
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(mem_regs, action="decrease")
+            plgpu.set_max_registers(MEM_REGS, action="decrease")
             plgpu.copy_gmem_to_smem(w_ref.at[:, pl.ds(row0, BM)], w_smem, w_bar)
             plgpu.copy_gmem_to_smem(nvis_ref.at[pl.ds(row0, BM)], nv_smem, nv_bar)
 
@@ -271,7 +269,7 @@ def maxima(q, w, keys, nvis, *, kpw: int = 128, key_slots: int = 2, q_slots: int
         plgpu.SMEM((key_slots, 2, kpw, d), jnp.bfloat16, transforms=tiled),
         plgpu.SMEM((heads, BM), jnp.float32),
         plgpu.SMEM((BM,), jnp.int32),
-        plgpu.SMEM((2, 1, kpw // 64, BM, 8), jnp.float32),
+        plgpu.SMEM((2, kpw // 64, BM, 8), jnp.float32),
     ]
     barriers = [
         plgpu.Barrier(num_barriers=q_slots),                    # q_h loaded
@@ -282,8 +280,8 @@ def maxima(q, w, keys, nvis, *, kpw: int = 128, key_slots: int = 2, q_slots: int
         plgpu.Barrier(num_arrivals=2, num_barriers=key_slots),  # key slot free
         plgpu.Barrier(num_arrivals=2),                          # schedule barrier (sched only)
     ]
-    body = _kernel(heads=heads, d=d, kpw=kpw, steps=steps, key_slots=key_slots, q_slots=q_slots, out_bufs=1,
-                   sched=sched, compute_regs=232, mem_regs=40, head_unroll=1, interpret=bool(interpret))
+    body = _kernel(heads=heads, d=d, kpw=kpw, steps=steps, key_slots=key_slots, q_slots=q_slots, sched=sched,
+                   interpret=bool(interpret))
 
     def entry(live_ref, nvis_ref, q_ref, w_ref, k_ref, out_ref):
         pl.run_scoped(functools.partial(body, live_ref, nvis_ref, q_ref, w_ref, k_ref, out_ref),

@@ -3,10 +3,11 @@
 One program per (head tile j, query row t, sequence b), or, for launches of at most SPLIT_ROWS rows (decode), per
 (head tile, key tile, row, sequence): each split runs the online softmax over its key tile and stores its state
 (f32 numerator, max, denominator: rows · tiles · H · Dh · 4 bytes, 10 MB at 8 rows, 10 tiles, H = 64,
-Dh = 512), and ``_combine`` joins them with the sink as ``_finish`` does for one. It loads `lanes` query heads once, then walks the
-row's keys in tiles of `key_tile`: the compressed entries the indexer picked (gathered from the pool, list
-order), then the row's window slice (ascending positions), with one online softmax in float32 (base 2). The
-sink joins the denominator last, then 1/l (PLANNER §D rule 4). V = K, so each key tile serves both dots.
+Dh = 512), and ``_combine`` joins them with the sink as ``_finish`` does for one. It loads `lanes` query heads
+once, then walks the row's keys in tiles of `key_tile`: the compressed entries the indexer picked (gathered from
+the pool, list order), then the row's window slice (ascending positions), with one online softmax in float32
+(base 2). The sink joins the denominator last, then 1/l (PLANNER §D rule 4). V = K, so each key tile serves both
+dots.
 
 Head tiling (PLANNER §D rules 1-3): tile j covers heads [j·head_tile, j·head_tile + head_tile); the MMA tile
 has `lanes` = max(16, next_pow2(head_tile)) rows, and rows beyond the tile or beyond H are masked (zero query,
@@ -237,8 +238,9 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
 
 
 def _combine(acc, m, l, sinks):
-    """The splits' softmax states joined, then the sink, as ``_finish`` does for one split in the kernel: acc f32 [B, T, S, H, Dh],
-    m, l f32 [B, T, S, H] (log2 units; a split without a valid key has l = 0) -> o f32 [B, T, H, Dh]."""
+    """The splits' softmax states joined, then the sink, as ``_finish`` does for one split in the kernel:
+    acc f32 [B, T, S, H, Dh], m, l f32 [B, T, S, H] (log2 units; a split without a valid key has l = 0) ->
+    o f32 [B, T, H, Dh]."""
     sink = sinks.astype(jnp.float32) * LOG2E                                    # [H]
     m_final = jnp.maximum(jnp.max(m, axis=2), sink)                             # [B, T, H]
     rescale = jnp.exp2(m - m_final[:, :, None])                                 # [B, T, S, H]
