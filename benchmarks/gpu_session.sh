@@ -1,48 +1,64 @@
 #!/usr/bin/env bash
-# One lent-H200 call of the checks owed after a session's CPU-only changes (run from the repo root; $OUT set by
-# the device tool; everything also lands in $OUT/session.txt):
-# - the Mosaic GPU score pass inside the indexer op (issue 15; opt-in, kernel.SCORE_PASS): its tests, the op
-#   at 2,048 rows × 300 K with it, and the 2-layer prefill at 0 / 300,000 with it (flip the default if equal);
-# - the GPU tests of the engine's decode paths (the host loop's stop rule, `tests/test_decode_step.py`,
-#   `tests/test_engine.py`, `tests/test_serve_slots.py`);
-# - `bench_decode` (issue 14): batches 1/8/32 at 0 and 300 K, greedy and sampled, the generate loop beside the
-#   chained step;
-# - `bench_compile` of the 40-layer decode step (issue 14's <= 15 s);
-# - the 2-layer prefill and decode at 0 and 300,000 with a trace (issues 15 and 22).
-# Each part has its own time limit (seconds, overridable by the variables named below).
+# The checks owed after a session's CPU-only changes, one lent-H200 call per part (run from the repo root;
+# $OUT set by the device tool; everything also lands in $OUT/session.txt):
+#   bash benchmarks/gpu_session.sh mosaic   (~330 s) the Mosaic GPU score pass inside the indexer op (issue 15;
+#       opt-in, kernel.SCORE_PASS): its tests compiled (the kernel bitwise against its reference; the op's picks
+#       equal the Triton pass's, incl. a candidate-masked layer), the op at 2,048 rows × 300 K with it, and the
+#       2-layer prefill at 0 / 300,000 with it (flip the default if equal);
+#   bash benchmarks/gpu_session.sh decode   (~600 s) the GPU tests of the engine's decode paths
+#       (`tests/test_decode_step.py`, `tests/test_engine.py`, `tests/test_serve_slots.py`); `bench_decode`
+#       (issue 14): batches 1/8/32 at 0 and 300 K; `bench_compile` of the 40-layer decode step (issue 14's
+#       <= 15 s); the 2-layer prefill and decode at 0 and 300,000 with a trace (issues 15 and 22).
+# Each step has its own time limit (seconds, overridable by the variables named below).
 set -u
+part=${1:-}
+if [[ "$part" != mosaic && "$part" != decode ]]; then
+  echo "usage: bash benchmarks/gpu_session.sh mosaic|decode" >&2
+  exit 2
+fi
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
+
+mosaic() {
+  echo "== Mosaic GPU score pass: tests"
+  timeout ${TESTS_S:-120} python3 -m pytest -x -p no:cacheprovider -p no:randomly \
+    pallas_kernels/indexer/test_mosaic.py > "$OUT/mosaic_tests.txt" 2>&1
+  echo "tests exit status $? (log: mosaic_tests.txt)"; date -u
+  echo "== bench_indexer, 2,048 rows at 300 K, mosaic score pass"
+  timeout ${INDEXER_S:-60} python3 benchmarks/bench_indexer.py --rows 2048 --positions 300000 --ratios 1,2 \
+    --repeats 3 --score-pass mosaic 2>&1 | grep -E "^\| 2048"
+  date -u
+  echo "== profile 2 layers, pallas, mosaic score pass"
+  timeout ${PROFILE_S:-150} python3 -c "import sys; from pallas_kernels.indexer import kernel
+kernel.SCORE_PASS = 'mosaic'
+from dsv41_jax import profile; sys.exit(profile.main(sys.argv[1:]))" --config dsv41_flash --layers 2 --world 1 \
+    --rows 2048 --position 0,300000 --impl pallas --repeats 7 --json-out "$OUT/profile_mosaic.json" 2>&1 \
+    | grep -E '^==|median|floor'
+}
+
+decode() {
+  echo "== GPU tests"
+  timeout ${TESTS_S:-200} python3 -m pytest -q -x -p no:cacheprovider tests/test_decode_step.py tests/test_engine.py \
+    tests/test_serve_slots.py > "$OUT/tests.txt" 2>&1
+  echo "tests exit status $? (log: tests.txt)"; date -u
+  echo "== bench_decode, world 1, bf16"
+  timeout ${DECODE_S:-150} python3 benchmarks/bench_decode.py --worlds 1 --batches 1,8,32 --positions 0,300000 \
+    --formats bf16 --tokens 128 --steps 32 --json-out "$OUT/decode.json" 2>&1 | grep -v "^WARNING" | tail -8
+  date -u
+  echo "== bench_compile, 40-layer decode step"
+  timeout ${COMPILE_S:-60} python3 benchmarks/bench_compile.py --modes scanned --steps decode \
+    --json-out "$OUT/compile.json" 2>&1 | grep -E "^decode|^step|layers"
+  date -u
+  echo "== profile 2 layers, pallas"
+  timeout ${PROFILE_S:-150} python3 -m dsv41_jax.profile --config dsv41_flash --layers 2 --world 1 --rows 2048 \
+    --position 0,300000 --decode --impl pallas --repeats 7 --trace /tmp/gpu_session_trace \
+    --json-out "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
+  grep -E '^==|median|floor|by part' "$OUT/profile.txt"
+}
+
 {
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; date -u
-echo "== Mosaic GPU score pass"
-timeout ${MOSAIC_S:-120} python3 -m pytest -x -p no:cacheprovider -p no:randomly pallas_kernels/indexer/test_mosaic.py \
-  > "$OUT/mosaic_tests.txt" 2>&1
-echo "mosaic tests exit status $? (log: mosaic_tests.txt)"
-timeout 60 python3 benchmarks/bench_indexer.py --rows 2048 --positions 300000 --ratios 1,2 --repeats 3 \
-  --score-pass mosaic 2>&1 | grep -E "^\| 2048"
-timeout ${PROFILE_S:-150} python3 -c "import sys; from pallas_kernels.indexer import kernel; kernel.SCORE_PASS = 'mosaic'
-from dsv41_jax import profile; sys.exit(profile.main(sys.argv[1:]))" --config dsv41_flash --layers 2 --world 1 \
-  --rows 2048 --position 0,300000 --impl pallas --repeats 7 --json-out "$OUT/profile_mosaic.json" 2>&1 \
-  | grep -E '^==|median|floor'
-date -u
-echo "== GPU tests"
-timeout ${TESTS_S:-300} python3 -m pytest -q -x -p no:cacheprovider tests/test_decode_step.py tests/test_engine.py \
-  tests/test_serve_slots.py > "$OUT/tests.txt" 2>&1
-echo "tests exit status $? (log: tests.txt)"; date -u
-echo "== bench_decode, world 1, bf16"
-timeout ${DECODE_S:-200} python3 benchmarks/bench_decode.py --worlds 1 --batches 1,8,32 --positions 0,300000 \
-  --formats bf16 --tokens 128 --steps 32 --json-out "$OUT/decode.json" 2>&1 | grep -v "^WARNING" | tail -8
-date -u
-echo "== bench_compile, 40-layer decode step"
-timeout ${COMPILE_S:-60} python3 benchmarks/bench_compile.py --modes scanned --steps decode \
-  --json-out "$OUT/compile.json" 2>&1 | grep -E "^decode|^step|layers"
-date -u
-echo "== profile 2 layers, pallas"
-timeout ${PROFILE_S:-150} python3 -m dsv41_jax.profile --config dsv41_flash --layers 2 --world 1 --rows 2048 \
-  --position 0,300000 --decode --impl pallas --repeats 7 --trace /tmp/gpu_session_trace \
-  --json-out "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
-grep -E '^==|median|floor|by part' "$OUT/profile.txt"
+"$part"
 date -u
 } 2>&1 | tee "$OUT/session.txt"

@@ -20,7 +20,8 @@ A key buffer of at most K·G keys (a cache sized for a short context) would resc
 Selections of K run in ``_select_kernel`` (one row of up to SELECT_MAX entries in registers, the K-th value
 found bit by bit with up to 32 count reductions, stopping once exactly K entries lie at or above the bits found:
 0.23 ms for 2,048 × 4,096 on the H200 where ``lax.top_k``, which sorts, took 0.82 ms; the early stop took a
-later measurement of it from 119 to 96 µs); ``top_k_indices`` selects longer rows piece by piece. Both pick ``lax.top_k``'s entries.
+later measurement of it from 119 to 96 µs); ``top_k_indices`` selects longer rows piece by piece. Both pick
+``lax.top_k``'s entries.
 
 Why the K best groups hold the exact top-K (with the op's tie rule: among equal scores the lower key index).
 Let L be the K-th largest group maximum. A key with score > L lies in a group with maximum > L: all such groups
@@ -67,8 +68,8 @@ from pallas_kernels.indexer.tiling import RESCORE_TILE, SELECT_BITS, SELECT_MAX,
 # The maxima pass of prefill launches on an H200: "triton" (``_maxima_kernel``, every launch) or "mosaic"
 # (``mosaic.py``, warp-specialised, where ``mosaic.supported``: its kernel body, in the prototype wrapper it was
 # written in, 6.24 vs 10.39 ms at 2,048 rows × 302 K keys and bitwise equal to its reference on the H200).
-# Opt-in until the op through this module has run on the H200 (``benchmarks/gpu_mosaic.sh``). Read when the op
-# is traced: set it before the first call (the jitted op keeps what it traced).
+# Opt-in until the op through this module has run on the H200 (``benchmarks/gpu_session.sh mosaic``). Read
+# when the op is traced: set it before the first call (the jitted op keeps what it traced).
 SCORE_PASS = "triton"
 
 
@@ -241,7 +242,8 @@ def _kth_key(key, k: int, bits: int):
     return prefix ^ sign
 
 
-def top_k_indices(v, k: int, *, interpret: bool = False, max_entries: int = SELECT_MAX, bits: int = SELECT_BITS):
+def top_k_indices(v, k: int, *, interpret: bool = False, max_entries: int = SELECT_MAX,
+                  bits: int = SELECT_BITS):
     """The indices of the K largest of each row, in ascending order: v f32 [..., M] -> int32 [..., K].
     ``lax.top_k``'s picks (the floats' total order, equal values: the lower index), without its sort.
 
@@ -259,7 +261,7 @@ def top_k_indices(v, k: int, *, interpret: bool = False, max_entries: int = SELE
         pieces = -(-m // piece)
         padded = jnp.pad(v, [(0, 0)] * len(lead) + [(0, pieces * piece - m)], constant_values=-jnp.inf)
         local = top_k_indices(padded.reshape(*lead, pieces, piece), k, interpret=interpret,
-                              max_entries=max_entries, bits=bits)                                   # [..., pieces, K]
+                              max_entries=max_entries, bits=bits)                  # [..., pieces, K]
         union = (local + jnp.arange(pieces, dtype=jnp.int32)[:, None] * piece).reshape(*lead, pieces * k)
         best = top_k_indices(jnp.take_along_axis(padded, union, axis=-1), k, interpret=interpret,
                              max_entries=max_entries, bits=bits)
