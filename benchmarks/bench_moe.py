@@ -2,10 +2,12 @@
 kernel, the XLA implementation's grouped ``ragged_dot``) vs the weight-read floor.
 
 PYTHONPATH=. python benchmarks/bench_moe.py [--quick] [--xla] [--breakdown] [--json PATH]
+PYTHONPATH=. python benchmarks/bench_moe.py --decode | --decode-sweep     # decode shapes only (1 and 8 rows)
 
 Shape (PLANNER.md §E, issue 7): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
 F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 8 rows. The floor is the
-bytes of the touched experts' weights over 4.3 TB/s (the copy bandwidth measured on this H200 kind). Prints GPU
+bytes of the touched experts' weights over 4.3 TB/s (the copy bandwidth measured on this H200 kind). Decode
+shapes are timed as many calls in one program (a host dispatch a call, ~50 µs, would hide them). Prints GPU
 correctness checks (every implementation, compiled, vs the f32 gather oracle) first and a table last.
 """
 
@@ -46,6 +48,39 @@ def timed(fn, *args, reps: int = 10) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def timed_chained(fn, *args, reps: int = 100) -> float:
+    """Seconds a call when ``reps`` calls run in one program: a loop whose every iteration takes the small
+    arguments through an optimization barrier with the previous result and selects on that result, so nothing is
+    hoisted, fused or dropped (the weights stay loop constants, never copied). The device time of a call too short for a host
+    dispatch per call (~50 µs) to be negligible (decode)."""
+    leaves, tree = jax.tree.flatten(args)
+    big = [leaf.nbytes > (64 << 20) for leaf in leaves]
+
+    def looped(small, large):
+        def call(small):
+            small_it, large_it = iter(small), iter(large)
+            return fn(*jax.tree.unflatten(tree, [next(large_it) if b else next(small_it) for b in big]))
+
+        def body(_, small):
+            small, out = jax.lax.optimization_barrier((small, call(small)))
+            # a select on the result that XLA cannot prove constant keeps the call alive
+            probe = jax.tree.leaves(out)[0].ravel()[0].astype(jnp.float32)
+            small[0] = jnp.where(probe == 1234.5, small[0] + 1, small[0])
+            return small
+        return jax.lax.fori_loop(0, reps, body, small)
+
+    looped = jax.jit(looped)
+    small = [leaf for leaf, b in zip(leaves, big) if not b]
+    large = [leaf for leaf, b in zip(leaves, big) if b]
+    jax.block_until_ready(looped(small, large))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(looped(small, large))
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
 
 
 def copy_bandwidth() -> float:
@@ -182,7 +217,7 @@ def breakdown(label, x, ids, w, wts) -> None:
 
 
 def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_xla, hot=None,
-               do_breakdown=False):
+               do_breakdown=False, chained=False):
     kx, kr, kw = jax.random.split(key, 3)
     x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
     ids, w = make_routing(kr, rows, E, hot)
@@ -194,7 +229,7 @@ def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_
     for cfg_name, cfg in configs:
         try:
             fn = pallas_fn(cfg)
-            seconds = timed(fn, x, ids, w, wts)
+            seconds = (timed_chained if chained else timed)(fn, x, ids, w, wts)
             outs[cfg_name] = fn(x, ids, w, wts)
         except Exception as exc:  # a config that fails to compile should not end the run
             print(f"{label} {cfg_name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -224,6 +259,10 @@ def main() -> int:
                         help="also time the XLA implementation at 2,048 rows (--ragged: its former name)")
     parser.add_argument("--breakdown", action="store_true", help="time the pieces at F=576")
     parser.add_argument("--quick-checks", action="store_true", help="4 of the 7 GPU checks")
+    parser.add_argument("--decode", action="store_true",
+                        help="only decode shapes (1 and 8 rows): the op and its pieces with the default blocks, "
+                             "each timed as many calls in one program")
+    parser.add_argument("--decode-sweep", action="store_true", help="--decode with the block sizes swept")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("bench_moe.py needs a GPU (jax.default_backend() is %r)" % jax.default_backend(), file=sys.stderr)
@@ -241,13 +280,20 @@ def main() -> int:
     start = time.perf_counter()
     rows_out: list[dict] = []
 
-    def section(label, width, fp4, rows, configs, with_xla=False, hot=None, seed=0):
+    def section(label, width, fp4, rows, configs, with_xla=False, hot=None, seed=0, chained=False):
         if time.perf_counter() - start > args.time_budget:
             print(f"skipped (time budget): {label}", flush=True)
             return
         bench_case(rows_out, label, width, fp4, rows, bandwidth, jax.random.key(seed), configs,
-                   with_xla=with_xla, hot=hot, do_breakdown=args.breakdown)
+                   with_xla=with_xla, hot=hot, do_breakdown=args.breakdown, chained=chained)
         print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
+
+    if args.decode or args.decode_sweep:
+        for rows, width, formats in ((8, 576, (True, False)), (1, 1152, (True, False)), (1, 2304, (False,))):
+            for fp4 in formats:
+                decode_sweep(rows_out, rows, width, fp4, bandwidth, jax.random.key(3), args.decode_sweep)
+                print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        return _report(args, rows_out, checks, bandwidth)
 
     fp4_base = default_config(ROWS * K, make_weights(key, 576, True, 2, 64))
     fp4_configs = [("default", None)]
@@ -268,6 +314,69 @@ def main() -> int:
         section("2048 rows F=576 fp4", 576, True, ROWS,
                 [("alu-decode", dataclasses.replace(fp4_base, fp4_decode="alu"))], seed=2)
 
+    return _report(args, rows_out, checks, bandwidth)
+
+
+def decode_sweep(rows_out, rows, width, fp4, bandwidth, key, sweep: bool) -> None:
+    """The op and its pieces at a decode shape (``timed_chained``): the plan, ``gate_up`` with the default
+    blocks (and with ``sweep`` over DECODE_GATE_UP's (BF, BK, stages, warps)), ``down`` likewise (DECODE_DOWN's
+    (BN, stages, warps)), the gather-sum."""
+    from pallas_kernels.moe import kernel as kern
+    from pallas_kernels.moe import ops
+    from pallas_kernels.moe.grouping import plan_tiles
+    kx, kr, kw = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
+    ids, w = make_routing(kr, rows, E)
+    wts = make_weights(kw, width, fp4)
+    touched = int(jnp.unique(ids).size)
+    per_matrix = weight_bytes(wts, touched) / 3 / bandwidth
+    base = default_config(ids.size, wts)
+    label = f"{rows} rows F={width} {'fp4' if fp4 else 'bf16'}"
+    plan_fn = jax.jit(lambda i: plan_tiles(i, E, base.block_m))
+    plan = plan_fn(ids)
+
+    def add(part, cfg_name, seconds, floor):
+        rows_out.append(dict(case=f"{label} {part}", impl=cfg_name, ms=seconds * 1e3, floor_ms=floor * 1e3,
+                             gbps=0.0 if not floor else floor * bandwidth / seconds / 1e9, touched=touched))
+        print(rows_out[-1], flush=True)
+
+    add("plan", "", timed_chained(plan_fn, ids), 0.0)
+    act = None
+    first = (base.block_f, base.block_k, base.gate_up_stages, base.gate_up_warps)
+    for bf, bk, st, wp in [first] + [c for c in DECODE_GATE_UP if sweep and c != first]:
+        cfg = dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp)
+        xk = ops._even_odd_chunks(x, bk) if fp4 else x
+        fn = jax.jit(lambda p, xx, ww, cfg=cfg: kern.gate_up(
+            p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
+            limit=LIMIT, cfg=cfg, interpret=INTERPRET))
+        try:
+            add("gate_up", f"bf{bf} bk{bk} s{st} w{wp}", timed_chained(fn, plan, xk, wts), 2 * per_matrix)
+        except Exception as exc:
+            print(f"{label} gate_up bf{bf} bk{bk}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        if act is None:
+            act = fn(plan, xk, wts)
+    down_first = (base.block_n, base.down_stages, base.down_warps)
+    for bn, st, wp in [down_first] + [c for c in DECODE_DOWN if sweep and c != down_first]:
+        cfg = dataclasses.replace(base, block_n=bn, down_stages=st, down_warps=wp)
+        fn = jax.jit(lambda p, a, ww, cfg=cfg: kern.down(p, a, ww.w2, ww.w2_scale, dim=ww.dim, cfg=cfg,
+                                                          interpret=INTERPRET))
+        add("down", f"bf{base.block_f} bn{bn} s{st} w{wp}", timed_chained(fn, plan, act, wts), per_matrix)
+    y_pairs = kern.down(plan, act, wts.w2, wts.w2_scale, dim=wts.dim, cfg=base, interpret=INTERPRET)
+    gather = jax.jit(ops._weighted_gather_sum)
+    add("gather-sum", "", timed_chained(gather, y_pairs, plan.pair_pos, plan.pair_valid, w), 0.0)
+    whole = pallas_fn(None)
+    add("whole op", "default", timed_chained(whole, x, ids, w, wts), 3 * per_matrix)
+
+
+# (block_f, block_k, stages, warps) of gate_up and (block_n, stages, warps) of down in --decode-sweep
+DECODE_GATE_UP = [(64, 64, 4, 4), (64, 128, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (64, 256, 4, 4),
+                  (32, 128, 3, 4), (32, 256, 3, 4), (32, 256, 4, 4), (64, 512, 2, 4), (32, 512, 2, 4),
+                  (128, 256, 3, 4), (64, 256, 3, 8)]
+DECODE_DOWN = [(128, 4, 4), (64, 4, 4), (256, 4, 4), (128, 2, 4), (128, 3, 4), (64, 2, 4), (256, 3, 8)]
+
+
+def _report(args, rows_out, checks, bandwidth) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
@@ -277,8 +386,9 @@ def main() -> int:
     print("| case | impl | ms | floor ms | x floor | GB/s | experts touched |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows_out:
+        ratio = f"{r['ms'] / r['floor_ms']:.2f}" if r['floor_ms'] else "—"
         print(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
-              f"{r['ms'] / r['floor_ms']:.2f} | {r['gbps']:.0f} | {r['touched']} |")
+              f"{ratio} | {r['gbps']:.0f} | {r['touched']} |")
     return 0
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The checks owed after a session's CPU-only changes, one lent-H200 call per part (run from the repo root;
 # $OUT set by the device tool; everything also lands in $OUT/session.txt):
-#   bash benchmarks/gpu_session.sh mosaic   (~330 s) the Mosaic GPU score pass inside the indexer op (issue 15;
-#       opt-in, kernel.SCORE_PASS): its tests compiled (the kernel bitwise against its reference; the op's picks
-#       equal the Triton pass's, incl. a candidate-masked layer), the op at 2,048 rows × 300 K with it, and the
-#       2-layer prefill at 0 / 300,000 with it (flip the default if equal);
+#   bash benchmarks/gpu_session.sh mosaic   (~120 s) the Mosaic GPU score pass inside the indexer op (issue 15;
+#       kernel.SCORE_PASS, the default): its tests compiled (the kernel bitwise against its reference; the op's
+#       picks equal the Triton pass's, incl. a candidate-masked layer), the op at 2,048 rows × 300 K with it, and
+#       the 2-layer prefill at 0 / 300,000 with it;
 #   bash benchmarks/gpu_session.sh decode   (~600 s) the GPU tests of the engine's decode paths
 #       (`tests/test_decode_step.py`, `tests/test_engine.py`, `tests/test_serve_slots.py`); `bench_decode`
 #       (issue 14): batches 1/8/32 at 0 and 300 K; `bench_compile` of the 40-layer decode step (issue 14's
@@ -30,9 +30,7 @@ mosaic() {
     --repeats 3 --score-pass mosaic 2>&1 | grep -E "^\| 2048"
   date -u
   echo "== profile 2 layers, pallas, mosaic score pass"
-  timeout ${PROFILE_S:-150} python3 -c "import sys; from pallas_kernels.indexer import kernel
-kernel.SCORE_PASS = 'mosaic'
-from dsv41_jax import profile; sys.exit(profile.main(sys.argv[1:]))" --config dsv41_flash --layers 2 --world 1 \
+  timeout ${PROFILE_S:-150} python3 -m dsv41_jax.profile --config dsv41_flash --layers 2 --world 1 \
     --rows 2048 --position 0,300000 --impl pallas --repeats 7 --json-out "$OUT/profile_mosaic.json" 2>&1 \
     | grep -E '^==|median|floor'
 }

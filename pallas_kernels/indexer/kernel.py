@@ -65,12 +65,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.indexer import mosaic
 from pallas_kernels.indexer.tiling import RESCORE_TILE, SELECT_BITS, SELECT_MAX, SUPER_GROUPS, tiling
 
-# The maxima pass of prefill launches on an H200: "triton" (``_maxima_kernel``, every launch) or "mosaic"
-# (``mosaic.py``, warp-specialised, where ``mosaic.supported``: its kernel body, in the prototype wrapper it was
-# written in, 6.24 vs 10.39 ms at 2,048 rows × 302 K keys and bitwise equal to its reference on the H200).
-# Opt-in until the op through this module has run on the H200 (``benchmarks/gpu_session.sh mosaic``). Read
-# when the op is traced: set it before the first call (the jitted op keeps what it traced).
-SCORE_PASS = "triton"
+# The maxima pass of prefill launches on an H200: "mosaic" (``mosaic.py``, warp-specialised, wherever
+# ``mosaic.supported``; elsewhere the Triton pass) or "triton" (``_maxima_kernel``, every launch). Through the op on
+# the H200 (2026-12-02): 2,048 rows at 300 K 7.25 / 4.17 ms (ratio 1 / 2; Triton 10.16 / 5.58) and the 2-layer
+# prefill at 300 K 31.98 ms (Triton 36.4-36.9), picks equal (docs/BENCHMARKS.md). Read when the op is traced: set
+# it before the first call (the jitted op keeps what it traced).
+SCORE_PASS = "mosaic"
 
 
 def _maxima_kernel(nvis_ref, q_ref, w_ref, keys_ref, kscale_ref, kept_ref, maxima_ref, *, heads: int,

@@ -44,6 +44,9 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, min(num_pairs // block_m + num_experts + 1, num_pairs))
 
 
+DECODE_BLOCK_M = 16  # pairs per tile of decode-sized blocks (under 4 rows an expert on average)
+
+
 def default_block_m(num_pairs: int, num_experts: int) -> int:
     """Pairs per tile: 64 (PLANNER.md §E) once experts average a tile's worth; 16 for decode-sized blocks."""
     mean_rows = num_pairs / num_experts
@@ -51,7 +54,7 @@ def default_block_m(num_pairs: int, num_experts: int) -> int:
         return 64
     if mean_rows >= 4:
         return 32
-    return 16
+    return DECODE_BLOCK_M
 
 
 # Up to this many pairs (a decode step: rows × k), the plan is computed by pairwise comparisons ([P, P] and

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from dsv41_jax.formats import decode_fp4, ue8m0_bytes
 from pallas_kernels import registry
 from pallas_kernels.moe import kernel as moe_kernel
-from pallas_kernels.moe.grouping import default_block_m, plan_tiles
+from pallas_kernels.moe.grouping import DECODE_BLOCK_M, default_block_m, plan_tiles
 from pallas_kernels.moe.xla import clamped_swiglu, routed_experts_xla
 
 __all__ = ["IMPLS", "ExpertWeights", "check_offsets", "clamped_swiglu", "default_config", "routed_experts"]
@@ -103,20 +103,26 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     """Block sizes for this shape: BM by the mean rows per expert (at most ``block_m``, the plan's BM of a
     prefill-sized block, PLANNER.md §E), the rest the largest that divide.
 
-    bf16 streams 128-wide K chunks (3 stages); fp4, dequantised in registers, did best with 64
-    (measured on an H200: docs/BENCHMARKS.md).
+    bf16 streams 128-wide K chunks (3 stages); fp4, dequantised in registers, did best with 64 (measured on an
+    H200: docs/BENCHMARKS.md). Decode-sized tiles (BM 16: under 4 rows an expert) stream 256-wide K chunks in
+    both formats: each program then has twice to four times the bytes in flight per step, which is what a
+    tile of one or two rows lacks (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row,
+    F = 2,304: 0.084 -> 0.078 ms; BENCHMARKS.md "Routed experts at decode sizes").
     """
     block_m = min(default_block_m(num_pairs, weights.num_experts), block_m or 64)
     block_f = _largest_block(weights.width, (64, 32), "expert width F")
+    block_n = _largest_block(weights.dim, (128, 64, 32), "model width D")
+    if block_m == DECODE_BLOCK_M:
+        return moe_kernel.KernelConfig(
+            block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
+            block_k=_largest_block(weights.dim, (256, 128, 64, 32), "model width D"))
     if weights.is_fp4:
         return moe_kernel.KernelConfig(
-            block_m=block_m, block_f=block_f,
-            block_k=_largest_block(weights.dim, (64, 32), "model width D"),
-            block_n=_largest_block(weights.dim, (128, 64, 32), "model width D"))
+            block_m=block_m, block_f=block_f, block_n=block_n,
+            block_k=_largest_block(weights.dim, (64, 32), "model width D"))
     return moe_kernel.KernelConfig(
-        block_m=block_m, block_f=block_f,
-        block_k=_largest_block(weights.dim, (128, 64, 32), "model width D"), gate_up_stages=3,
-        block_n=_largest_block(weights.dim, (128, 64, 32), "model width D"))
+        block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
+        block_k=_largest_block(weights.dim, (128, 64, 32), "model width D"))
 
 
 def _even_odd_chunks(x: jax.Array, chunk: int) -> jax.Array:

@@ -16,6 +16,7 @@ from dsv41_jax.formats import decode_fp4
 from pallas_kernels.moe import ExpertWeights, routed_experts
 from pallas_kernels.moe import grouping
 from pallas_kernels.moe.grouping import max_tiles, plan_tiles
+from pallas_kernels.moe.ops import default_config
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.reference import routed_experts_reference
 from pallas_kernels.registry import IMPLEMENTATIONS
@@ -207,6 +208,7 @@ def test_reference_matches_per_pair_numpy():
 CASES = [
     # name, n, k, e, f, d, hot expert, empty experts
     ("decode-1", 1, 6, 16, 96, 128, None, ()),
+    ("decode-2-wide", 2, 6, 16, 64, 512, None, ()),   # decode-sized tiles: two 256-wide K chunks
     ("decode-37-uneven", 37, 4, 8, 160, 128, None, ()),
     ("segment-300", 300, 6, 16, 64, 128, None, ()),
     ("skewed-empty", 160, 2, 8, 96, 128, 3, (5, 6, 7)),
@@ -228,10 +230,10 @@ def test_bf16_op_matches_oracle(impl, name, n, k, e, f, d, hot, empty):
     assert _rel_err(out, ref) <= REL_TOL
 
 
+@pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 96, 128), (2, 6, 16, 64, 512)], ids=["segment", "decode-wide"])
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_fp4_op_matches_oracle_on_dequantised(impl):
+def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
     rng = _rng()
-    n, k, e, f, d = 48, 3, 8, 96, 128
     x = _x(rng, n, d)
     ids, w = _routing(rng, n, k, e, hot=1, empty=(6,))
     wts = _fp4_weights(rng, e, f, d)
@@ -239,6 +241,15 @@ def test_fp4_op_matches_oracle_on_dequantised(impl):
     ref = routed_experts_reference(x, ids, w, deq.w1, deq.w3, deq.w2, swiglu_limit=LIMIT)
     out = _op(x, ids, w, wts, impl)
     assert _rel_err(out, ref) <= REL_TOL
+
+
+def test_decode_sized_tiles_stream_256_wide_k_chunks():
+    """The default blocks the wide decode cases above run with (BM 16, BK 256) and a prefill-sized block's."""
+    rng = _rng()
+    for weights in (_bf16_weights(rng, 16, 64, 512), _fp4_weights(rng, 16, 64, 512)):
+        decode, segment = default_config(2 * 6, weights), default_config(2048 * 6, weights)
+        assert (decode.block_m, decode.block_k, decode.gate_up_stages) == (16, 256, 3)
+        assert segment.block_m == 64 and segment.block_k == (64 if weights.is_fp4 else 128)
 
 
 def test_reference_is_the_deprecated_name_of_xla():
