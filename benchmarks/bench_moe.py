@@ -36,6 +36,7 @@ LIMIT = 10.0
 FLOOR_BANDWIDTH = 4.3e12  # B/s: device-to-device copy measured on this H200 kind (KINDS.md), the floor
 INTERPRET = False  # True only for a CPU dry run of this script
 QUICK_CHECKS = False
+DECODE_CHECKS = False  # --decode / --decode-sweep: the decode-sized checks only
 
 
 def timed(fn, *args, reps: int = 10) -> float:
@@ -172,6 +173,8 @@ def gpu_checks(key) -> list[str]:
     ]
     if QUICK_CHECKS:
         cases = [cases[i] for i in (2, 4, 5, 6)]
+    if DECODE_CHECKS:
+        cases = [cases[i] for i in (0, 1, 4)]
     lines = []
     ref_fn = jax.jit(routed_experts_reference, static_argnames="swiglu_limit")
     runs = {"pallas": pallas_fn(None), "xla": xla_fn}
@@ -260,8 +263,8 @@ def main() -> int:
     parser.add_argument("--breakdown", action="store_true", help="time the pieces at F=576")
     parser.add_argument("--quick-checks", action="store_true", help="4 of the 7 GPU checks")
     parser.add_argument("--decode", action="store_true",
-                        help="only decode shapes (1 and 8 rows): the op and its pieces with the default blocks, "
-                             "each timed as many calls in one program")
+                        help="only decode shapes (1 and 8 rows): the decode-sized GPU checks, then the op and its "
+                             "pieces with the default blocks, each timed as many calls in one program")
     parser.add_argument("--decode-sweep", action="store_true", help="--decode with the block sizes swept")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
@@ -269,12 +272,14 @@ def main() -> int:
         return 2
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     key = jax.random.key(7)
-    global QUICK_CHECKS
+    global QUICK_CHECKS, DECODE_CHECKS
     QUICK_CHECKS = args.quick_checks
+    DECODE_CHECKS = args.decode or args.decode_sweep
     checks = gpu_checks(key)
-    probe = copy_bandwidth()
-    print(f"XLA elementwise probe {probe / 1e12:.2f} TB/s; floors use {FLOOR_BANDWIDTH / 1e12:.1f} TB/s",
-          flush=True)
+    if not DECODE_CHECKS:
+        probe = copy_bandwidth()
+        print(f"XLA elementwise probe {probe / 1e12:.2f} TB/s; floors use {FLOOR_BANDWIDTH / 1e12:.1f} TB/s",
+              flush=True)
     bandwidth = FLOOR_BANDWIDTH
 
     start = time.perf_counter()

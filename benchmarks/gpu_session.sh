@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The checks owed after a session's CPU-only changes, one lent-H200 call per part (run from the repo root;
 # $OUT set by the device tool; everything also lands in $OUT/session.txt):
-#   bash benchmarks/gpu_session.sh mosaic   (~120 s) the Mosaic GPU score pass inside the indexer op (issue 15;
+#   bash benchmarks/gpu_session.sh kernels  (~270 s) the Mosaic GPU score pass inside the indexer op (issue 15;
 #       kernel.SCORE_PASS, the default): its tests compiled (the kernel bitwise against its reference; the op's
-#       picks equal the Triton pass's, incl. a candidate-masked layer), the op at 2,048 rows × 300 K with it, and
-#       the 2-layer prefill at 0 / 300,000 with it;
+#       picks equal the Triton pass's, incl. a candidate-masked layer), the op at 2,048 rows × 300 K with it;
+#       `bench_moe --decode` (issue 14: the routed experts at 1 and 8 rows, bf16 and fp4, after their GPU
+#       checks); the 2-layer prefill at 0 / 300,000 / ending at 1,048,576 (issues 15 and 22);
 #   bash benchmarks/gpu_session.sh decode   (~600 s) the GPU tests of the engine's decode paths
 #       (`tests/test_decode_step.py`, `tests/test_engine.py`, `tests/test_serve_slots.py`); `bench_decode`
 #       (issue 14): batches 1/8/32 at 0 and 300 K; `bench_compile` of the 40-layer decode step (issue 14's
@@ -12,15 +13,15 @@
 # Each step has its own time limit (seconds, overridable by the variables named below).
 set -u
 part=${1:-}
-if [[ "$part" != mosaic && "$part" != decode ]]; then
-  echo "usage: bash benchmarks/gpu_session.sh mosaic|decode" >&2
+if [[ "$part" != kernels && "$part" != decode ]]; then
+  echo "usage: bash benchmarks/gpu_session.sh kernels|decode" >&2
   exit 2
 fi
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 
-mosaic() {
+kernels() {
   echo "== Mosaic GPU score pass: tests"
   timeout ${TESTS_S:-120} python3 -m pytest -x -p no:cacheprovider -p no:randomly \
     pallas_kernels/indexer/test_mosaic.py > "$OUT/mosaic_tests.txt" 2>&1
@@ -29,9 +30,12 @@ mosaic() {
   timeout ${INDEXER_S:-60} python3 benchmarks/bench_indexer.py --rows 2048 --positions 300000 --ratios 1,2 \
     --repeats 3 --score-pass mosaic 2>&1 | grep -E "^\| 2048"
   date -u
-  echo "== profile 2 layers, pallas, mosaic score pass"
-  timeout ${PROFILE_S:-150} python3 -m dsv41_jax.profile --config dsv41_flash --layers 2 --world 1 \
-    --rows 2048 --position 0,300000 --impl pallas --repeats 7 --json-out "$OUT/profile_mosaic.json" 2>&1 \
+  echo "== bench_moe --decode"
+  timeout ${MOE_S:-90} python3 benchmarks/bench_moe.py --decode 2>&1 | grep -E "^check|whole op"
+  date -u
+  echo "== profile 2 layers, pallas (Mosaic score pass)"
+  timeout ${PROFILE_S:-200} python3 -m dsv41_jax.profile --config dsv41_flash --layers 2 --world 1 \
+    --rows 2048 --position 0,300000,1046528 --impl pallas --repeats 7 --json-out "$OUT/profile_prefill.json" 2>&1 \
     | grep -E '^==|median|floor'
 }
 

@@ -85,14 +85,16 @@ def test_lowers_for_cuda_at_the_release_shape():
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("case", ["two sequences, ratio 2", "candidate-masked", "candidate source"])
+@pytest.mark.parametrize("case", ["two sequences, ratio 2", "candidate-masked", "candidate source",
+                                  "maximum context"])
 def test_the_op_lowers_through_it_for_cuda(monkeypatch, case):
-    """With the switch on and the pass supported, the op's prefill launch (512 rows against 302 K keys) calls the
-    Mosaic GPU kernel once per sequence and lowers for CUDA (its plumbing: operand layouts, the candidate mask
-    applied per group, the candidate source's block maxima)."""
+    """With the switch on and the pass supported, the op's prefill launch (512 rows against 302 K keys; a 2,048-row
+    segment against 1,048,576 keys) calls the Mosaic GPU kernel once per sequence and launch and lowers for CUDA
+    (its plumbing: operand layouts, the candidate mask applied per group, the candidate source's block maxima)."""
     monkeypatch.setattr(kernel, "SCORE_PASS", "mosaic")
     monkeypatch.setattr(mosaic, "supported", lambda **kw: not kw["masked"])
-    b, t, n = (2, 512, 151_024) if case.startswith("two") else (1, 512, 302_048)
+    b, t, n = {"two sequences, ratio 2": (2, 512, 151_024), "maximum context": (1, 2048, 1 << 20)}.get(
+        case, (1, 512, 302_048))
     s = jax.ShapeDtypeStruct
     args = [s((b, t, 32, 128), jnp.bfloat16), s((b, t, 32), jnp.float32), s((b, n, 128), jnp.bfloat16),
             s((b, t), jnp.int32)]
