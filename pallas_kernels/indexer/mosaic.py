@@ -25,6 +25,7 @@ loaded nor scored (their groups are −∞).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,23 @@ def supported(*, group: int, head_dim: int, heads: int, masked: bool, score_dtyp
         return False
     if head_dim != HEAD_DIM or heads > 64 or jax.default_backend() != "gpu":
         return False
-    return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+    return getattr(jax.devices()[0], "compute_capability", None) == "9.0" and lowers_here()
+
+
+@functools.cache
+def lowers_here() -> bool:
+    """Whether this jax lowers the kernel for CUDA (a small instance, once a process): under a jax whose Mosaic GPU
+    API has moved on, the op falls back to the Triton pass with a warning instead of failing the whole program."""
+    s = jax.ShapeDtypeStruct
+    args = (s((2, BM, HEAD_DIM), jnp.bfloat16), s((2, BM), jnp.float32), s((1024, HEAD_DIM), jnp.bfloat16),
+            s((BM,), jnp.int32))
+    try:
+        jax.jit(maxima).trace(*args).lower(lowering_platforms=("cuda",))
+    except Exception as e:  # any failure means: not this kernel, here
+        warnings.warn(f"the indexer's Mosaic GPU score pass does not lower with jax {jax.__version__} "
+                      f"({type(e).__name__}: {str(e)[:200]}); the Triton pass runs instead", stacklevel=2)
+        return False
+    return True
 
 
 def permute_keys(keys):

@@ -76,6 +76,18 @@ def test_maxima_ragged_shapes_other_tilings_and_dead_steps():
     check(inputs(2, heads=3, t=t, n=n, nvis=nvis), splits=2)
 
 
+def test_a_jax_that_cannot_lower_it_falls_back_with_a_warning(monkeypatch):
+    """``lowers_here`` (part of ``supported``): True with this jax (a small instance lowers for CUDA); a kernel that
+    fails to lower (a jax whose Mosaic GPU API moved on) gives False and a warning, so the Triton pass runs."""
+    assert mosaic.lowers_here.__wrapped__()
+
+    def broken(*args, **kw):
+        raise NotImplementedError("no such Mosaic GPU primitive")
+    monkeypatch.setattr(mosaic, "maxima", broken)
+    with pytest.warns(UserWarning, match="Triton pass runs instead"):
+        assert not mosaic.lowers_here.__wrapped__()
+
+
 def test_lowers_for_cuda_at_the_release_shape():
     """2,048 rows × 302,048 keys, 32 heads of 128: the kernel traces and lowers to a Mosaic GPU call."""
     heads, t, n, d = 32, 2048, 302_048, 128
