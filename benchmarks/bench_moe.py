@@ -53,8 +53,8 @@ def timed(fn, *args, reps: int = 10) -> float:
 
 def timed_chained(fn, *args, reps: int = 100) -> float:
     """Seconds a call when ``reps`` calls run in one program: a loop whose every iteration takes the small
-    arguments through an optimization barrier with the previous result and selects on that result, so nothing is
-    hoisted, fused or dropped (the weights stay loop constants, never copied). The device time of a call too short for a host
+    arguments through an optimization barrier with the previous result and selects on each of its outputs, so
+    nothing is hoisted, fused or dropped (the weights stay loop constants, never copied). The device time of a call too short for a host
     dispatch per call (~50 µs) to be negligible (decode)."""
     leaves, tree = jax.tree.flatten(args)
     big = [leaf.nbytes > (64 << 20) for leaf in leaves]
@@ -66,8 +66,8 @@ def timed_chained(fn, *args, reps: int = 100) -> float:
 
         def body(_, small):
             small, out = jax.lax.optimization_barrier((small, call(small)))
-            # a select on the result that XLA cannot prove constant keeps the call alive
-            probe = jax.tree.leaves(out)[0].ravel()[0].astype(jnp.float32)
+            # a select on every output that XLA cannot prove constant keeps the whole call alive
+            probe = sum(leaf.ravel()[0].astype(jnp.float32) for leaf in jax.tree.leaves(out))
             small[0] = jnp.where(probe == 1234.5, small[0] + 1, small[0])
             return small
         return jax.lax.fori_loop(0, reps, body, small)

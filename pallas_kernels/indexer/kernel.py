@@ -68,7 +68,7 @@ from pallas_kernels.indexer.tiling import RESCORE_TILE, SELECT_BITS, SELECT_MAX,
 # The maxima pass of prefill launches on an H200: "mosaic" (``mosaic.py``, warp-specialised, wherever
 # ``mosaic.supported``; elsewhere the Triton pass) or "triton" (``_maxima_kernel``, every launch). Through the op on
 # the H200 (2026-12-02): 2,048 rows at 300 K 7.25 / 4.17 ms (ratio 1 / 2; Triton 10.16 / 5.58) and the 2-layer
-# prefill at 300 K 31.98 ms (Triton 36.4-36.9), picks equal (docs/BENCHMARKS.md). Read when the op is traced: set
+# prefill at 300 K 31.98 ms (Triton 36.4-37.1), picks equal (docs/BENCHMARKS.md). Read when the op is traced: set
 # it before the first call (the jitted op keeps what it traced).
 SCORE_PASS = "mosaic"
 

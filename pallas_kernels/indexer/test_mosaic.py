@@ -77,8 +77,8 @@ def test_maxima_ragged_shapes_other_tilings_and_dead_steps():
 
 
 def test_a_jax_that_cannot_lower_it_falls_back_with_a_warning(monkeypatch):
-    """``lowers_here`` (part of ``supported``): True with this jax (a small instance lowers for CUDA); a kernel that
-    fails to lower (a jax whose Mosaic GPU API moved on) gives False and a warning, so the Triton pass runs."""
+    """``lowers_here`` (the last condition of ``supported``): True with this jax (a small instance lowers for CUDA);
+    a kernel that fails to lower (a jax whose Mosaic GPU API moved on) gives False and a warning."""
     assert mosaic.lowers_here.__wrapped__()
 
     def broken(*args, **kw):
@@ -101,7 +101,7 @@ def test_lowers_for_cuda_at_the_release_shape():
                                   "maximum context"])
 def test_the_op_lowers_through_it_for_cuda(monkeypatch, case):
     """With the switch on and the pass supported, the op's prefill launch (512 rows against 302 K keys; a 2,048-row
-    segment against 1,048,576 keys) calls the Mosaic GPU kernel once per sequence and launch and lowers for CUDA
+    segment against 1,048,576 keys) calls the Mosaic GPU kernel (at least once a sequence) and lowers for CUDA
     (its plumbing: operand layouts, the candidate mask applied per group, the candidate source's block maxima)."""
     monkeypatch.setattr(kernel, "SCORE_PASS", "mosaic")
     monkeypatch.setattr(mosaic, "supported", lambda **kw: not kw["masked"])
