@@ -54,8 +54,8 @@ def timed(fn, *args, reps: int = 10) -> float:
 def timed_chained(fn, *args, reps: int = 100) -> float:
     """Seconds a call when ``reps`` calls run in one program: a loop whose every iteration takes the small
     arguments through an optimization barrier with the previous result and selects on each of its outputs, so
-    nothing is hoisted, fused or dropped (the weights stay loop constants, never copied). The device time of a call too short for a host
-    dispatch per call (~50 µs) to be negligible (decode)."""
+    nothing is hoisted, fused or dropped (the weights stay loop constants, never copied). The device time of a
+    call too short for a host dispatch per call (~50 µs) to be negligible (decode)."""
     leaves, tree = jax.tree.flatten(args)
     big = [leaf.nbytes > (64 << 20) for leaf in leaves]
 
@@ -197,22 +197,31 @@ def gpu_checks(key) -> list[str]:
     return lines
 
 
-def breakdown(label, x, ids, w, wts) -> None:
-    """Times of the pieces of the default path: plan, gate/up kernel, down kernel, gather-sum."""
+def piece_fns(cfg: KernelConfig):
+    """The op's pieces for ``cfg``, each jitted: plan(ids), x_in(x) (fp4: chunk-reordered), gate_up(plan, x_in,
+    weights), down(plan, act, weights), gather_sum(y_pairs, pair_pos, pair_valid, topk_weights)."""
     from pallas_kernels.moe import kernel as kern
     from pallas_kernels.moe import ops
     from pallas_kernels.moe.grouping import plan_tiles
-    cfg = default_config(ids.size, wts)
-    plan_fn = jax.jit(lambda i: plan_tiles(i, wts.num_experts, cfg.block_m))
+    return dict(
+        plan=jax.jit(lambda i: plan_tiles(i, E, cfg.block_m)),
+        x_in=lambda x, fp4: ops._even_odd_chunks(x, cfg.block_k) if fp4 else x,
+        gate_up=jax.jit(lambda p, xx, ww: kern.gate_up(
+            p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
+            limit=LIMIT, cfg=cfg, interpret=INTERPRET)),
+        down=jax.jit(lambda p, a, ww: kern.down(p, a, ww.w2, ww.w2_scale, dim=ww.dim, cfg=cfg,
+                                                 interpret=INTERPRET)),
+        gather_sum=jax.jit(ops._weighted_gather_sum))
+
+
+def breakdown(label, x, ids, w, wts) -> None:
+    """Times of the pieces of the default path: plan, gate/up kernel, down kernel, gather-sum."""
+    fns = piece_fns(default_config(ids.size, wts))
+    plan_fn, gate_up, down, gather = fns["plan"], fns["gate_up"], fns["down"], fns["gather_sum"]
     plan = plan_fn(ids)
-    xk = ops._even_odd_chunks(x, cfg.block_k) if wts.is_fp4 else x
-    gate_up = jax.jit(lambda p, xx, ww: kern.gate_up(
-        p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
-        limit=LIMIT, cfg=cfg, interpret=INTERPRET))
+    xk = fns["x_in"](x, wts.is_fp4)
     act = gate_up(plan, xk, wts)
-    down = jax.jit(lambda p, a, ww: kern.down(p, a, ww.w2, ww.w2_scale, dim=ww.dim, cfg=cfg, interpret=INTERPRET))
     y_pairs = down(plan, act, wts)
-    gather = jax.jit(ops._weighted_gather_sum)
     parts = dict(plan=timed(plan_fn, ids), gate_up=timed(gate_up, plan, xk, wts),
                  down=timed(down, plan, act, wts),
                  gather_sum=timed(gather, y_pairs, plan.pair_pos, plan.pair_valid, w))
@@ -220,7 +229,7 @@ def breakdown(label, x, ids, w, wts) -> None:
 
 
 def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_xla, hot=None,
-               do_breakdown=False, chained=False):
+               do_breakdown=False):
     kx, kr, kw = jax.random.split(key, 3)
     x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
     ids, w = make_routing(kr, rows, E, hot)
@@ -232,7 +241,7 @@ def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_
     for cfg_name, cfg in configs:
         try:
             fn = pallas_fn(cfg)
-            seconds = (timed_chained if chained else timed)(fn, x, ids, w, wts)
+            seconds = timed(fn, x, ids, w, wts)
             outs[cfg_name] = fn(x, ids, w, wts)
         except Exception as exc:  # a config that fails to compile should not end the run
             print(f"{label} {cfg_name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -285,12 +294,12 @@ def main() -> int:
     start = time.perf_counter()
     rows_out: list[dict] = []
 
-    def section(label, width, fp4, rows, configs, with_xla=False, hot=None, seed=0, chained=False):
+    def section(label, width, fp4, rows, configs, with_xla=False, hot=None, seed=0):
         if time.perf_counter() - start > args.time_budget:
             print(f"skipped (time budget): {label}", flush=True)
             return
         bench_case(rows_out, label, width, fp4, rows, bandwidth, jax.random.key(seed), configs,
-                   with_xla=with_xla, hot=hot, do_breakdown=args.breakdown, chained=chained)
+                   with_xla=with_xla, hot=hot, do_breakdown=args.breakdown)
         print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
 
     if args.decode or args.decode_sweep:
@@ -326,9 +335,6 @@ def decode_sweep(rows_out, rows, width, fp4, bandwidth, key, sweep: bool) -> Non
     """The op and its pieces at a decode shape (``timed_chained``): the plan, ``gate_up`` with the default
     blocks (and with ``sweep`` over DECODE_GATE_UP's (BF, BK, stages, warps)), ``down`` likewise (DECODE_DOWN's
     (BN, stages, warps)), the gather-sum."""
-    from pallas_kernels.moe import kernel as kern
-    from pallas_kernels.moe import ops
-    from pallas_kernels.moe.grouping import plan_tiles
     kx, kr, kw = jax.random.split(key, 3)
     x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
     ids, w = make_routing(kr, rows, E)
@@ -336,24 +342,21 @@ def decode_sweep(rows_out, rows, width, fp4, bandwidth, key, sweep: bool) -> Non
     touched = int(jnp.unique(ids).size)
     per_matrix = weight_bytes(wts, touched) / 3 / bandwidth
     base = default_config(ids.size, wts)
+    base_fns = piece_fns(base)
     label = f"{rows} rows F={width} {'fp4' if fp4 else 'bf16'}"
-    plan_fn = jax.jit(lambda i: plan_tiles(i, E, base.block_m))
-    plan = plan_fn(ids)
+    plan = base_fns["plan"](ids)
 
     def add(part, cfg_name, seconds, floor):
         rows_out.append(dict(case=f"{label} {part}", impl=cfg_name, ms=seconds * 1e3, floor_ms=floor * 1e3,
                              gbps=0.0 if not floor else floor * bandwidth / seconds / 1e9, touched=touched))
         print(rows_out[-1], flush=True)
 
-    add("plan", "", timed_chained(plan_fn, ids), 0.0)
+    add("plan", "", timed_chained(base_fns["plan"], ids), 0.0)
     act = None
     first = (base.block_f, base.block_k, base.gate_up_stages, base.gate_up_warps)
     for bf, bk, st, wp in [first] + [c for c in DECODE_GATE_UP if sweep and c != first]:
-        cfg = dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp)
-        xk = ops._even_odd_chunks(x, bk) if fp4 else x
-        fn = jax.jit(lambda p, xx, ww, cfg=cfg: kern.gate_up(
-            p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
-            limit=LIMIT, cfg=cfg, interpret=INTERPRET))
+        fns = piece_fns(dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp))
+        fn, xk = fns["gate_up"], fns["x_in"](x, fp4)
         try:
             add("gate_up", f"bf{bf} bk{bk} s{st} w{wp}", timed_chained(fn, plan, xk, wts), 2 * per_matrix)
         except Exception as exc:
@@ -363,13 +366,10 @@ def decode_sweep(rows_out, rows, width, fp4, bandwidth, key, sweep: bool) -> Non
             act = fn(plan, xk, wts)
     down_first = (base.block_n, base.down_stages, base.down_warps)
     for bn, st, wp in [down_first] + [c for c in DECODE_DOWN if sweep and c != down_first]:
-        cfg = dataclasses.replace(base, block_n=bn, down_stages=st, down_warps=wp)
-        fn = jax.jit(lambda p, a, ww, cfg=cfg: kern.down(p, a, ww.w2, ww.w2_scale, dim=ww.dim, cfg=cfg,
-                                                          interpret=INTERPRET))
+        fn = piece_fns(dataclasses.replace(base, block_n=bn, down_stages=st, down_warps=wp))["down"]
         add("down", f"bf{base.block_f} bn{bn} s{st} w{wp}", timed_chained(fn, plan, act, wts), per_matrix)
-    y_pairs = kern.down(plan, act, wts.w2, wts.w2_scale, dim=wts.dim, cfg=base, interpret=INTERPRET)
-    gather = jax.jit(ops._weighted_gather_sum)
-    add("gather-sum", "", timed_chained(gather, y_pairs, plan.pair_pos, plan.pair_valid, w), 0.0)
+    y_pairs = base_fns["down"](plan, act, wts)
+    add("gather-sum", "", timed_chained(base_fns["gather_sum"], y_pairs, plan.pair_pos, plan.pair_valid, w), 0.0)
     whole = pallas_fn(None)
     add("whole op", "default", timed_chained(whole, x, ids, w, wts), 3 * per_matrix)
 
