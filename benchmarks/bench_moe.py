@@ -3,6 +3,7 @@ kernel, the XLA implementation's grouped ``ragged_dot``) vs the weight-read floo
 
 PYTHONPATH=. python benchmarks/bench_moe.py [--quick] [--xla] [--breakdown] [--json PATH]
 PYTHONPATH=. python benchmarks/bench_moe.py --decode | --decode-sweep     # decode shapes only (1 and 8 rows)
+PYTHONPATH=. python benchmarks/bench_moe.py --prefill-sweep   # 2,048 rows at worlds 1/2's widths, blocks swept
 
 Shape (PLANNER.md §E, issue 7): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
 F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 8 rows. The floor is the
@@ -275,6 +276,8 @@ def main() -> int:
                         help="only decode shapes (1 and 8 rows): the decode-sized GPU checks, then the op and its "
                              "pieces with the default blocks, each timed as many calls in one program")
     parser.add_argument("--decode-sweep", action="store_true", help="--decode with the block sizes swept")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only 2,048 rows at F = 2,304 and 1,152 (worlds 1, 2), bf16: the pieces, block sizes swept")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("bench_moe.py needs a GPU (jax.default_backend() is %r)" % jax.default_backend(), file=sys.stderr)
@@ -305,8 +308,14 @@ def main() -> int:
     if args.decode or args.decode_sweep:
         for rows, width, formats in ((8, 576, (True, False)), (1, 1152, (True, False)), (1, 2304, (False,))):
             for fp4 in formats:
-                decode_sweep(rows_out, rows, width, fp4, bandwidth, jax.random.key(3), args.decode_sweep)
+                sweeps = (DECODE_GATE_UP, DECODE_DOWN) if args.decode_sweep else ((), ())
+                piece_sweep(rows_out, rows, width, fp4, bandwidth, jax.random.key(3), *sweeps)
                 print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        return _report(args, rows_out, checks, bandwidth)
+    if args.prefill_sweep:
+        for width in (2304, 1152):
+            piece_sweep(rows_out, ROWS, width, False, bandwidth, jax.random.key(4), PREFILL_GATE_UP, PREFILL_DOWN)
+            print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
         return _report(args, rows_out, checks, bandwidth)
 
     fp4_base = default_config(ROWS * K, make_weights(key, 576, True, 2, 64))
@@ -331,10 +340,10 @@ def main() -> int:
     return _report(args, rows_out, checks, bandwidth)
 
 
-def decode_sweep(rows_out, rows, width, fp4, bandwidth, key, sweep: bool) -> None:
-    """The op and its pieces at a decode shape (``timed_chained``): the plan, ``gate_up`` with the default
-    blocks (and with ``sweep`` over DECODE_GATE_UP's (BF, BK, stages, warps)), ``down`` likewise (DECODE_DOWN's
-    (BN, stages, warps)), the gather-sum."""
+def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), down_sweep=()) -> None:
+    """The op and its pieces at one shape, each timed as many calls in one program (``timed_chained``): the
+    plan, ``gate_up`` with the default blocks and each of ``gate_up_sweep``'s (BF, BK, stages, warps),
+    ``down`` likewise with ``down_sweep``'s (BF: its K chunk, BN, stages, warps), the gather-sum, the whole op."""
     kx, kr, kw = jax.random.split(key, 3)
     x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
     ids, w = make_routing(kr, rows, E)
@@ -354,7 +363,7 @@ def decode_sweep(rows_out, rows, width, fp4, bandwidth, key, sweep: bool) -> Non
     add("plan", "", timed_chained(base_fns["plan"], ids), 0.0)
     act = None
     first = (base.block_f, base.block_k, base.gate_up_stages, base.gate_up_warps)
-    for bf, bk, st, wp in [first] + [c for c in DECODE_GATE_UP if sweep and c != first]:
+    for bf, bk, st, wp in [first] + [c for c in gate_up_sweep if c != first]:
         fns = piece_fns(dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp))
         fn, xk = fns["gate_up"], fns["x_in"](x, fp4)
         try:
@@ -364,21 +373,31 @@ def decode_sweep(rows_out, rows, width, fp4, bandwidth, key, sweep: bool) -> Non
             continue
         if act is None:
             act = fn(plan, xk, wts)
-    down_first = (base.block_n, base.down_stages, base.down_warps)
-    for bn, st, wp in [down_first] + [c for c in DECODE_DOWN if sweep and c != down_first]:
-        fn = piece_fns(dataclasses.replace(base, block_n=bn, down_stages=st, down_warps=wp))["down"]
-        add("down", f"bf{base.block_f} bn{bn} s{st} w{wp}", timed_chained(fn, plan, act, wts), per_matrix)
+    down_first = (base.block_f, base.block_n, base.down_stages, base.down_warps)
+    for bf, bn, st, wp in [down_first] + [c for c in down_sweep if c != down_first]:
+        if fp4 and bf != base.block_f:  # fp4 act columns are ordered within BF chunks: act above fits base's BF
+            continue
+        fn = piece_fns(dataclasses.replace(base, block_f=bf, block_n=bn, down_stages=st, down_warps=wp))["down"]
+        try:
+            add("down", f"bf{bf} bn{bn} s{st} w{wp}", timed_chained(fn, plan, act, wts), per_matrix)
+        except Exception as exc:
+            print(f"{label} down bf{bf} bn{bn}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     y_pairs = base_fns["down"](plan, act, wts)
     add("gather-sum", "", timed_chained(base_fns["gather_sum"], y_pairs, plan.pair_pos, plan.pair_valid, w), 0.0)
     whole = pallas_fn(None)
     add("whole op", "default", timed_chained(whole, x, ids, w, wts), 3 * per_matrix)
 
 
-# (block_f, block_k, stages, warps) of gate_up and (block_n, stages, warps) of down in --decode-sweep
+# (block_f, block_k, stages, warps) of gate_up and (block_f, block_n, stages, warps) of down in --decode-sweep and
+# --prefill-sweep (bf16 shared memory a gate_up stage: (BM·BK + 2·BF·BK)·2 B; 227 KB a block on the H200)
 DECODE_GATE_UP = [(64, 64, 4, 4), (64, 128, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (64, 256, 4, 4),
                   (32, 128, 3, 4), (32, 256, 3, 4), (32, 256, 4, 4), (64, 512, 2, 4), (32, 512, 2, 4),
                   (128, 256, 3, 4), (64, 256, 3, 8)]
-DECODE_DOWN = [(128, 4, 4), (64, 4, 4), (256, 4, 4), (128, 2, 4), (128, 3, 4), (64, 2, 4), (256, 3, 8)]
+DECODE_DOWN = [(64, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 4), (64, 128, 2, 4), (64, 128, 3, 4), (64, 64, 2, 4),
+               (64, 256, 3, 8)]
+PREFILL_GATE_UP = [(64, 128, 3, 4), (128, 64, 4, 4), (128, 64, 5, 8), (64, 128, 4, 4), (128, 64, 3, 4)]
+PREFILL_DOWN = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 3, 4), (128, 64, 4, 4), (128, 256, 2, 8),
+                (128, 128, 2, 4)]
 
 
 def _report(args, rows_out, checks, bandwidth) -> int:

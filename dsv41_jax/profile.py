@@ -345,8 +345,8 @@ def _trace(req: Request, step, jax, measure) -> dict:
             "components": [{"source": s, "seconds": t} for s, t in trace.by_component(ops)],
             "layers": [{"scope": s, "seconds": t} for s, t in trace.by_layer(ops)],
             "parts": [{"part": s, "seconds": t} for s, t in trace.by_part(ops)],
-            "top_ops": [{"op": o.name, "source": o.source, "seconds": o.seconds, "launches": o.count}
-                        for o in ops[:40]]}
+            "ops": [{"op": o.name, "source": o.source, "seconds": o.seconds, "launches": o.count}
+                    for o in ops]}
 
 
 # -------------------------------------------------------------------------------------------------- printing
@@ -421,7 +421,7 @@ def _print_trace(t: dict, median_s, w) -> None:
         w("  by part: " + ", ".join(f"{c['part']} {c['seconds'] * 1e3:,.2f} ms" for c in t["parts"]) + "\n")
     if t.get("layers"):
         w("  by layer: " + ", ".join(f"{c['scope']} {100 * c['seconds'] / total:.0f} %" for c in t["layers"]) + "\n")
-    for o in t["top_ops"][:10]:
+    for o in t["ops"][:10]:
         w(f"    {o['seconds'] * 1e3:9.3f} ms {100 * o['seconds'] / total:5.1f} %  {o['op']:<36} {o['source']}\n")
 
 

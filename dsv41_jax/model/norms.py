@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -45,13 +47,18 @@ def f32_matmul(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
     return y[..., 0, :] + (y[..., 1, :] + y[..., 2, :])
 
 
+_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
 def rms_scale(x: jnp.ndarray, eps: float) -> jnp.ndarray:
     """(mean(x²) + eps)^(-1/2) over the last axis, f32 [..., 1]."""
     x = x.astype(jnp.float32)
     # 1/sqrt (both correctly rounded), as MLX computes it, rather than XLA's rsqrt, which is off by an ulp at
-    # times (the ulp flips bf16 roundings against mlx-lm). The barrier stops XLA rewriting 1/sqrt into rsqrt.
-    root = jax.lax.optimization_barrier(jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
-    return 1.0 / root
+    # times (the ulp flips bf16 roundings against mlx-lm). XLA rewrites 1/sqrt(v) into rsqrt(v), but not
+    # 1/max(sqrt(v), tiny): the same value (sqrt(v) >= sqrt(eps) > tiny; NaN stays NaN) that, unlike an
+    # optimization barrier, leaves the norm fusible (a barrier cost two extra launches a norm at decode).
+    root = jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return 1.0 / jnp.maximum(root, _TINY)
 
 
 def rms_normalize(x: jnp.ndarray, eps: float) -> jnp.ndarray:

@@ -104,7 +104,10 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     prefill-sized block, PLANNER.md §E), the rest the largest that divide.
 
     bf16 streams 128-wide K chunks (3 stages); fp4, dequantised in registers, did best with 64 (measured on an
-    H200: docs/BENCHMARKS.md). Decode-sized tiles (BM 16: under 4 rows an expert) stream 256-wide K chunks in
+    H200: docs/BENCHMARKS.md). Prefill-sized bf16 tiles (BM 64) of an F that 128 divides compute 128 act
+    columns a program from 64-wide K chunks, 4 stages: half the programs, so each gathered x row is read half
+    as often (H200, 2,048 rows at F = 2,304: ``gate_up`` 4.69 -> 4.35 ms, 1.03x its read floor;
+    BENCHMARKS.md "Routed experts at prefill sizes"). Decode-sized tiles (BM 16: under 4 rows an expert) stream 256-wide K chunks in
     both formats: each program then has twice to four times the bytes in flight per step, which is what a
     tile of one or two rows lacks (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row,
     F = 2,304: 0.084 -> 0.078 ms; BENCHMARKS.md "Routed experts at decode sizes").
@@ -119,6 +122,10 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     if weights.is_fp4:
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=block_f, block_n=block_n,
+            block_k=_largest_block(weights.dim, (64, 32), "model width D"))
+    if block_m == 64 and weights.width % 128 == 0:
+        return moe_kernel.KernelConfig(
+            block_m=block_m, block_f=128, block_n=block_n, gate_up_stages=4,
             block_k=_largest_block(weights.dim, (64, 32), "model width D"))
     return moe_kernel.KernelConfig(
         block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,

@@ -211,6 +211,7 @@ CASES = [
     ("decode-2-wide", 2, 6, 16, 64, 512, None, ()),   # decode-sized tiles: two 256-wide K chunks
     ("decode-37-uneven", 37, 4, 8, 160, 128, None, ()),
     ("segment-300", 300, 6, 16, 64, 128, None, ()),
+    ("segment-200-f256", 200, 6, 16, 256, 128, None, ()),  # prefill-sized blocks: 128 act columns, 64-wide K
     ("skewed-empty", 160, 2, 8, 96, 128, 3, (5, 6, 7)),
 ]
 
@@ -243,13 +244,17 @@ def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
     assert _rel_err(out, ref) <= REL_TOL
 
 
-def test_decode_sized_tiles_stream_256_wide_k_chunks():
-    """The default blocks the wide decode cases above run with (BM 16, BK 256) and a prefill-sized block's."""
+def test_default_blocks_the_cases_above_run_with():
+    """Decode-sized tiles (BM 16) stream 256-wide K chunks; prefill-sized bf16 tiles of an F that 128 divides
+    compute 128 act columns from 64-wide K chunks (``segment-200-f256``), other widths 64 from 128-wide ones."""
     rng = _rng()
     for weights in (_bf16_weights(rng, 16, 64, 512), _fp4_weights(rng, 16, 64, 512)):
         decode, segment = default_config(2 * 6, weights), default_config(2048 * 6, weights)
         assert (decode.block_m, decode.block_k, decode.gate_up_stages) == (16, 256, 3)
         assert segment.block_m == 64 and segment.block_k == (64 if weights.is_fp4 else 128)
+    wide = default_config(200 * 6, _bf16_weights(rng, 16, 256, 128))
+    assert (wide.block_m, wide.block_f, wide.block_k, wide.gate_up_stages) == (64, 128, 64, 4)
+    assert default_config(200 * 6, _fp4_weights(rng, 16, 256, 128)).block_f == 64
 
 
 def test_reference_is_the_deprecated_name_of_xla():

@@ -39,3 +39,23 @@ def test_fp8_rounding_point_inside_a_fusion():
     want = ((v / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale).reshape(x.shape)
     got = jax.jit(lambda a: fake_quant_fp8(a) * 2.0 + 1.0)(jnp.asarray(x))  # fused with its consumers
     np.testing.assert_array_equal((np.asarray(got) - 1.0) / 2.0, want)
+
+
+def test_rms_scale_is_one_over_sqrt_not_rsqrt_inside_a_fusion():
+    """``norms.rms_scale`` is 1/sqrt(mean(x²) + eps), as MLX computes it, also when fused with its consumer: the
+    same value as its sqrt and its division run as separate programs (on the CPU: both correctly rounded, as
+    numpy's float32 ones; XLA:GPU's own sqrt and divide are within an ulp, measured on the H200), never XLA's
+    rsqrt (its rewrite of 1/sqrt, off by an ulp at times). Integer inputs keep mean(x²) exact, so the expected
+    value does not depend on the summation order."""
+    from dsv41_jax.model.norms import rms_scale
+
+    eps = 1e-6
+    x = jnp.asarray(np.random.default_rng(2).integers(-64, 65, size=(20_000, 256)).astype(np.float32))
+    root = jax.jit(lambda a: jnp.sqrt(jnp.mean(a * a, axis=-1) + eps))(x)
+    want = np.asarray(jax.jit(lambda r: 1.0 / r)(root))
+    fused = jax.jit(lambda a: rms_scale(a, eps)[:, 0] * 2.0)  # a power-of-two scale: exact
+    np.testing.assert_array_equal(np.asarray(fused(x)) / 2.0, want)
+    assert " rsqrt(" not in fused.lower(x).compile().as_text()
+    if jax.default_backend() == "cpu":
+        ms = (np.asarray(x, np.float64) ** 2).mean(-1).astype(np.float32)  # exact: integer sums < 2**24, / 2**8
+        np.testing.assert_array_equal(want, np.float32(1.0) / np.sqrt(ms + np.float32(eps)))
