@@ -3,7 +3,7 @@ kernel, the XLA implementation's grouped ``ragged_dot``) vs the weight-read floo
 
 PYTHONPATH=. python benchmarks/bench_moe.py [--quick] [--xla] [--breakdown] [--json PATH]
 PYTHONPATH=. python benchmarks/bench_moe.py --decode | --decode-sweep     # decode shapes only (1 and 8 rows)
-PYTHONPATH=. python benchmarks/bench_moe.py --prefill-sweep   # 2,048 rows at worlds 1/2's widths, blocks swept
+PYTHONPATH=. python benchmarks/bench_moe.py --prefill-sweep [bf16|fp4]   # 2,048 rows only, block sizes swept
 
 Shape (PLANNER.md §E, issue 7): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
 F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 8 rows. The floor is the
@@ -276,8 +276,9 @@ def main() -> int:
                         help="only decode shapes (1 and 8 rows): the decode-sized GPU checks, then the op and its "
                              "pieces with the default blocks, each timed as many calls in one program")
     parser.add_argument("--decode-sweep", action="store_true", help="--decode with the block sizes swept")
-    parser.add_argument("--prefill-sweep", action="store_true",
-                        help="only 2,048 rows at F = 2,304 and 1,152 (worlds 1, 2), bf16: the pieces, block sizes swept")
+    parser.add_argument("--prefill-sweep", nargs="?", const="all", choices=("all", "bf16", "fp4"), default=None,
+                        help="only 2,048 rows: bf16 at F = 2,304 and 1,152 (worlds 1, 2), fp4 at 1,152 and 576 "
+                             "(worlds 2, 4): the pieces and the op, block sizes swept")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("bench_moe.py needs a GPU (jax.default_backend() is %r)" % jax.default_backend(), file=sys.stderr)
@@ -313,8 +314,14 @@ def main() -> int:
                 print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
         return _report(args, rows_out, checks, bandwidth)
     if args.prefill_sweep:
-        for width in (2304, 1152):
-            piece_sweep(rows_out, ROWS, width, False, bandwidth, jax.random.key(4), PREFILL_GATE_UP, PREFILL_DOWN)
+        for width, fp4 in ((2304, False), (1152, False), (1152, True), (576, True)):
+            if args.prefill_sweep != "all" and args.prefill_sweep != ("fp4" if fp4 else "bf16"):
+                continue
+            if fp4:  # fp4 act columns are ordered within BF chunks, so a BF is timed as a whole op (gate_up + down)
+                sweeps = (PREFILL_GATE_UP_FP4, (), PREFILL_WHOLE_FP4)
+            else:
+                sweeps = (PREFILL_GATE_UP, PREFILL_DOWN, ())
+            piece_sweep(rows_out, ROWS, width, fp4, bandwidth, jax.random.key(4), *sweeps)
             print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
         return _report(args, rows_out, checks, bandwidth)
 
@@ -340,10 +347,12 @@ def main() -> int:
     return _report(args, rows_out, checks, bandwidth)
 
 
-def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), down_sweep=()) -> None:
+def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), down_sweep=(),
+                whole_sweep=()) -> None:
     """The op and its pieces at one shape, each timed as many calls in one program (``timed_chained``): the
     plan, ``gate_up`` with the default blocks and each of ``gate_up_sweep``'s (BF, BK, stages, warps),
-    ``down`` likewise with ``down_sweep``'s (BF: its K chunk, BN, stages, warps), the gather-sum, the whole op."""
+    ``down`` likewise with ``down_sweep``'s (BF: its K chunk, BN, stages, warps), the gather-sum, the whole op
+    with the default blocks and with each of ``whole_sweep``'s (BF, BK, gate_up stages, gate_up warps)."""
     kx, kr, kw = jax.random.split(key, 3)
     x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
     ids, w = make_routing(kr, rows, E)
@@ -386,6 +395,13 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
     add("gather-sum", "", timed_chained(base_fns["gather_sum"], y_pairs, plan.pair_pos, plan.pair_valid, w), 0.0)
     whole = pallas_fn(None)
     add("whole op", "default", timed_chained(whole, x, ids, w, wts), 3 * per_matrix)
+    for bf, bk, st, wp in whole_sweep:
+        cfg = dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp)
+        try:
+            add("whole op", f"bf{bf} bk{bk} s{st} w{wp}", timed_chained(pallas_fn(cfg), x, ids, w, wts),
+                3 * per_matrix)
+        except Exception as exc:
+            print(f"{label} whole op bf{bf} bk{bk}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
 
 # (block_f, block_k, stages, warps) of gate_up and (block_f, block_n, stages, warps) of down in --decode-sweep and
@@ -398,6 +414,9 @@ DECODE_DOWN = [(64, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 4), (64, 128, 2, 4)
 PREFILL_GATE_UP = [(64, 128, 3, 4), (128, 64, 4, 4), (128, 64, 5, 8), (64, 128, 4, 4), (128, 64, 3, 4)]
 PREFILL_DOWN = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 3, 4), (128, 64, 4, 4), (128, 256, 2, 8),
                 (128, 128, 2, 4)]
+PREFILL_GATE_UP_FP4 = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 4, 8), (128, 64, 3, 8), (64, 128, 3, 4),
+                       (64, 64, 3, 8), (32, 64, 4, 4), (128, 128, 2, 8)]
+PREFILL_WHOLE_FP4 = [(128, 64, 4, 4), (128, 64, 4, 8), (64, 128, 3, 4)]
 
 
 def _report(args, rows_out, checks, bandwidth) -> int:

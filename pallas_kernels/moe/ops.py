@@ -103,14 +103,15 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     """Block sizes for this shape: BM by the mean rows per expert (at most ``block_m``, the plan's BM of a
     prefill-sized block, PLANNER.md §E), the rest the largest that divide.
 
-    bf16 streams 128-wide K chunks (3 stages); fp4, dequantised in registers, did best with 64 (measured on an
-    H200: docs/BENCHMARKS.md). Prefill-sized bf16 tiles (BM 64) of an F that 128 divides compute 128 act
-    columns a program from 64-wide K chunks, 4 stages: half the programs, so each gathered x row is read half
-    as often (H200, 2,048 rows at F = 2,304: ``gate_up`` 4.69 -> 4.35 ms, 1.03x its read floor;
-    BENCHMARKS.md "Routed experts at prefill sizes"). Decode-sized tiles (BM 16: under 4 rows an expert) stream 256-wide K chunks in
-    both formats: each program then has twice to four times the bytes in flight per step, which is what a
-    tile of one or two rows lacks (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row,
-    F = 2,304: 0.084 -> 0.078 ms; BENCHMARKS.md "Routed experts at decode sizes").
+    Prefill-sized tiles (BM 64) of an F that 128 divides compute 128 act columns a program from 64-wide K
+    chunks, 4 stages, in both formats: half the programs, so each gathered x row is read half as often (H200,
+    2,048 rows: bf16 at F = 2,304 ``gate_up`` 4.69 -> 4.19 ms, 0.99x its read floor; fp4 at F = 1,152 the op
+    4.44 -> 4.01 ms; BENCHMARKS.md "routed experts at prefill sizes"). Other widths: bf16 streams 128-wide K
+    chunks (3 stages) into 64 columns; fp4, dequantised in registers, did best with 64-wide chunks.
+    Decode-sized tiles (BM 16: under 4 rows an expert) stream 256-wide K chunks in both formats: each program
+    then has twice to four times the bytes in flight per step, which is what a tile of one or two rows lacks
+    (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row, F = 2,304: 0.084 -> 0.078
+    ms; BENCHMARKS.md "Routed experts at decode sizes").
     """
     block_m = min(default_block_m(num_pairs, weights.num_experts), block_m or 64)
     block_f = _largest_block(weights.width, (64, 32), "expert width F")
@@ -119,13 +120,13 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
             block_k=_largest_block(weights.dim, (256, 128, 64, 32), "model width D"))
-    if weights.is_fp4:
-        return moe_kernel.KernelConfig(
-            block_m=block_m, block_f=block_f, block_n=block_n,
-            block_k=_largest_block(weights.dim, (64, 32), "model width D"))
     if block_m == 64 and weights.width % 128 == 0:
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=128, block_n=block_n, gate_up_stages=4,
+            block_k=_largest_block(weights.dim, (64, 32), "model width D"))
+    if weights.is_fp4:
+        return moe_kernel.KernelConfig(
+            block_m=block_m, block_f=block_f, block_n=block_n,
             block_k=_largest_block(weights.dim, (64, 32), "model width D"))
     return moe_kernel.KernelConfig(
         block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
@@ -207,6 +208,7 @@ def routed_experts(
         check_offsets(weights)
     num_pairs = topk_ids.size
     cfg = config or default_config(num_pairs, weights, block_m)
+    _check_blocks(cfg, weights)
 
     plan = plan_tiles(topk_ids, weights.num_experts, cfg.block_m)
     x = x.astype(jnp.bfloat16)
@@ -219,6 +221,16 @@ def routed_experts(
     y_pairs = moe_kernel.down(
         plan, act, weights.w2, weights.w2_scale, dim=weights.dim, cfg=cfg, interpret=interpret)
     return _weighted_gather_sum(y_pairs, plan.pair_pos, plan.pair_valid, topk_weights)
+
+
+def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
+    """The kernels' grids cover F / BF and D / BN blocks and step over D / BK chunks: a block that does not
+    divide its width would leave columns uncomputed (on the H200, BF 128 at F = 576 gave a 33 % error)."""
+    for what, size, block in (("expert width F", weights.width, cfg.block_f),
+                              ("model width D", weights.dim, cfg.block_n),
+                              ("model width D", weights.dim, cfg.block_k)):
+        if size % block:
+            raise ValueError(f"{what} = {size} is not a multiple of the block {block} ({cfg})")
 
 
 def _weighted_gather_sum(y_pairs, pair_pos, pair_valid, topk_weights) -> jax.Array:

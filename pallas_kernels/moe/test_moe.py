@@ -231,7 +231,8 @@ def test_bf16_op_matches_oracle(impl, name, n, k, e, f, d, hot, empty):
     assert _rel_err(out, ref) <= REL_TOL
 
 
-@pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 96, 128), (2, 6, 16, 64, 512)], ids=["segment", "decode-wide"])
+@pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 96, 128), (2, 6, 16, 64, 512), (200, 6, 16, 256, 128)],
+                         ids=["segment", "decode-wide", "segment-f256"])
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
     rng = _rng()
@@ -245,8 +246,8 @@ def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
 
 
 def test_default_blocks_the_cases_above_run_with():
-    """Decode-sized tiles (BM 16) stream 256-wide K chunks; prefill-sized bf16 tiles of an F that 128 divides
-    compute 128 act columns from 64-wide K chunks (``segment-200-f256``), other widths 64 from 128-wide ones."""
+    """Decode-sized tiles (BM 16) stream 256-wide K chunks; prefill-sized tiles of an F that 128 divides compute
+    128 act columns from 64-wide K chunks in both formats (the ``f256`` cases), other widths 64 columns."""
     rng = _rng()
     for weights in (_bf16_weights(rng, 16, 64, 512), _fp4_weights(rng, 16, 64, 512)):
         decode, segment = default_config(2 * 6, weights), default_config(2048 * 6, weights)
@@ -254,7 +255,20 @@ def test_default_blocks_the_cases_above_run_with():
         assert segment.block_m == 64 and segment.block_k == (64 if weights.is_fp4 else 128)
     wide = default_config(200 * 6, _bf16_weights(rng, 16, 256, 128))
     assert (wide.block_m, wide.block_f, wide.block_k, wide.gate_up_stages) == (64, 128, 64, 4)
-    assert default_config(200 * 6, _fp4_weights(rng, 16, 256, 128)).block_f == 64
+    assert default_config(200 * 6, _fp4_weights(rng, 16, 256, 128)).block_f == 128
+    assert default_config(200 * 6, _bf16_weights(rng, 16, 192, 128)).block_f == 64
+
+
+@pytest.mark.parametrize("field", ["block_f", "block_n", "block_k"])
+def test_a_block_that_does_not_divide_its_width_is_refused(field):
+    """A grid of F / BF blocks with BF not dividing F would leave act columns uncomputed (BF 128 at F = 576
+    gave a 33 % error on the H200): an explicit config like that is refused, not run."""
+    import dataclasses
+    rng = _rng()
+    x, (ids, w), wts = _x(rng, 8, 192), _routing(rng, 8, 2, 4), _bf16_weights(rng, 4, 192, 192)
+    cfg = dataclasses.replace(default_config(16, wts), **{field: 128})
+    with pytest.raises(ValueError, match="not a multiple of the block 128"):
+        routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", config=cfg)
 
 
 def test_reference_is_the_deprecated_name_of_xla():
