@@ -28,7 +28,7 @@ import numpy as np
 
 from pallas_kernels.moe import ExpertWeights, routed_experts
 from pallas_kernels.moe.kernel import KernelConfig
-from pallas_kernels.moe.ops import default_config
+from pallas_kernels.moe.ops import _check_blocks, default_config
 from pallas_kernels.moe.reference import routed_experts_reference
 from pallas_kernels.registry import IMPLEMENTATIONS
 
@@ -38,6 +38,7 @@ FLOOR_BANDWIDTH = 4.3e12  # B/s: device-to-device copy measured on this H200 kin
 INTERPRET = False  # True only for a CPU dry run of this script
 QUICK_CHECKS = False
 DECODE_CHECKS = False  # --decode / --decode-sweep: the decode-sized checks only
+PREFILL_CHECKS = False  # --prefill-sweep: the checks of prefill-sized tiles with 128 act columns only
 
 
 def timed(fn, *args, reps: int = 10) -> float:
@@ -176,6 +177,8 @@ def gpu_checks(key) -> list[str]:
         cases = [cases[i] for i in (2, 4, 5, 6)]
     if DECODE_CHECKS:
         cases = [cases[i] for i in (0, 1, 4)]
+    elif PREFILL_CHECKS:
+        cases = [cases[i] for i in (3, 5)]
     lines = []
     ref_fn = jax.jit(routed_experts_reference, static_argnames="swiglu_limit")
     runs = {"pallas": pallas_fn(None), "xla": xla_fn}
@@ -285,11 +288,12 @@ def main() -> int:
         return 2
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     key = jax.random.key(7)
-    global QUICK_CHECKS, DECODE_CHECKS
+    global QUICK_CHECKS, DECODE_CHECKS, PREFILL_CHECKS
     QUICK_CHECKS = args.quick_checks
     DECODE_CHECKS = args.decode or args.decode_sweep
+    PREFILL_CHECKS = bool(args.prefill_sweep)
     checks = gpu_checks(key)
-    if not DECODE_CHECKS:
+    if not (DECODE_CHECKS or PREFILL_CHECKS):
         probe = copy_bandwidth()
         print(f"XLA elementwise probe {probe / 1e12:.2f} TB/s; floors use {FLOOR_BANDWIDTH / 1e12:.1f} TB/s",
               flush=True)
@@ -373,21 +377,28 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
     act = None
     first = (base.block_f, base.block_k, base.gate_up_stages, base.gate_up_warps)
     for bf, bk, st, wp in [first] + [c for c in gate_up_sweep if c != first]:
-        fns = piece_fns(dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp))
+        cfg = dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp)
+        fns = piece_fns(cfg)
         fn, xk = fns["gate_up"], fns["x_in"](x, fp4)
         try:
+            _check_blocks(cfg, wts)  # the pieces are called directly: a block that does not divide is not timed
             add("gate_up", f"bf{bf} bk{bk} s{st} w{wp}", timed_chained(fn, plan, xk, wts), 2 * per_matrix)
         except Exception as exc:
             print(f"{label} gate_up bf{bf} bk{bk}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
         if act is None:
             act = fn(plan, xk, wts)
+    if act is None:
+        print(f"{label}: the default gate_up failed; nothing more to time", flush=True)
+        return
     down_first = (base.block_f, base.block_n, base.down_stages, base.down_warps)
     for bf, bn, st, wp in [down_first] + [c for c in down_sweep if c != down_first]:
         if fp4 and bf != base.block_f:  # fp4 act columns are ordered within BF chunks: act above fits base's BF
             continue
-        fn = piece_fns(dataclasses.replace(base, block_f=bf, block_n=bn, down_stages=st, down_warps=wp))["down"]
+        cfg = dataclasses.replace(base, block_f=bf, block_n=bn, down_stages=st, down_warps=wp)
+        fn = piece_fns(cfg)["down"]
         try:
+            _check_blocks(cfg, wts)
             add("down", f"bf{bf} bn{bn} s{st} w{wp}", timed_chained(fn, plan, act, wts), per_matrix)
         except Exception as exc:
             print(f"{label} down bf{bf} bn{bn}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

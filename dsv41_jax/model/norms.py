@@ -55,8 +55,9 @@ def rms_scale(x: jnp.ndarray, eps: float) -> jnp.ndarray:
     x = x.astype(jnp.float32)
     # 1/sqrt (both correctly rounded on the CPU), as MLX computes it, rather than XLA's rsqrt, which is off by an
     # ulp at times (the ulp flips bf16 roundings against mlx-lm). XLA rewrites 1/sqrt(v) into rsqrt(v), but not
-    # 1/max(sqrt(v), tiny): the same value for eps > 0 (sqrt(v) >= sqrt(eps) > tiny; NaN stays NaN) that, unlike
-    # an optimization barrier, leaves the norm fusible (a barrier cost two extra launches a norm at decode).
+    # 1/max(sqrt(v), tiny): the same value for eps > 0 (sqrt(v) >= sqrt(eps) > tiny; NaN stays NaN: XLA's max
+    # propagates NaN unless its fast-min-max flags are set) that, unlike an optimization barrier, leaves the norm
+    # fusible (a barrier cost two extra launches a norm at decode).
     root = jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     return 1.0 / jnp.maximum(root, _TINY)
 

@@ -120,7 +120,7 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
             block_k=_largest_block(weights.dim, (256, 128, 64, 32), "model width D"))
-    if block_m == 64 and weights.width % 128 == 0:
+    if block_m == 64 and weights.width % 128 == 0:  # down then asks (64·128 + 128·128)·2 B × 4 = 192 KB of smem
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=128, block_n=block_n, gate_up_stages=4,
             block_k=_largest_block(weights.dim, (64, 32), "model width D"))
@@ -225,12 +225,15 @@ def routed_experts(
 
 def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
     """The kernels' grids cover F / BF and D / BN blocks and step over D / BK chunks: a block that does not
-    divide its width would leave columns uncomputed (on the H200, BF 128 at F = 576 gave a 33 % error)."""
+    divide its width would leave columns uncomputed (on the H200, BF 128 at F = 576 gave a 33 % error). fp4
+    K chunks (BK for gate_up, BF for down) also hold whole groups of 32 codes sharing one scale."""
     for what, size, block in (("expert width F", weights.width, cfg.block_f),
                               ("model width D", weights.dim, cfg.block_n),
                               ("model width D", weights.dim, cfg.block_k)):
         if size % block:
             raise ValueError(f"{what} = {size} is not a multiple of the block {block} ({cfg})")
+    if weights.is_fp4 and (cfg.block_k % 32 or cfg.block_f % 32):
+        raise ValueError(f"fp4 experts need block_k and block_f multiples of 32 (scale groups), got {cfg}")
 
 
 def _weighted_gather_sum(y_pairs, pair_pos, pair_valid, topk_weights) -> jax.Array:

@@ -262,13 +262,19 @@ def test_default_blocks_the_cases_above_run_with():
 @pytest.mark.parametrize("field", ["block_f", "block_n", "block_k"])
 def test_a_block_that_does_not_divide_its_width_is_refused(field):
     """A grid of F / BF blocks with BF not dividing F would leave act columns uncomputed (BF 128 at F = 576
-    gave a 33 % error on the H200): an explicit config like that is refused, not run."""
+    gave a 33 % error on the H200): an explicit config like that is refused, not run; so is an fp4 K chunk
+    that splits a scale group."""
     import dataclasses
     rng = _rng()
     x, (ids, w), wts = _x(rng, 8, 192), _routing(rng, 8, 2, 4), _bf16_weights(rng, 4, 192, 192)
     cfg = dataclasses.replace(default_config(16, wts), **{field: 128})
     with pytest.raises(ValueError, match="not a multiple of the block 128"):
         routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", config=cfg)
+    if field != "block_n":  # fp4 K chunks (BK for gate_up, BF for down) hold whole 32-code scale groups
+        fp4 = _fp4_weights(rng, 4, 64, 64)
+        cfg = dataclasses.replace(default_config(16, fp4), **{field: 16})
+        with pytest.raises(ValueError, match="multiples of 32"):
+            routed_experts(_x(rng, 8, 64), ids, w, fp4, swiglu_limit=LIMIT, impl="pallas", config=cfg)
 
 
 def test_reference_is_the_deprecated_name_of_xla():
