@@ -373,6 +373,17 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
                              gbps=0.0 if not floor else floor * bandwidth / seconds / 1e9, touched=touched))
         print(rows_out[-1], flush=True)
 
+    def add_tiling(part, cfg, name, floor, fn, *args) -> bool:
+        """Time ``fn(*args)`` for tiling ``cfg`` (refused unless its blocks divide: the pieces are called directly)
+        and add its row; a tiling that is refused or fails to compile is reported and skipped (False)."""
+        try:
+            _check_blocks(cfg, wts)
+            add(part, name, timed_chained(fn, *args), floor)
+            return True
+        except Exception as exc:
+            print(f"{label} {part} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            return False
+
     add("plan", "", timed_chained(base_fns["plan"], ids), 0.0)
     act = None
     first = (base.block_f, base.block_k, base.gate_up_stages, base.gate_up_warps)
@@ -380,13 +391,7 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
         cfg = dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp)
         fns = piece_fns(cfg)
         fn, xk = fns["gate_up"], fns["x_in"](x, fp4)
-        try:
-            _check_blocks(cfg, wts)  # the pieces are called directly: a block that does not divide is not timed
-            add("gate_up", f"bf{bf} bk{bk} s{st} w{wp}", timed_chained(fn, plan, xk, wts), 2 * per_matrix)
-        except Exception as exc:
-            print(f"{label} gate_up bf{bf} bk{bk}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            continue
-        if act is None:
+        if add_tiling("gate_up", cfg, f"bf{bf} bk{bk} s{st} w{wp}", 2 * per_matrix, fn, plan, xk, wts) and act is None:
             act = fn(plan, xk, wts)
     if act is None:
         print(f"{label}: the default gate_up failed; nothing more to time", flush=True)
@@ -396,23 +401,14 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
         if fp4 and bf != base.block_f:  # fp4 act columns are ordered within BF chunks: act above fits base's BF
             continue
         cfg = dataclasses.replace(base, block_f=bf, block_n=bn, down_stages=st, down_warps=wp)
-        fn = piece_fns(cfg)["down"]
-        try:
-            _check_blocks(cfg, wts)
-            add("down", f"bf{bf} bn{bn} s{st} w{wp}", timed_chained(fn, plan, act, wts), per_matrix)
-        except Exception as exc:
-            print(f"{label} down bf{bf} bn{bn}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        add_tiling("down", cfg, f"bf{bf} bn{bn} s{st} w{wp}", per_matrix, piece_fns(cfg)["down"], plan, act, wts)
     y_pairs = base_fns["down"](plan, act, wts)
     add("gather-sum", "", timed_chained(base_fns["gather_sum"], y_pairs, plan.pair_pos, plan.pair_valid, w), 0.0)
     whole = pallas_fn(None)
     add("whole op", "default", timed_chained(whole, x, ids, w, wts), 3 * per_matrix)
     for bf, bk, st, wp in whole_sweep:
         cfg = dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp)
-        try:
-            add("whole op", f"bf{bf} bk{bk} s{st} w{wp}", timed_chained(pallas_fn(cfg), x, ids, w, wts),
-                3 * per_matrix)
-        except Exception as exc:
-            print(f"{label} whole op bf{bf} bk{bk}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        add_tiling("whole op", cfg, f"bf{bf} bk{bk} s{st} w{wp}", 3 * per_matrix, pallas_fn(cfg), x, ids, w, wts)
 
 
 # (block_f, block_k, stages, warps) of gate_up and (block_f, block_n, stages, warps) of down in --decode-sweep and
