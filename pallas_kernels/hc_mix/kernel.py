@@ -66,7 +66,8 @@ def comb_pallas(logits: jnp.ndarray, iters: int, eps: float, *, block_rows: int 
     n = 1
     for d in lead:
         n *= d
-    rows = max(16, min(block_rows, pl.next_power_of_2(max(n, 1))))
+    # Mosaic GPU (pallas_call's default GPU backend) takes vectors of whole warpgroups: 128 rows at least
+    rows = max(128, min(block_rows, pl.next_power_of_2(max(n, 1))))
     padded = -(-n // rows) * rows
     x = logits.reshape(n, s * s).astype(jnp.float32).T  # [S·S, N]
     x = jnp.pad(x, ((0, 0), (0, padded - n)))

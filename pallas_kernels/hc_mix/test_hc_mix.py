@@ -74,3 +74,15 @@ def test_the_model_gives_the_same_logits_with_either_implementation():
         forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids, init_cache(cfg, 2, 8, "float32"))[0])
         logits.append(np.asarray(forward(state, ids)))
     np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_comb_lowers_for_a_gpu_at_decode_sizes(rows):
+    """pallas_call's default GPU backend (Mosaic GPU) takes vectors of whole warpgroups: the kernel's row tile is
+    128 rows at least (16, a decode step's, failed to lower on jax 0.10.2). Lowered for CUDA without a GPU."""
+    import functools
+
+    from pallas_kernels.hc_mix.kernel import comb_pallas
+
+    comb_gpu = functools.partial(comb_pallas, iters=20, eps=EPS, interpret=False)
+    jax.jit(comb_gpu).trace(jax.ShapeDtypeStruct((rows, 4, 4), jnp.float32)).lower(lowering_platforms=("cuda",))

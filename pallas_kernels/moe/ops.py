@@ -5,6 +5,7 @@ the tests' oracle only."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -209,14 +210,23 @@ def routed_experts(
     num_pairs = topk_ids.size
     cfg = config or default_config(num_pairs, weights, block_m)
     _check_blocks(cfg, weights)
+    return _routed_pallas(x, topk_ids, topk_weights, weights, swiglu_limit=float(swiglu_limit), cfg=cfg,
+                          interpret=interpret)
 
+
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "cfg", "interpret"))
+def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, *, swiglu_limit: float,
+                   cfg: moe_kernel.KernelConfig, interpret: bool) -> jax.Array:
+    """The Pallas path's device work as one jitted function: every layer calls it with the same shapes, so a
+    model program traces and lowers it once (its Triton kernels took ~40 ms a call to lower; 12 calls a
+    40-layer decode step)."""
     plan = plan_tiles(topk_ids, weights.num_experts, cfg.block_m)
     x = x.astype(jnp.bfloat16)
     if weights.is_fp4:
         x = _even_odd_chunks(x, cfg.block_k)
     act = moe_kernel.gate_up(
         plan, x, weights.w1, weights.w3, weights.w1_scale, weights.w3_scale,
-        width=weights.width, permute_out=weights.is_fp4, limit=float(swiglu_limit), cfg=cfg,
+        width=weights.width, permute_out=weights.is_fp4, limit=swiglu_limit, cfg=cfg,
         interpret=interpret)
     y_pairs = moe_kernel.down(
         plan, act, weights.w2, weights.w2_scale, dim=weights.dim, cfg=cfg, interpret=interpret)
