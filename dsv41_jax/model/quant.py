@@ -7,6 +7,9 @@ The e4m3 / e2m1 roundings themselves are the codec module's (``dsv41_jax.formats
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from ..formats import FP4_MAX, FP8_MAX, pow2_ceil, round_e2m1, round_to_e4m3  # the codecs (§C.1)
@@ -17,6 +20,8 @@ def _blocks(x: jnp.ndarray, block: int) -> jnp.ndarray:
     return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+# The rounding points are jitted: the layers call them alike, so a program traces and lowers each once a shape.
+@functools.partial(jax.jit, static_argnames="block")
 def fake_quant_fp8(x: jnp.ndarray, block: int = 32) -> jnp.ndarray:
     """e4m3 values with a power-of-two scale per block of ``block`` (rounding point #1: window KV)."""
     if x.shape[-1] % block:
@@ -28,6 +33,7 @@ def fake_quant_fp8(x: jnp.ndarray, block: int = 32) -> jnp.ndarray:
     return (y * scale).reshape(x.shape).astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("block", "e4m3_scale"))
 def fake_quant_fp4(x: jnp.ndarray, block: int, e4m3_scale: bool = False) -> jnp.ndarray:
     """e2m1 values with one scale per block of ``block``.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,14 +35,17 @@ def _digit_tables(inv_freq: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
 
-def rope_cos_sin(positions: jnp.ndarray, inv_freq) -> tuple[jnp.ndarray, jnp.ndarray]:
+# jitted: the layers call it alike (49 calls a 40-layer decode step), so a program traces and lowers it once a
+# distinct (positions shape, frequencies) — inv_freq must be hashable (``inv_frequencies`` gives a tuple)
+@functools.partial(jax.jit, static_argnames="inv_freq")
+def rope_cos_sin(positions: jnp.ndarray, inv_freq: tuple[float, ...]) -> tuple[jnp.ndarray, jnp.ndarray]:
     """cos, sin f32 [..., rope_dim/2] of positions·f_i for integer positions [...] with |p| < 2^24.
 
     p = Σ_l d_l·256^l; the per-digit cos/sin come from float64 host tables and are combined with the
     angle-addition formulas in f32, so the error is a few f32 ulps (~1e-7) at any position, not ~p·2^-24.
     Negative positions use cos(−φ) = cos φ, sin(−φ) = −sin φ.
     """
-    cos_t, sin_t = _digit_tables(tuple(float(f) for f in inv_freq))
+    cos_t, sin_t = _digit_tables(inv_freq)
     p = jnp.asarray(positions).astype(jnp.int32)
     magnitude = jnp.abs(p)
     cos = sin = None
@@ -65,7 +69,7 @@ def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq, *, inverse: boo
     """
     rope_dim = 2 * len(inv_freq)
     head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
-    cos, sin = rope_cos_sin(positions, inv_freq)  # [..., rope_dim/2]
+    cos, sin = rope_cos_sin(positions, tuple(float(f) for f in inv_freq))  # [..., rope_dim/2]
     if inverse:
         sin = -sin
     pairs = tail.astype(jnp.float32).reshape(*tail.shape[:-1], rope_dim // 2, 2)
