@@ -218,8 +218,8 @@ def routed_experts(
 def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, *, swiglu_limit: float,
                    cfg: moe_kernel.KernelConfig, interpret: bool) -> jax.Array:
     """The Pallas path's device work as one jitted function: every layer calls it with the same shapes, so a
-    model program traces and lowers it once (its Triton kernels took ~40 ms a call to lower; 12 calls a
-    40-layer decode step)."""
+    model program traces and lowers it once (12 calls a 40-layer decode step; each lowered its Triton kernels
+    again, ~40 ms a call on this repository's CPU host)."""
     plan = plan_tiles(topk_ids, weights.num_experts, cfg.block_m)
     x = x.astype(jnp.bfloat16)
     if weights.is_fp4:

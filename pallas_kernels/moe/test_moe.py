@@ -324,8 +324,8 @@ def test_offset_guard_refuses_one_byte_operands_between_2_and_4_gib():
 
 def test_layers_calling_the_op_alike_lower_its_kernels_once():
     """The model calls the op once a layer with the same shapes: one program lowers its two Triton kernels once,
-    not once a call (the 40-layer decode step: 32 → 10 Pallas custom calls, trace + lower 3.3–3.4 → 2.7–3.0 s on
-    this repository's CPU host, lowered for CUDA). Lowered here for CUDA without a GPU (``interpret=False``)."""
+    not once a call (the 40-layer decode step: 32 → 10 Pallas custom calls, trace + lower 2.35–2.70 → 1.79–1.99 s
+    on this repository's CPU host, lowered for CUDA). Lowered here for CUDA without a GPU (``interpret=False``)."""
     rng = _rng()
     w = _bf16_weights(rng, 16, 64, 128)
     ids, wts = _routing(rng, 1, 6, 16)
