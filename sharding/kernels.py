@@ -34,6 +34,7 @@ from sharding.rules import EXPERTS, activation_spec, active_layout, mesh_axes, p
 
 _ATTENTION = "layers.0.attn."        # any layer: every layer's tensors match the same rules
 _EXPERTS = "layers.0.ffn.experts."
+_STACKED_EXPERTS = "layers.0-1.ffn.experts."   # any stacked unit's: its layers' rule after the layer axis
 # The kernel's ExpertWeights fields (pallas_kernels/moe/ops.py) → the parameter each one is a view of.
 _EXPERT_FIELDS = {"w1": "w1", "w3": "w3", "w2": "w2", "w1_scale": "w1.scales", "w3_scale": "w3.scales",
                   "w2_scale": "w2.scales"}
@@ -83,36 +84,45 @@ def index_topk(q, w, keys, positions, kept_blocks=None, *, mesh: Mesh | None = N
 
 
 def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, mesh: Mesh | None = None,
-                   layout: str | None = None, op: Callable | None = None, **kwargs):
+                   layout: str | None = None, op: Callable | None = None, row=None, **kwargs):
     """y [N,D] f32 = op(...) with the expert weights split by ``layout`` and the partial sums all-reduced.
 
     ``weights``: a pytree of stacked expert arrays, ``ExpertWeights`` or a dict with its field names (w1/w3
     ``[E, F, ·]``, w2 ``[E, D, ·]``; packed fp4 codes and their scales follow the same axes); each leaf takes the
-    rule of the expert parameter it is a view of (``_EXPERT_FIELDS``).
+    rule of the expert parameter it is a view of (``_EXPERT_FIELDS``). With ``row`` (the op's: an int32 scalar),
+    the experts of a stack of layers ``[L, E, ...]`` (a scanned unit's parameters: their rule after the unsplit
+    layer axis) and this call's layer in it; ids stay the layer's own.
     """
     if op is None:
         from pallas_kernels.moe.ops import routed_experts as op
+    row_kwargs = {} if row is None else {"row": row}   # a shard_map operand (replicated) when there is a mesh
     mesh = _mesh(mesh)
     if mesh is None:
-        return op(x, topk_ids, topk_weights, weights, swiglu_limit=swiglu_limit, **kwargs)
+        return op(x, topk_ids, topk_weights, weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs)
     layout = active_layout() if layout is None else layout
-    weight_specs = jax.tree_util.tree_map_with_path(lambda path, a: _expert_spec(path, a, layout), weights)
+    stacked = row is not None
+    weight_specs = jax.tree_util.tree_map_with_path(lambda path, a: _expert_spec(path, a, layout, stacked),
+                                                    weights)
     whole_experts = mesh_axes((EXPERTS,), layout)[0] is not None
     y_spec = activation_spec("replicated", x.ndim)
 
-    def local(x, ids, w, local_weights):
+    def local(x, ids, w, local_weights, row_kwargs):
         if whole_experts:
-            ids, w = _local_experts(ids, w, jax.tree.leaves(local_weights)[0].shape[0])
-        y = op(x, ids, w, local_weights, swiglu_limit=swiglu_limit, **kwargs)
+            experts_here = jax.tree.leaves(local_weights)[0].shape[1 if stacked else 0]
+            ids, w = _local_experts(ids, w, experts_here)
+        y = op(x, ids, w, local_weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs)
         return jax.lax.psum(y.astype(jnp.float32), TP)
 
-    run = jax.shard_map(local, mesh=mesh, in_specs=(*_replicated(x, topk_ids, topk_weights), weight_specs),
+    row_specs = {k: activation_spec("replicated", 0) for k in row_kwargs}
+    run = jax.shard_map(local, mesh=mesh,
+                        in_specs=(*_replicated(x, topk_ids, topk_weights), weight_specs, row_specs),
                         out_specs=y_spec, check_vma=False)
-    return run(x, topk_ids, topk_weights, weights)
+    return run(x, topk_ids, topk_weights, weights, row_kwargs)
 
 
-def _expert_spec(path, leaf, layout: str):
-    """The rule-table spec of the expert parameter that leaf ``path`` of the kernel's weights is a view of."""
+def _expert_spec(path, leaf, layout: str, stacked: bool = False):
+    """The rule-table spec of the expert parameter that leaf ``path`` of the kernel's weights is a view of
+    (``stacked``: of a stacked unit's parameter, [L, ...])."""
     key = path[-1]
     field = str(getattr(key, "name", getattr(key, "key", key)))
     if field not in _EXPERT_FIELDS:
@@ -120,7 +130,7 @@ def _expert_spec(path, leaf, layout: str):
     name = _EXPERT_FIELDS[field]
     if "." not in name:
         name += ".codes" if leaf.dtype == jnp.uint8 else ".weight"
-    return param_spec(_EXPERTS + name, leaf.ndim, layout)
+    return param_spec((_STACKED_EXPERTS if stacked else _EXPERTS) + name, leaf.ndim, layout)
 
 
 def _local_experts(ids, w, experts_here: int):

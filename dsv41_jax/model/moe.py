@@ -136,19 +136,21 @@ class MoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, u: jnp.ndarray, is_image: jnp.ndarray | None = None) -> jnp.ndarray:
-        """u [B,T,D], is_image bool [B,T] or None -> [B,T,D] in u's dtype."""
+    def __call__(self, u: jnp.ndarray, is_image: jnp.ndarray | None = None, row=None) -> jnp.ndarray:
+        """u [B,T,D], is_image bool [B,T] or None -> [B,T,D] in u's dtype. ``row``: int32 scalar when the
+        routed experts hold a scanned unit's whole stack [L, E, ...] (``transformer._scan_run``): this
+        layer's row, read in place by the op."""
         flat = u.reshape(-1, u.shape[-1])
         ids, w = self.gate(flat, None if is_image is None else is_image.reshape(-1))
-        out = self._routed(flat, ids, w)
+        out = self._routed(flat, ids, w, row)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat).astype(jnp.float32)
         return out.reshape(u.shape).astype(u.dtype)
 
-    def _routed(self, x, ids, w) -> jnp.ndarray:
+    def _routed(self, x, ids, w, row) -> jnp.ndarray:
         if self.moe_impl == "pallas":
             # The sharding wrapper: inside shard_map under a sharded model (one f32 psum of y [N, D]),
             # the plain kernel op otherwise.
             return sharded_experts(x, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit, impl="pallas",
-                                   block_m=self.block_m)
-        return routed_experts(x, ids, w, self.experts.op_weights(), swiglu_limit=self.limit, impl="xla")
+                                   block_m=self.block_m, row=row)
+        return routed_experts(x, ids, w, self.experts.op_weights(), swiglu_limit=self.limit, impl="xla", row=row)

@@ -142,11 +142,12 @@ class Block(nnx.Module):
         return self.tiles is not None and mesh is not None and self.tiles.row_parallel(rows, mesh.size)
 
     def __call__(self, streams, pre_prev, seg: Segment, cache, csa: CsaState, is_image=None,
-                 engram: EngramInput | None = None, taps: dict | None = None):
+                 engram: EngramInput | None = None, taps: dict | None = None, expert_row=None):
         """streams [B,T,S,D], pre_prev f32 [B,T,S] (the previous sublayer's pre, §B.4), the CSA state of the
         layers before, is_image bool [B,T] or None (all text), engram rows (engram layers) -> (streams, pre of
         the FFN mix, new LayerCache, CSA state with this layer's entries). ``taps``: a dict this layer adds its
-        taps to ("entering": the stream mean after the engram; "u": the normed attention input)."""
+        taps to ("entering": the stream mean after the engram; "u": the normed attention input).
+        ``expert_row``: int32 scalar when this Block's routed experts are its unit's whole stack (``_scan_run``)."""
         if hasattr(self, "engram"):
             with jax.named_scope("engram"):  # §B.4: before the attention HC mix
                 streams = self.engram(streams, engram)
@@ -169,7 +170,7 @@ class Block(nnx.Module):
         with jax.named_scope("moe"):
             pre_f, post_f, comb_f = hc_mix(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...],
                                            self.hc_ffn_scale[...], **self.hc_kwargs)
-            y = self.ffn(whole(self.ffn_norm(collapse(streams, pre_a))), is_image)
+            y = self.ffn(whole(self.ffn_norm(collapse(streams, pre_a))), is_image, expert_row)
             return rows(expand(y, streams, post_f, comb_f)), pre_f, cache, csa
 
 
@@ -229,19 +230,29 @@ def _loop(body, carry, xs, n: int, scan: bool):
     return carry, _stack(ys)
 
 
-def _scan_run(graphdef, weights, caches, streams, pre, seg: Segment, csa: CsaState, is_image, taps: bool,
-              scan: bool):
-    """A run of n reuse layers: ``weights``, ``caches`` stacked [n, ...]. A reuse layer reads ``csa``
-    (published before the run) and publishes nothing. Returns (streams, pre, new caches [n, ...], entering
-    [n,B,T,D] or None)."""
+def _split_routed(block: Block):
+    """(graphdef, routed experts, other weights) of a stacked unit's Block. The loop slices the other weights a
+    layer a step; the routed experts stay the unit's whole stack [n, E, ...], which each layer's MoE op reads in
+    place at its row (``expert_row``): a loop-sliced layer of them is a copy of all E experts a layer every
+    step (H200: 40-layer decode with 24 experts a layer 56 ms a step, docs/BENCHMARKS.md "Scanned layers read
+    their experts in place")."""
+    return nnx.split(block, nnx.PathContains("experts"), ...)
+
+
+def _scan_run(graphdef, routed, weights, rows, caches, streams, pre, seg: Segment, csa: CsaState, is_image,
+              taps: bool, scan: bool):
+    """A run of n reuse layers: ``weights``, ``caches`` stacked [n, ...], ``rows`` int32 [n] the layers' rows of
+    the ``routed`` experts' stack (``_split_routed``). A reuse layer reads ``csa`` (published before the run)
+    and publishes nothing. Returns (streams, pre, new caches [n, ...], entering [n,B,T,D] or None)."""
     def body(carry, xs):
-        layer_weights, layer_cache = xs
+        row, layer_weights, layer_cache = xs
         tap = {} if taps else None
-        s, p, layer_cache, _ = nnx.merge(graphdef, layer_weights)(*carry, seg, layer_cache, csa, is_image, None, tap)
+        block = nnx.merge(graphdef, routed, layer_weights)
+        s, p, layer_cache, _ = block(*carry, seg, layer_cache, csa, is_image, None, tap, row)
         return (s, p), (layer_cache, tap["entering"] if taps else None)
 
     n = jax.tree.leaves(caches)[0].shape[0]
-    (streams, pre), (new, entering) = _loop(body, (streams, pre), (weights, caches), n, scan)
+    (streams, pre), (new, entering) = _loop(body, (streams, pre), (rows, weights, caches), n, scan)
     return streams, pre, new, entering
 
 
@@ -249,9 +260,10 @@ def _run_stacked(block: Block, caches: list, streams, pre, seg: Segment, csa: Cs
                  scan: bool):
     """The stacked run ``block`` (n layers) with its layers' caches (their rings are stacked on entry and split on
     exit). Returns (streams, pre, the n new LayerCaches, entering [n,B,T,D] or None)."""
-    graphdef, weights = nnx.split(block)
-    streams, pre, new, entering = _scan_run(graphdef, weights, _stack(caches), streams, pre, seg, csa, is_image,
-                                            taps, scan)
+    graphdef, routed, weights = _split_routed(block)
+    rows = jnp.arange(len(caches), dtype=jnp.int32)
+    streams, pre, new, entering = _scan_run(graphdef, routed, weights, rows, _stack(caches), streams, pre, seg,
+                                            csa, is_image, taps, scan)
     return streams, pre, _unstack(new, len(caches)), entering
 
 
@@ -266,20 +278,24 @@ def _run_groups(leads: Block, runs: Block, lead_caches: list, run_caches: list, 
     [G,B,T,D] and of the run layers [G·n,B,T,D], or None)."""
     g = len(lead_caches)
     n = len(run_caches) // g
-    lead_def, lead_weights = nnx.split(leads)
-    run_def, run_weights = nnx.split(runs)
+    lead_def, lead_routed, lead_weights = _split_routed(leads)
+    run_def, run_routed, run_weights = _split_routed(runs)
     lead_id = leads.attn.layer
     per_repeat = lambda tree: jax.tree.map(lambda a: a.reshape(g, n, *a.shape[1:]), tree)  # [G·n] -> [G, n]
     per_layer = lambda tree: jax.tree.map(lambda a: a.reshape(g * n, *a.shape[2:]), tree)  # [G, n] -> [G·n]
 
     def body(carry, xs):
-        lw, rw, lc, rc = xs
+        lead_row, lw, run_rows, rw, lc, rc = xs
         tap = {} if taps else None
-        s, p, lc, repeat_csa = nnx.merge(lead_def, lw)(*carry, seg, lc, csa, is_image, None, tap)
-        s, p, rc, run_entering = _scan_run(run_def, rw, rc, s, p, seg, repeat_csa, is_image, taps, scan)
+        lead = nnx.merge(lead_def, lead_routed, lw)
+        s, p, lc, repeat_csa = lead(*carry, seg, lc, csa, is_image, None, tap, lead_row)
+        s, p, rc, run_entering = _scan_run(run_def, run_routed, rw, run_rows, rc, s, p, seg, repeat_csa, is_image,
+                                           taps, scan)
         return (s, p), (lc, rc, repeat_csa.topk[lead_id], tap["entering"] if taps else None, run_entering)
 
-    xs = (lead_weights, per_repeat(run_weights), _stack(lead_caches), per_repeat(_stack(run_caches)))
+    rows = jnp.arange(g * n, dtype=jnp.int32).reshape(g, n)   # repeat r's run layers: rows r·n .. r·n + n - 1
+    xs = (jnp.arange(g, dtype=jnp.int32), lead_weights, rows, per_repeat(run_weights), _stack(lead_caches),
+          per_repeat(_stack(run_caches)))
     (streams, pre), (lc, rc, topk, lead_entering, run_entering) = _loop(body, (streams, pre), xs, g, scan)
     return (streams, pre, _unstack(lc, g), _unstack(per_layer(rc), g * n), topk, lead_entering,
             per_layer(run_entering))

@@ -187,6 +187,7 @@ def routed_experts(
     interpret: Optional[bool] = None,
     config: Optional[moe_kernel.KernelConfig] = None,
     block_m: Optional[int] = None,
+    row: Optional[jax.Array] = None,
 ) -> jax.Array:
     """y [N, D] f32 = sum_j w[n, j] * (bf16(act) . w2[e_nj]^T) (MODEL.md §B.10, PLANNER.md §E).
 
@@ -197,30 +198,58 @@ def routed_experts(
     g, u, act and each pair's w2 product rounded to it, as mlx-lm; fp4 decoded in it; ``config`` and
     ``interpret`` unused); "reference" is a deprecated name of "xla". ``block_m``: the plan's pairs per tile for
     prefill-sized blocks (``default_config``; ignored with an explicit ``config``).
+    row: with ``weights`` the experts of a stack of layers (every field [L, E, ...], a scanned unit's
+    parameters), the int32 scalar index of this call's layer. The kernel reads that layer's experts in place
+    (the stack seen as [L·E, ...], expert e of the layer at row·E + e): selecting the layer first would copy
+    all its E experts every call (docs/DESIGN.md "Scanned layers"). The XLA path selects the layer.
     """
     impl = registry.resolve(impl)
-    _check_shapes(x, topk_ids, topk_weights, weights)
+    stacked = row is not None
+    layer = _layer_shapes(weights) if stacked else weights
+    _check_shapes(x, topk_ids, topk_weights, layer)
     if impl == "xla":
-        w = weights.dequantized(x.dtype)
+        w = (layer_of(weights, row) if stacked else weights).dequantized(x.dtype)
         return routed_experts_xla(x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    flat = _layers_as_experts(weights) if stacked else weights
     if not interpret:
-        check_offsets(weights)
+        check_offsets(flat)
     num_pairs = topk_ids.size
-    cfg = config or default_config(num_pairs, weights, block_m)
-    _check_blocks(cfg, weights)
-    return _routed_pallas(x, topk_ids, topk_weights, weights, swiglu_limit=float(swiglu_limit), cfg=cfg,
-                          interpret=interpret)
+    cfg = config or default_config(num_pairs, layer, block_m)
+    _check_blocks(cfg, layer)
+    first = jnp.asarray(row, jnp.int32) * layer.num_experts if stacked else jnp.zeros((), jnp.int32)
+    return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=layer.num_experts,
+                          swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu_limit", "cfg", "interpret"))
-def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, *, swiglu_limit: float,
-                   cfg: moe_kernel.KernelConfig, interpret: bool) -> jax.Array:
+def layer_of(weights: ExpertWeights, row) -> ExpertWeights:
+    """Layer ``row`` of a stack of layers' experts (every field [L, E, ...]); a copy when ``row`` is traced."""
+    return jax.tree.map(lambda a: a[row], weights)
+
+
+def _layer_shapes(weights: ExpertWeights) -> ExpertWeights:
+    """One layer's shapes of a stack of layers' experts (``jax.ShapeDtypeStruct`` fields, for the checks)."""
+    if weights.w1.ndim != 4:
+        raise ValueError(f"row is given but w1 {tuple(weights.w1.shape)} is not a stack of layers [L, E, F, ·]")
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), weights)
+
+
+def _layers_as_experts(weights: ExpertWeights) -> ExpertWeights:
+    """A stack [L, E, ...] as L·E experts [L·E, ...] (a reshape of contiguous leading dims: no copy)."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), weights)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "swiglu_limit", "cfg", "interpret"))
+def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expert, *, num_experts: int,
+                   swiglu_limit: float, cfg: moe_kernel.KernelConfig, interpret: bool) -> jax.Array:
     """The Pallas path's device work as one jitted function: every layer calls it with the same shapes, so a
     model program traces and lowers it once (12 calls a 40-layer decode step; each lowered its Triton kernels
-    again, ~40 ms a call on this repository's CPU host)."""
-    plan = plan_tiles(topk_ids, weights.num_experts, cfg.block_m)
+    again, ~40 ms a call on this repository's CPU host). ``weights`` hold ``num_experts`` experts from
+    ``first_expert`` on (int32 scalar; a stack of layers' experts: the layer's first): the plan is the layer's,
+    its tiles point into the stack."""
+    plan = plan_tiles(topk_ids, num_experts, cfg.block_m)
+    plan = dataclasses.replace(plan, tile_expert=plan.tile_expert + first_expert)
     x = x.astype(jnp.bfloat16)
     if weights.is_fp4:
         x = _even_odd_chunks(x, cfg.block_k)

@@ -336,3 +336,56 @@ def test_layers_calling_the_op_alike_lower_its_kernels_once():
 
     text = jax.jit(two_layers).trace(_x(rng, 1, 128)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 2  # gate_up and down, once each
+
+
+def _stack(layers: list) -> ExpertWeights:
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("n", [2, 48], ids=["decode", "segment"])
+def test_a_layer_of_a_stack_equals_the_layer_alone(impl, fmt, n):
+    """A scanned unit passes its whole stack of experts [L, E, ...] and the layer's row (the kernel reads expert
+    e of the layer at row·E + e in place): the result equals the op on that layer's experts alone, for each row,
+    dropped pairs (id -1) included. The same tiles, operands and products; two programs XLA:CPU compiles apart
+    may order an f32 dot's sum differently (seen: ≤ 7.6e-6 absolute on outputs of norm ~50, f32 rounding of
+    sums of such terms), hence a relative error ≤ 1e-6 of the whole output; a wrong expert is off by O(1)."""
+    rng = _rng()
+    make = _fp4_weights if fmt == "fp4" else _bf16_weights
+    e, f, d = 8, 64, 128
+    layers = [make(rng, e, f, d) for _ in range(3)]
+    x = _x(rng, n, d)
+    ids, w = _routing(rng, n, 3, e, hot=2)
+    ids = ids.at[::5, 1].set(-1)
+    stack = _stack(layers)
+    run = jax.jit(lambda x, stack, row: routed_experts(x, ids, w, stack, swiglu_limit=LIMIT, impl=impl,
+                                                      interpret=True, row=row))
+    for row in range(3):
+        alone = _op(x, ids, w, layers[row], impl)
+        assert _rel_err(run(x, stack, jnp.int32(row)), alone) <= 1e-6
+
+
+def test_a_stack_needs_its_layer_axis():
+    rng = _rng()
+    w = _bf16_weights(rng, 8, 64, 128)
+    ids, wts = _routing(rng, 2, 3, 8)
+    with pytest.raises(ValueError, match="not a stack of layers"):
+        routed_experts(_x(rng, 2, 128), ids, wts, w, swiglu_limit=LIMIT, impl="pallas", interpret=True,
+                       row=jnp.int32(0))
+
+
+def test_a_stack_is_read_in_place():
+    """Lowered for CUDA (no GPU needed): the kernels take the whole stack, seen as [L·E, ...] (a reshape, no
+    copy); no slice of it is made (a layer's slice would copy all its experts every call)."""
+    rng = _rng()
+    stack = _stack([_bf16_weights(rng, 8, 64, 128) for _ in range(4)])
+    ids, wts = _routing(rng, 1, 3, 8)
+
+    def layer(x, stack, row):
+        return routed_experts(x, ids, wts, stack, swiglu_limit=LIMIT, impl="pallas", interpret=False, row=row)
+
+    text = jax.jit(layer).trace(_x(rng, 1, 128), stack, jnp.int32(2)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "tensor<32x64x128xbf16>" in text                        # the stack as 32 experts, passed whole
+    assert "dynamic_slice" not in text and "tensor<8x64x128xbf16>" not in text   # never one layer's slice
