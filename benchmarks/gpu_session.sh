@@ -10,11 +10,14 @@
 #       (`tests/test_decode_step.py`, `tests/test_engine.py`, `tests/test_serve_slots.py`); `bench_decode`
 #       (issue 14): batches 1/8/32 at 0 and 300 K; `bench_compile` of the 40-layer decode step (issue 14's
 #       <= 15 s); the 2-layer prefill and decode at 0 and 300,000 with a trace (issues 15 and 22).
+#   bash benchmarks/gpu_session.sh depth    (~250 s) the whole 40-layer model's decode step (24 routed experts a
+#       layer so bf16 fits one H200; its scanned units and loops as in the release): `bench_decode` at batches
+#       1 and 8, positions 0 and 300,000 (issue 14: a 2-layer cut has no scanned unit).
 # Each step has its own time limit (seconds, overridable by the variables named below).
 set -u
 part=${1:-}
-if [[ "$part" != kernels && "$part" != decode ]]; then
-  echo "usage: bash benchmarks/gpu_session.sh kernels|decode" >&2
+if [[ "$part" != kernels && "$part" != decode && "$part" != depth ]]; then
+  echo "usage: bash benchmarks/gpu_session.sh kernels|decode|depth" >&2
   exit 2
 fi
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
@@ -57,6 +60,13 @@ decode() {
     --position 0,300000 --decode --impl pallas --repeats 7 --trace /tmp/gpu_session_trace \
     --json-out "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
   grep -E '^==|median|floor|by part' "$OUT/profile.txt"
+}
+
+depth() {
+  echo "== bench_decode, 40 layers, 24 routed experts a layer, bf16"
+  timeout ${DEPTH_S:-240} python3 benchmarks/bench_decode.py --layers 40 --experts 24 --worlds 1 --batches 1,8 \
+    --positions 0,300000 --formats bf16 --tokens 64 --steps 32 --json-out "$OUT/depth.json" 2>&1 \
+    | grep -v "^WARNING" | tail -5
 }
 
 {

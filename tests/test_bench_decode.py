@@ -59,8 +59,19 @@ def test_quick_smoke_run_on_cpu(tmp_path, capsys, monkeypatch):
     assert "step tok/s" in capsys.readouterr().out
 
 
+def test_whole_depth_with_fewer_experts(tmp_path):
+    """``--experts``: the layers as configured (scanned units included) with fewer routed experts a layer (the
+    40-layer model on one H200); fewer than a token picks is refused."""
+    out = tmp_path / "decode.json"
+    assert bench.main(["--config", "tiny", "--layers", "99", "--experts", "4", "--quick", "--tokens", "2",
+                       "--steps", "1", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["routed_experts"] == 4 and report["rows"][0]["step_ms"] > 0
+    assert bench.main(["--config", "tiny", "--experts", "1", "--quick"]) == 2
+
+
 @pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--batches", "0"], ["--worlds", "64"],
-                                  ["--positions", "x"], ["--decode-chunks", "0"]])
+                                  ["--positions", "x"], ["--decode-chunks", "0"], ["--experts", "0"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)
