@@ -162,13 +162,18 @@ def _check_shapes(x, topk_ids, topk_weights, weights: ExpertWeights) -> None:
 _INT32_WRAP_BYTES = (2**31, 2**32)
 
 
+def _wraps(array) -> bool:
+    """True for an operand the Triton lowering would address with wrapping 32-bit offsets."""
+    lo, hi = _INT32_WRAP_BYTES
+    return array.dtype.itemsize == 1 and lo <= array.size <= hi
+
+
 def check_offsets(weights: ExpertWeights) -> None:
     """Refuse expert operands the Triton lowering would address past their end (see ``_INT32_WRAP_BYTES``)."""
-    lo, hi = _INT32_WRAP_BYTES
     for name in ("w1", "w3", "w2"):
         array = getattr(weights, name)
         size = array.size * array.dtype.itemsize
-        if array.dtype.itemsize == 1 and lo <= size <= hi:
+        if _wraps(array):
             raise ValueError(
                 f"the Pallas MoE kernel cannot address fp4 {name} of {size / 2**30:.2f} GiB on this rank "
                 f"{tuple(array.shape)}: the Triton lowering's 32-bit offsets wrap between 2 and 4 GiB of one-byte "
@@ -212,13 +217,19 @@ def routed_experts(
         return routed_experts_xla(x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    flat = _layers_as_experts(weights) if stacked else weights
+    flat, first = weights, jnp.zeros((), jnp.int32)
+    if stacked:
+        flat, first = _layers_as_experts(weights), jnp.asarray(row, jnp.int32) * layer.num_experts
+        if not interpret and any(_wraps(getattr(flat, name)) for name in ("w1", "w3", "w2")):
+            # One-byte codes of 2-4 GiB as a whole stack (the release's fp4 at world 4: units of 4 or 5 layers
+            # of 566 MB): the lowering's offsets would wrap, so this layer is read alone, a copy of its experts
+            # as before stacks were read in place (docs/DESIGN.md "Scanned layers" item 7).
+            flat, first = layer_of(weights, row), jnp.zeros((), jnp.int32)
     if not interpret:
         check_offsets(flat)
     num_pairs = topk_ids.size
     cfg = config or default_config(num_pairs, layer, block_m)
     _check_blocks(cfg, layer)
-    first = jnp.asarray(row, jnp.int32) * layer.num_experts if stacked else jnp.zeros((), jnp.int32)
     return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=layer.num_experts,
                           swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
 

@@ -389,3 +389,24 @@ def test_a_stack_is_read_in_place():
         lowering_platforms=("cuda",)).as_text()
     assert "tensor<32x64x128xbf16>" in text                        # the stack as 32 experts, passed whole
     assert "dynamic_slice" not in text and "tensor<8x64x128xbf16>" not in text   # never one layer's slice
+
+
+@pytest.mark.parametrize("layers,in_place", [(4, False), (12, True)])
+def test_fp4_stacks_of_2_to_4_gib_read_their_layer_alone(layers, in_place):
+    """Lowered for CUDA (abstract shapes, no memory): the release's fp4 experts at world 4 (384 experts, F = 576,
+    566 MB of codes a layer) as a stack of 4 layers (2.26 GB) would wrap the lowering's 32-bit offsets, so the
+    layer is sliced out (a copy, as before stacks were read in place); 12 layers (6.8 GB, 64-bit offsets) are
+    read in place."""
+    e, f, d = 384, 576, 5120
+    u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
+    stack = ExpertWeights(u8(layers, e, f, d // 2), u8(layers, e, f, d // 2), u8(layers, e, d, f // 2),
+                          u8(layers, e, f, d // 32), u8(layers, e, f, d // 32), u8(layers, e, d, f // 32))
+    ids, wts = _routing(_rng(), 1, 6, e)
+
+    def layer(x, stack, row):
+        return routed_experts(x, ids, wts, stack, swiglu_limit=LIMIT, impl="pallas", interpret=False, row=row)
+
+    x = jax.ShapeDtypeStruct((1, d), jnp.bfloat16)
+    text = jax.jit(layer).trace(x, stack, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    whole = f"tensor<{layers * e}x{f}x{d // 2}xui8>"
+    assert (whole in text) == in_place and ("dynamic_slice" in text) != in_place
