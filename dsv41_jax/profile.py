@@ -1,7 +1,7 @@
 """Where time and memory go: compile, analyse, time and trace the prefill and decode steps of a config.
 
     python -m dsv41_jax.profile --config tiny|dsv41_flash|FILE --world N --rows N --position P[,P2,...]
-        [--layers K] [--engram [--engram-table-rows N]] [--decode] [--impl xla|pallas]
+        [--layers K] [--experts E] [--engram [--engram-table-rows N]] [--decode] [--impl xla|pallas]
         [--dtype bfloat16|float32] [--batch B] [--repeats R] [--trace DIR] [--json] [--compile-only]
         [--fast-compile]
 
@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> Request:
                    help="keep the config's engram layers (the first one in a --layers cut), tables on the devices")
     p.add_argument("--engram-table-rows", type=int, default=None, metavar="N",
                    help="rows of each kept engram table (default: the config's; the release's are 98 GB each)")
+    p.add_argument("--experts", type=int, default=None, metavar="E",
+                   help="routed experts per layer (default: the config's; the 40-layer model fits one H200 in "
+                        "bf16 with 24, its scanned units as in the release)")
     p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
     p.add_argument("--impl", choices=("xla", "pallas", "reference"), default="xla", metavar="xla|pallas",
                    help="attention, MoE and indexer ops ('reference' = xla, deprecated)")
@@ -116,6 +119,7 @@ def parse_args(argv: list[str] | None) -> Request:
               (a.repeats >= 1, f"--repeats must be at least 1, got {a.repeats}"),
               (a.row_parallel_rows >= 0, f"--row-parallel-rows must be >= 0, got {a.row_parallel_rows}"),
               (a.layers is None or a.layers >= 1, f"--layers must be at least 1, got {a.layers}"),
+              (a.experts is None or a.experts >= 1, f"--experts must be at least 1, got {a.experts}"),
               (a.engram_table_rows is None or a.engram, "--engram-table-rows goes with --engram"),
               (a.engram_table_rows is None or a.engram_table_rows >= 1024,
                f"--engram-table-rows must be at least 1024, got {a.engram_table_rows}")]
@@ -128,6 +132,10 @@ def parse_args(argv: list[str] | None) -> Request:
     k = a.layers or cfg.num_hidden_layers
     layers = tuple(kept_layers(cfg, k, engram=a.engram))
     cfg = cut_layers(cfg, k, engram=a.engram, engram_table_rows=a.engram_table_rows)
+    if a.experts is not None:
+        if a.experts < cfg.num_experts_per_tok:
+            raise UsageError(f"--experts {a.experts} is fewer than the {cfg.num_experts_per_tok} a token picks")
+        cfg = cfg.replace(n_routed_experts=a.experts)
     last = max(positions) + a.rows
     if last > cfg.max_position_embeddings:
         raise UsageError(f"position {max(positions):,} + {a.rows:,} rows passes the model's "

@@ -98,6 +98,15 @@ def test_profile_fp4_experts_as_released(capsys):
     assert len({int(b) for b in np.asarray(w1.codes[...]).ravel()[:4096]}) > 200  # codes cover the bytes
 
 
+def test_fewer_experts_cut_the_expert_weights(capsys):
+    """``--experts``: the same layers with fewer routed experts (the 40-layer model on one H200): the planner's
+    weights shrink by the dropped experts' bytes exactly."""
+    cfg = cut_layers(load_named("tiny"), 4)
+    fewer = _run(capsys, "--world", "1", "--rows", "16", "--position", "0", "--experts", "4", "--compile-only")
+    assert fewer["weights_per_device"] == param_bytes_per_rank(cfg.replace(n_routed_experts=4), 1, 0)
+    assert fewer["weights_per_device"] < param_bytes_per_rank(cfg, 1, 0)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--world", "3"], "--world must be one of"),
     (["--rows", "0"], "--rows must be at least 1"),
@@ -108,6 +117,8 @@ def test_profile_fp4_experts_as_released(capsys):
     (["--engram"], "has no engram layers"),
     (["--config", "tiny_engram", "--engram-table-rows", "5000"], "goes with --engram"),
     (["--config", "tiny_engram", "--engram", "--engram-table-rows", "10"], "at least 1024"),
+    (["--experts", "0"], "--experts must be at least 1"),
+    (["--experts", "1"], "fewer than the 2 a token picks"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     assert main(["--config", "tiny", *argv] if "--config" not in argv else argv) == 2
