@@ -217,21 +217,35 @@ def routed_experts(
         return routed_experts_xla(x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    flat, first = weights, jnp.zeros((), jnp.int32)
+    flat, first, num_experts = weights, jnp.zeros((), jnp.int32), layer.num_experts
     if stacked:
         flat, first = _layers_as_experts(weights), jnp.asarray(row, jnp.int32) * layer.num_experts
-        if not interpret and any(_wraps(getattr(flat, name)) for name in ("w1", "w3", "w2")):
-            # One-byte codes of 2-4 GiB as a whole stack (the release's fp4 at world 4: units of 4 or 5 layers
-            # of 566 MB): the lowering's offsets would wrap, so this layer is read alone, a copy of its experts
-            # as before stacks were read in place (docs/DESIGN.md "Scanned layers" item 7).
-            flat, first = layer_of(weights, row), jnp.zeros((), jnp.int32)
+        if any(_wraps(getattr(flat, name)) for name in ("w1", "w3", "w2")):
+            flat, first, topk_ids, num_experts = _unwrapped(weights, row, topk_ids)
     if not interpret:
         check_offsets(flat)
     num_pairs = topk_ids.size
     cfg = config or default_config(num_pairs, layer, block_m)
     _check_blocks(cfg, layer)
-    return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=layer.num_experts,
+    return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=num_experts,
                           swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
+
+
+def _unwrapped(weights: ExpertWeights, row, topk_ids):
+    """Operands for a stack whose one-byte codes (2-4 GiB: the release's fp4 at world 4 in units of 4 or 5
+    layers of 566 MB) the lowering would address with wrapping offsets: a copy of what the call reads. Fewer
+    pairs than experts (decode): each pair's expert gathered [P, ...] (8.8 MB for one row's 6 instead of the
+    layer's 566 MB) and the pairs' ids renamed p -> p; otherwise the layer's experts. Returns (weights, first
+    expert, ids, experts); dropped pairs (ids outside [0, E)) stay dropped."""
+    e = weights.w1.shape[1]
+    if topk_ids.size >= e:
+        return layer_of(weights, row), jnp.zeros((), jnp.int32), topk_ids, e
+    ids = topk_ids.reshape(-1)
+    valid = (ids >= 0) & (ids < e)
+    source = jnp.asarray(row, jnp.int32) * e + jnp.where(valid, ids, 0)
+    gathered = jax.tree.map(lambda a: jnp.take(a, source, axis=0), _layers_as_experts(weights))
+    renamed = jnp.where(valid, jnp.arange(ids.size, dtype=ids.dtype), -1).reshape(topk_ids.shape)
+    return gathered, jnp.zeros((), jnp.int32), renamed, ids.size
 
 
 def layer_of(weights: ExpertWeights, row) -> ExpertWeights:

@@ -392,11 +392,11 @@ def test_a_stack_is_read_in_place():
 
 
 @pytest.mark.parametrize("layers,in_place", [(4, False), (12, True)])
-def test_fp4_stacks_of_2_to_4_gib_read_their_layer_alone(layers, in_place):
+def test_fp4_stacks_of_2_to_4_gib_copy_only_what_the_call_reads(layers, in_place):
     """Lowered for CUDA (abstract shapes, no memory): the release's fp4 experts at world 4 (384 experts, F = 576,
-    566 MB of codes a layer) as a stack of 4 layers (2.26 GB) would wrap the lowering's 32-bit offsets, so the
-    layer is sliced out (a copy, as before stacks were read in place); 12 layers (6.8 GB, 64-bit offsets) are
-    read in place."""
+    566 MB of codes a layer) as a stack of 4 layers (2.26 GB) would wrap the lowering's 32-bit offsets, so a
+    decode call gathers the experts its 6 pairs read (6 × 1.5 MB, not the stack, not the layer); 12 layers
+    (6.8 GB, 64-bit offsets) are read in place."""
     e, f, d = 384, 576, 5120
     u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
     stack = ExpertWeights(u8(layers, e, f, d // 2), u8(layers, e, f, d // 2), u8(layers, e, d, f // 2),
@@ -408,5 +408,24 @@ def test_fp4_stacks_of_2_to_4_gib_read_their_layer_alone(layers, in_place):
 
     x = jax.ShapeDtypeStruct((1, d), jnp.bfloat16)
     text = jax.jit(layer).trace(x, stack, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
-    whole = f"tensor<{layers * e}x{f}x{d // 2}xui8>"
-    assert (whole in text) == in_place and ("dynamic_slice" in text) != in_place
+    whole, gathered = f"tensor<{layers * e}x{f}x{d // 2}xui8>", f"tensor<6x{f}x{d // 2}xui8>"
+    assert whole in text and (gathered in text) != in_place   # the stack (as [L·E, ...]) is read or gathered from
+    assert f"tensor<{e}x{f}x{d // 2}xui8>" not in text          # never the whole layer at decode
+
+
+@pytest.mark.parametrize("n", [2, 48], ids=["decode-gathers-the-pairs-experts", "segment-copies-the-layer"])
+def test_a_stack_the_lowering_cannot_address_still_equals_the_layer_alone(monkeypatch, n):
+    """The operands of a stack whose offsets would wrap (forced here on small arrays): a call of fewer pairs than
+    experts runs on its pairs' experts gathered and renamed, a larger one on the layer's experts; both equal the
+    op on the layer alone, dropped pairs included (tolerance: test_a_layer_of_a_stack_equals_the_layer_alone)."""
+    from pallas_kernels.moe import ops
+    monkeypatch.setattr(ops, "_wraps", lambda array: True)
+    rng = _rng()
+    layers = [_fp4_weights(rng, 8, 64, 128) for _ in range(3)]
+    x = _x(rng, n, 128)
+    ids, w = _routing(rng, n, 3, 8, hot=2)
+    ids = ids.at[::5, 1].set(-1)
+    run = jax.jit(lambda x, stack, row: routed_experts(x, ids, w, stack, swiglu_limit=LIMIT, impl="pallas",
+                                                      interpret=True, row=row))
+    for row in range(3):
+        assert _rel_err(run(x, _stack(layers), jnp.int32(row)), _op(x, ids, w, layers[row], "pallas")) <= 1e-6
