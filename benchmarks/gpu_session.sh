@@ -10,7 +10,8 @@
 #       (`tests/test_decode_step.py`, `tests/test_engine.py`, `tests/test_serve_slots.py`); `bench_decode`
 #       (issue 14): batches 1/8/32 at 0 and 300 K; `bench_compile` of the 40-layer decode step (issue 14's
 #       <= 15 s); the 2-layer prefill and decode at 0 and 300,000 with a trace (issues 15 and 22).
-#   bash benchmarks/gpu_session.sh depth    (~300 s) the whole 40-layer model's decode step (24 routed experts a
+#   bash benchmarks/gpu_session.sh depth    (~420 s) the GPU tests of large expert stacks (`test_moe.py -k
+#       on_the_gpu`); the whole 40-layer model's decode step (24 routed experts a
 #       layer so bf16 fits one H200; its scanned units and loops as in the release): `bench_decode` at batches
 #       1 and 8, positions 0 and 300,000 (issue 14: a 2-layer cut has no scanned unit); `bench_hc_product` (the
 #       HC product at few rows, both ways f32_matmul runs it: sets norms.SPLIT_MIN_ROWS by measurement).
@@ -64,6 +65,10 @@ decode() {
 }
 
 depth() {
+  echo "== large expert stacks on the GPU (read in place; fp4 stacks of 2-4 GiB gather the pairs' experts)"
+  timeout ${STACK_S:-150} python3 -m pytest -q -x -p no:cacheprovider pallas_kernels/moe/test_moe.py \
+    -k on_the_gpu > "$OUT/stack_tests.txt" 2>&1
+  echo "tests exit status $? (log: stack_tests.txt)"; date -u
   echo "== bench_decode, 40 layers, 24 routed experts a layer, bf16"
   timeout ${DEPTH_S:-240} python3 benchmarks/bench_decode.py --layers 40 --experts 24 --worlds 1 --batches 1,8 \
     --positions 0,300000 --formats bf16 --tokens 64 --steps 32 --json-out "$OUT/depth.json" 2>&1 \

@@ -429,3 +429,38 @@ def test_a_stack_the_lowering_cannot_address_still_equals_the_layer_alone(monkey
                                                       interpret=True, row=row))
     for row in range(3):
         assert _rel_err(run(x, _stack(layers), jnp.int32(row)), _op(x, ids, w, layers[row], "pallas")) <= 1e-6
+
+
+def _random_stack(key, fmt: str, layers: int, e: int, f: int, d: int) -> ExpertWeights:
+    k1, k2, k3 = jax.random.split(key, 3)
+    if fmt == "bf16":
+        w = lambda k, *s: (jax.random.normal(k, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+        return ExpertWeights(w(k1, layers, e, f, d), w(k2, layers, e, f, d), w(k3, layers, e, d, f))
+    codes = lambda k, *s: jax.random.randint(k, s, 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = lambda *s: jnp.full(s, 121, jnp.uint8)
+    return ExpertWeights.from_fp4(codes(k1, layers, e, f, d // 2), scales(layers, e, f, d // 32),
+                                  codes(k2, layers, e, f, d // 2), scales(layers, e, f, d // 32),
+                                  codes(k3, layers, e, d, f // 2), scales(layers, e, d, f // 32))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels' addressing of large stacks")
+@pytest.mark.parametrize("fmt,layers,e,f,rows", [
+    ("bf16", 12, 24, 2304, 1), ("bf16", 12, 24, 2304, 64),    # 6.8 GB a tensor: 64-bit offsets, read in place
+    ("fp4", 12, 96, 2304, 8),                                    # 6.8 GB of codes: in place
+    ("fp4", 4, 384, 576, 1), ("fp4", 4, 384, 576, 8)])          # 2.26 GB of codes: the pairs' experts gathered
+def test_large_stacks_on_the_gpu_equal_the_layer_alone(fmt, layers, e, f, rows):
+    """On the GPU, the compiled kernels (not interpret mode) on stacks past the lowering's 32-bit offsets (read
+    in place) and inside its wrapping window (decode calls gather their pairs' experts): layers 0, the middle and
+    the last equal the op on that layer alone, bitwise (H200, 2026-12-02: the in-place cases; the gathered ones
+    are new)."""
+    d = 5120
+    stack = _random_stack(jax.random.key(0), fmt, layers, e, f, d)
+    x = (jax.random.normal(jax.random.key(1), (rows, d), jnp.float32)).astype(jnp.bfloat16)
+    ids = jnp.stack([jax.random.permutation(jax.random.key(2 + i), e)[:6] for i in range(rows)]).astype(jnp.int32)
+    w = jnp.full((rows, 6), 0.3, jnp.float32)
+    stacked = jax.jit(lambda x, st, r: routed_experts(x, ids, w, st, swiglu_limit=LIMIT, row=r))
+    alone = jax.jit(lambda x, one: routed_experts(x, ids, w, one, swiglu_limit=LIMIT))
+    for row in (0, layers // 2, layers - 1):
+        one = jax.tree.map(lambda a: a[row], stack)
+        np.testing.assert_array_equal(np.asarray(stacked(x, stack, jnp.int32(row))), np.asarray(alone(x, one)))
+        del one
