@@ -168,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         _one_kernel_per_op()
     a = parse_args(argv)
     try:
-        cfg = cut_layers(load_named(a.config), a.layers)
-        if a.experts is not None:
-            if a.experts < cfg.num_experts_per_tok:
-                raise ConfigError(f"--experts {a.experts} is fewer than the {cfg.num_experts_per_tok} a token picks")
-            cfg = cfg.replace(n_routed_experts=a.experts)
+        cfg = cut_layers(load_named(a.config), a.layers, routed_experts=a.experts)
     except (ConfigError, OSError, ValueError) as e:
         print(f"bench_decode: {e}", file=sys.stderr)
         return 2

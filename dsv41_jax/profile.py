@@ -131,11 +131,7 @@ def parse_args(argv: list[str] | None) -> Request:
         raise UsageError(f"--engram: config {a.config!r} has no engram layers")
     k = a.layers or cfg.num_hidden_layers
     layers = tuple(kept_layers(cfg, k, engram=a.engram))
-    cfg = cut_layers(cfg, k, engram=a.engram, engram_table_rows=a.engram_table_rows)
-    if a.experts is not None:
-        if a.experts < cfg.num_experts_per_tok:
-            raise UsageError(f"--experts {a.experts} is fewer than the {cfg.num_experts_per_tok} a token picks")
-        cfg = cfg.replace(n_routed_experts=a.experts)
+    cfg = cut_layers(cfg, k, engram=a.engram, engram_table_rows=a.engram_table_rows, routed_experts=a.experts)
     last = max(positions) + a.rows
     if last > cfg.max_position_embeddings:
         raise UsageError(f"position {max(positions):,} + {a.rows:,} rows passes the model's "

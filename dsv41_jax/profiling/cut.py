@@ -23,13 +23,18 @@ from __future__ import annotations
 from dsv41_jax.config import ConfigError, ModelConfig
 
 
-def cut_layers(cfg: ModelConfig, k: int, *, engram: bool = False, engram_table_rows: int | None = None
-               ) -> ModelConfig:
+def cut_layers(cfg: ModelConfig, k: int, *, engram: bool = False, engram_table_rows: int | None = None,
+               routed_experts: int | None = None) -> ModelConfig:
     """``cfg`` cut to ``k`` decoder layers (see the module docstring); validates; ``k`` ≥ the layer count
-    returns ``cfg`` with DSpark (and, unless ``engram``, Engram) dropped."""
+    returns ``cfg`` with DSpark (and, unless ``engram``, Engram) dropped. ``routed_experts``: that many routed
+    experts a layer instead of the config's (the whole 40-layer model fits one H200 in bf16 with 24; a token
+    still reads its top-k of them)."""
     if k < 1:
         raise ConfigError(f"--layers must be at least 1, got {k}")
-    return _renumber(cfg, kept_layers(cfg, k, engram=engram), engram, engram_table_rows)
+    if routed_experts is not None and routed_experts < cfg.num_experts_per_tok:
+        raise ConfigError(f"--experts {routed_experts} is fewer than the {cfg.num_experts_per_tok} a token picks")
+    cut = _renumber(cfg, kept_layers(cfg, k, engram=engram), engram, engram_table_rows)
+    return cut if routed_experts is None else cut.replace(n_routed_experts=routed_experts)
 
 
 def kept_layers(cfg: ModelConfig, k: int, *, engram: bool = False) -> list[int]:

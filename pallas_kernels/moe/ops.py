@@ -221,7 +221,7 @@ def routed_experts(
     if stacked:
         flat, first = _layers_as_experts(weights), jnp.asarray(row, jnp.int32) * layer.num_experts
         if any(_wraps(getattr(flat, name)) for name in ("w1", "w3", "w2")):
-            flat, first, topk_ids, num_experts = _unwrapped(weights, row, topk_ids)
+            flat, first, topk_ids, num_experts = _unwrapped(weights, flat, row, topk_ids)
     if not interpret:
         check_offsets(flat)
     num_pairs = topk_ids.size
@@ -231,19 +231,20 @@ def routed_experts(
                           swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
 
 
-def _unwrapped(weights: ExpertWeights, row, topk_ids):
+def _unwrapped(weights: ExpertWeights, flat: ExpertWeights, row, topk_ids):
     """Operands for a stack whose one-byte codes (2-4 GiB: the release's fp4 at world 4 in units of 4 or 5
     layers of 566 MB) the lowering would address with wrapping offsets: a copy of what the call reads. Fewer
     pairs than experts (decode): each pair's expert gathered [P, ...] (8.8 MB for one row's 6 instead of the
-    layer's 566 MB) and the pairs' ids renamed p -> p; otherwise the layer's experts. Returns (weights, first
-    expert, ids, experts); dropped pairs (ids outside [0, E)) stay dropped."""
+    layer's 566 MB) and the pairs' ids renamed p -> p; otherwise the layer's experts. ``flat``: the stack as
+    [L·E, ...] (``_layers_as_experts``). Returns (weights, first expert, ids, experts); dropped pairs (ids
+    outside [0, E)) stay dropped."""
     e = weights.w1.shape[1]
     if topk_ids.size >= e:
         return layer_of(weights, row), jnp.zeros((), jnp.int32), topk_ids, e
     ids = topk_ids.reshape(-1)
     valid = (ids >= 0) & (ids < e)
     source = jnp.asarray(row, jnp.int32) * e + jnp.where(valid, ids, 0)
-    gathered = jax.tree.map(lambda a: jnp.take(a, source, axis=0), _layers_as_experts(weights))
+    gathered = jax.tree.map(lambda a: jnp.take(a, source, axis=0), flat)
     renamed = jnp.where(valid, jnp.arange(ids.size, dtype=ids.dtype), -1).reshape(topk_ids.shape)
     return gathered, jnp.zeros((), jnp.int32), renamed, ids.size
 
