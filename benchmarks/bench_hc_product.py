@@ -5,7 +5,9 @@ both ways `norms.f32_matmul` can run it, alone and inside a loop over stacked la
     PYTHONPATH=. python benchmarks/bench_hc_product.py --quick    # CPU smoke run (tests/test_bench_hc_product.py)
 
 Why: in the 40-layer model's 16-row prefill segment the product took ~0.6 ms a call (41 of 68 ms of kernels,
-docs/BENCHMARKS.md "Scanned layers read their experts in place"), where a 1-row product is a few µs. Under
+docs/BENCHMARKS.md "Scanned layers read their experts in place"), where a 1-row product is a few µs. The programs
+compile with the engine's options (`compiler.options`): with XLA's Triton GEMMs on (jax's default) the f32 way
+costs ~14 µs at every row count, which hid the cuBLAS case the model runs. Under
 ``norms.SPLIT_MIN_ROWS`` rows `f32_matmul` runs an IEEE-f32 GEMM at HIGHEST ("f32"), from it the exact split
 into three bf16 GEMMs ("split"); this prints both at each row count so the threshold can be set by measurement.
 
@@ -23,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax import compiler
 from dsv41_jax.model import norms
 
 FLOOR_BANDWIDTH = 4.3e12  # B/s, the H200 copy rate the other benchmarks' floors use
@@ -30,7 +33,10 @@ WAYS = {"f32": 1 << 30, "split": 1}  # norms.SPLIT_MIN_ROWS that makes f32_matmu
 
 
 def _per_call(run, *args, reps: int) -> float:
-    """Seconds a call of ``run(*args)`` (a program doing ``reps`` calls), best of three after a warm-up."""
+    """Seconds a call of ``run(*args)`` (a jitted program doing ``reps`` calls), compiled with the engine's options
+    (`compiler.options`: on a GPU no Triton GEMMs, so the product is cuBLAS's as in the model), best of three after
+    a warm-up."""
+    run = run.lower(*args).compile(compiler.options())
     jax.block_until_ready(run(*args))
     best = float("inf")
     for _ in range(3):
@@ -44,8 +50,7 @@ def alone(x, fn, reps: int):
     """``reps`` products in one program; each takes the previous one's x through a barrier (nothing hoisted)."""
     def body(_, carry):
         x, acc = jax.lax.optimization_barrier(carry)
-        y = norms.f32_matmul(x, fn)
-        return x, acc + y[0, 0]
+        return x, acc + jnp.sum(norms.f32_matmul(x, fn))  # all of y: a slice of it would shrink the GEMM
     return jax.jit(lambda x: jax.lax.fori_loop(0, reps, body, (x, jnp.float32(0))))
 
 
@@ -53,7 +58,7 @@ def in_loop(x, fns, reps: int):
     """``reps`` passes of a scan over the stacked weights fns [L, 24, K], one product a layer."""
     def layer(carry, fn):
         x, acc = jax.lax.optimization_barrier(carry)
-        return (x, acc + norms.f32_matmul(x, fn)[0, 0]), None
+        return (x, acc + jnp.sum(norms.f32_matmul(x, fn))), None
 
     def body(_, carry):
         return jax.lax.scan(layer, carry, fns)[0]

@@ -13,9 +13,11 @@ from flax import nnx
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-# Rows from which ``f32_matmul`` runs a bf16 input against an f32 weight as the split bf16 GEMM: a segment's
-# rows, not a decode step's (there the split would be one more launch for a product that is a weight read).
-SPLIT_MIN_ROWS = 64
+# Rows from which ``f32_matmul`` runs a bf16 input against an f32 weight as the split bf16 GEMM. Measured in the
+# model (H200, 2026-12-02, BENCHMARKS.md "The HC product at few rows"): the IEEE-f32 GEMM of the HC mix took
+# ~0.45 ms a call at 8 rows (the 40-layer decode step at batch 8: 67 ms, 41 of it in that product; 28.7 ms split);
+# at one row the two ways are equal (~12 µs), so a batch-1 step keeps the f32 product (no extra ops).
+SPLIT_MIN_ROWS = 2
 
 
 def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:

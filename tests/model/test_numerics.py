@@ -153,6 +153,39 @@ def test_f32_matmul_of_bf16_rows_is_the_exact_product_up_to_f32_summation(rows):
     assert np.all(np.abs(got - want) <= 2 * 2.0**-24 * magnitude)
 
 
+def _dot_operand_dtypes(jaxpr, rhs_shape) -> list[tuple]:
+    """Operand dtypes of every dot_general in ``jaxpr`` (nested jaxprs included) whose rhs has ``rhs_shape``."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and tuple(eqn.invars[1].aval.shape[-2:]) == rhs_shape:
+            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, tuple) else (param,):  # scan/jit: a jaxpr; cond: branches
+                inner = getattr(inner, "jaxpr", None)
+                if inner is not None:
+                    found += _dot_operand_dtypes(getattr(inner, "jaxpr", inner), rhs_shape)
+    return found
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_hc_products_of_a_batch_run_as_bf16_gemms(batch):
+    """A decode step of 8 sequences runs each HC mix's product (streams · fn, fn f32 [24, S·D]) as the split bf16
+    GEMM (tensor cores), one sequence as the f32 product. On the H200 the IEEE-f32 GEMM of 8 rows took ~0.45 ms a
+    call (cuBLAS, no Triton GEMMs: `compiler.options`): the 40-layer step at batch 8 67 ms, split 28.7 ms
+    (docs/BENCHMARKS.md "The HC product at few rows")."""
+    cfg = load_named("tiny")
+    model = nnx.eval_shape(lambda: Transformer(cfg, ModelOptions(dtype="bfloat16"), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, 32, "bfloat16"))
+    ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda s, i, c: nnx.merge(graphdef, s)(i, c))(state, ids, cache).jaxpr
+    s, d = cfg.hc_mult, cfg.hidden_size
+    products = _dot_operand_dtypes(jaxpr, ((2 + s) * s, s * d)) + _dot_operand_dtypes(jaxpr, (3 * (2 + s) * s, s * d))
+    assert products, "the step should mix its streams"
+    want = ("bfloat16", "bfloat16") if batch >= SPLIT_MIN_ROWS else ("float32", "float32")
+    assert set(products) == {want}
+
+
 def test_cache_shapes_follow_the_roles():
     cfg = load_named("tiny")
     cache = init_cache(cfg, batch=2, max_context=49, dtype="bfloat16")
