@@ -10,11 +10,11 @@
 #       (`tests/test_decode_step.py`, `tests/test_engine.py`, `tests/test_serve_slots.py`); `bench_decode`
 #       (issue 14): batches 1/8/32 at 0 and 300 K; `bench_compile` of the 40-layer decode step (issue 14's
 #       <= 15 s); the 2-layer prefill and decode at 0 and 300,000 with a trace (issues 15 and 22).
-#   bash benchmarks/gpu_session.sh depth    (~420 s) the GPU tests of large expert stacks (`test_moe.py -k
+#   bash benchmarks/gpu_session.sh depth    (~500 s) the GPU tests of large expert stacks (`test_moe.py -k
 #       on_the_gpu`); the whole 40-layer model's decode step (24 routed experts a
 #       layer so bf16 fits one H200; its scanned units and loops as in the release): `bench_decode` at batches
-#       1 and 8, positions 0 and 300,000 (issue 14: a 2-layer cut has no scanned unit); `bench_hc_product` (the
-#       HC product at few rows, both ways f32_matmul runs it: sets norms.SPLIT_MIN_ROWS by measurement).
+#       1 and 8, positions 0 and 300,000 (issue 14: a 2-layer cut has no scanned unit), the same in fp4 at 0;
+#       `bench_hc_product` (the HC product at few rows, both ways f32_matmul runs it: norms.SPLIT_MIN_ROWS).
 # Each step has its own time limit (seconds, overridable by the variables named below).
 set -u
 part=${1:-}
@@ -73,6 +73,11 @@ depth() {
   timeout ${DEPTH_S:-240} python3 benchmarks/bench_decode.py --layers 40 --experts 24 --worlds 1 --batches 1,8 \
     --positions 0,300000 --formats bf16 --tokens 64 --steps 32 --json-out "$OUT/depth.json" 2>&1 \
     | grep -v "^WARNING" | tail -5
+  date -u
+  echo "== bench_decode, 40 layers, 24 fp4 routed experts a layer (the units of 5 layers in the 2-4 GiB gather window)"
+  timeout ${DEPTH_FP4_S:-150} python3 benchmarks/bench_decode.py --layers 40 --experts 24 --worlds 1 --batches 1,8 \
+    --positions 0 --formats fp4 --tokens 64 --steps 32 --json-out "$OUT/depth_fp4.json" 2>&1 \
+    | grep -v "^WARNING" | tail -3
   date -u
   echo "== bench_hc_product"
   timeout ${HC_S:-90} python3 benchmarks/bench_hc_product.py 2>&1 | grep -v "^WARNING"
