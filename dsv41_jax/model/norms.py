@@ -16,7 +16,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # Rows from which ``f32_matmul`` runs a bf16 input against an f32 weight as the split bf16 GEMM. Measured in the
 # model (H200, 2026-12-02, BENCHMARKS.md "The HC product at few rows"): the IEEE-f32 GEMM of the HC mix took
 # ~0.45 ms a call at 8 rows (the 40-layer decode step at batch 8: 67 ms, 41 of it in that product; 28.7 ms split);
-# at one row the two ways are equal (~12 µs), so a batch-1 step keeps the f32 product (no extra ops).
+# at one row the split was no faster in the step (40 layers 14.46 vs 14.31 ms; 2-layer cut 1.096 vs 1.042 ms), so a
+# batch-1 step keeps the f32 product.
 SPLIT_MIN_ROWS = 2
 
 
