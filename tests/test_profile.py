@@ -55,9 +55,14 @@ def _check_step(step: dict, world: int) -> None:
 
 
 @pytest.mark.devices(4)
-def test_profile_tiny_world_1_and_4(capsys):
-    one = _run(capsys, "--world", "1", "--rows", "64", "--position", "40", "--decode")
+def test_profile_tiny_world_1_and_4(capsys, tmp_path):
+    one = _run(capsys, "--world", "1", "--rows", "64", "--position", "40", "--decode", "--trace", str(tmp_path))
     assert [s["kind"] for s in one["steps"]] == ["prefill", "decode"]
+    # --trace: each step's trace split by part, and the optimised program beside it (the fusion behind an op name)
+    for step in one["steps"]:
+        assert "error" not in step["trace"] and step["trace"]["ops"]
+        hlo = (tmp_path / f"{step['kind']}_p40" / "optimized_hlo.txt").read_text()
+        assert all(f"{op['op']} = " in hlo for op in step["trace"]["ops"][:5])
     # the decode step donates its cache as the engine's does (a run does not copy the whole cache)
     assert [s["donated"] for s in one["steps"]] == [False, True]
     for step in one["steps"]:
