@@ -70,7 +70,7 @@ def by_component(ops: list[OpTime]) -> list[tuple[str, float]]:
     """Seconds per model source file (attention.py, moe.py, indexer.py, hc.py, ...), largest first."""
     out: dict[str, float] = {}
     for op in ops:
-        key = op.source.split(" ")[-1].split(":", 1)[0] or "other"
+        key = op.source.split(" ")[-1].split(":", 1)[0].split("→", 1)[0] or "other"  # "xla→shape": "xla"
         out[key] = out.get(key, 0.0) + op.seconds
     return sorted(out.items(), key=lambda kv: -kv[1])
 
@@ -114,7 +114,8 @@ _WRAPPERS = ("transformer.py", "prepare.py", "measure.py")
 
 
 def instruction_sources(hlo_text: str) -> dict[str, str]:
-    """Instruction name → ``file:function`` label of the model code that made it ("" when unknown).
+    """Instruction name → ``file:function`` label of the model code that made it ("" when its frames hold no model
+    code; ``xla→<shape>`` when it has none: XLA made it).
 
     The optimised HLO text ends its header with ``FileNames``, ``FunctionNames``, ``FileLocations`` and
     ``StackFrames`` tables; each instruction's ``metadata={... stack_frame_id=N}`` points into them (a printed
@@ -131,10 +132,18 @@ def instruction_sources(hlo_text: str) -> dict[str, str]:
             continue
         name = line.removeprefix("ROOT ").split(" ", 1)[0].lstrip("%")
         frame = _int_after(line, "stack_frame_id=")
-        label = source_label(frames, frame) if frame else ""
+        label = source_label(frames, frame) if frame else _xla_made(line)
         scope = _layer_scope(line)
         out[name] = f"{scope} {label}".strip() if scope is not None else label
     return out
+
+
+def _xla_made(line: str) -> str:
+    """The label of an instruction without a stack frame (XLA made it, e.g. the dot merger's weight concatenation):
+    ``xla→`` and its result shape, layout dropped (``xla→bf16[1792,5120]``), which is often enough to name it."""
+    result = line.split(" = ", 1)[1]
+    shape = "tuple" if result.startswith("(") else re.sub(r"\{[^}]*\}", "", result.split(" ", 1)[0])
+    return f"xla→{shape}"
 
 
 def source_label(frames: dict[int, tuple[str, str, int]], frame: int) -> str:
