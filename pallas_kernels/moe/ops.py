@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from dsv41_jax.formats import decode_fp4, ue8m0_bytes
 from pallas_kernels import registry
+from pallas_kernels.moe import addressing
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import DECODE_BLOCK_M, default_block_m, plan_tiles
 from pallas_kernels.moe.xla import clamped_swiglu, routed_experts_xla
@@ -155,21 +156,13 @@ def _check_shapes(x, topk_ids, topk_weights, weights: ExpertWeights) -> None:
             raise ValueError(f"{name} has shape {getattr(weights, name).shape}, expected {shape}")
 
 
-# The Pallas Triton lowering addresses an operand with 32-bit signed element offsets unless the operand is larger
-# than 2**32 bytes, so an operand of one-byte elements (fp4 codes) between 2**31 and 2**32 bytes wraps its offsets
-# and reads outside itself (CUDA_ERROR_ILLEGAL_ADDRESS; found on the H200, docs/BENCHMARKS.md). bf16 and scale
-# operands cannot hit it (2-byte elements switch to 64-bit first; the scales are 16x smaller).
-_INT32_WRAP_BYTES = (2**31, 2**32)
-
-
 def _wraps(array) -> bool:
-    """True for an operand the Triton lowering would address with wrapping 32-bit offsets."""
-    lo, hi = _INT32_WRAP_BYTES
-    return array.dtype.itemsize == 1 and lo <= array.size <= hi
+    """True for an operand the Triton lowering would address with wrapping 32-bit offsets (``addressing``)."""
+    return addressing.wraps(array.dtype.itemsize, array.size)
 
 
 def check_offsets(weights: ExpertWeights) -> None:
-    """Refuse expert operands the Triton lowering would address past their end (see ``_INT32_WRAP_BYTES``)."""
+    """Refuse expert operands the Triton lowering would address past their end (``addressing``)."""
     for name in ("w1", "w3", "w2"):
         array = getattr(weights, name)
         size = array.size * array.dtype.itemsize
@@ -219,9 +212,7 @@ def routed_experts(
         interpret = jax.default_backend() != "gpu"
     flat, first, num_experts = weights, jnp.zeros((), jnp.int32), layer.num_experts
     if stacked:
-        flat, first = _layers_as_experts(weights), jnp.asarray(row, jnp.int32) * layer.num_experts
-        if any(_wraps(getattr(flat, name)) for name in ("w1", "w3", "w2")):
-            flat, first, topk_ids, num_experts = _unwrapped(weights, flat, row, topk_ids)
+        flat, first, topk_ids, num_experts = _stack_operands(weights, row, topk_ids)
     if not interpret:
         check_offsets(flat)
     num_pairs = topk_ids.size
@@ -231,13 +222,23 @@ def routed_experts(
                           swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
 
 
+def _stack_operands(weights: ExpertWeights, row, topk_ids):
+    """The kernel's operands for a call on layer ``row`` of a stack [L, E, ...]: the stack seen as [L·E, ...], read in
+    place from expert row·E, or — where the lowering cannot address the stack (``addressing``) — a copy of what the
+    call reads (``_unwrapped``; the planner's ``L.moe.unwrapped``). Returns (weights, first expert, ids, experts)."""
+    flat, e = _layers_as_experts(weights), weights.w1.shape[1]
+    if any(_wraps(getattr(flat, name)) for name in ("w1", "w3", "w2")):
+        return _unwrapped(weights, flat, row, topk_ids)
+    return flat, jnp.asarray(row, jnp.int32) * e, topk_ids, e
+
+
 def _unwrapped(weights: ExpertWeights, flat: ExpertWeights, row, topk_ids):
     """Operands for a stack whose one-byte codes (2-4 GiB: the release's fp4 at world 4 in units of 4 or 5
-    layers of 566 MB) the lowering would address with wrapping offsets: a copy of what the call reads. Fewer
-    pairs than experts (decode): each pair's expert gathered [P, ...] (8.8 MB for one row's 6 instead of the
-    layer's 566 MB) and the pairs' ids renamed p -> p; otherwise the layer's experts. ``flat``: the stack as
-    [L·E, ...] (``_layers_as_experts``). Returns (weights, first expert, ids, experts); dropped pairs (ids
-    outside [0, E)) stay dropped."""
+    layers of 629 MB a matrix at the padded width 640) the lowering would address with wrapping offsets: a copy of
+    what the call reads. Fewer pairs than experts (decode): each pair's expert gathered [P, ...] (5.2 MB each,
+    codes and scales, instead of the layer's 2.0 GB) and the pairs' ids renamed p -> p; otherwise the layer's
+    experts (``addressing.copied_experts``). ``flat``: the stack as [L·E, ...] (``_layers_as_experts``). Returns
+    (weights, first expert, ids, experts); dropped pairs (ids outside [0, E)) stay dropped."""
     e = weights.w1.shape[1]
     if topk_ids.size >= e:
         return layer_of(weights, row), jnp.zeros((), jnp.int32), topk_ids, e

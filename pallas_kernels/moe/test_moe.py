@@ -413,6 +413,32 @@ def test_fp4_stacks_of_2_to_4_gib_copy_only_what_the_call_reads(layers, in_place
     assert f"tensor<{e}x{f}x{d // 2}xui8>" not in text          # never the whole layer at decode
 
 
+@pytest.mark.parametrize("world,layers,rows", [(4, 5, 2048), (4, 4, 16), (2, 3, 2048), (2, 3, 1), (8, 12, 2048)])
+def test_the_planner_sizes_what_a_stack_call_copies(world, layers, rows):
+    """The planner's workspace role ``L.moe.unwrapped`` is the copy the op makes (abstract shapes, no memory): the
+    release's fp4 experts on one rank at the padded width the engine allocates, as the largest unit the world puts
+    in the 2-4 GiB window (world 4: 640 columns, units of 4 and 5 layers, 629 MB of codes a matrix a layer; world 2:
+    the unit of 3) — the layer's experts for a 2,048-row segment, the pairs' for 16 rows or a decode row; at world 8
+    (384 columns) no unit is in the window and the 12-layer stack is read in place."""
+    from dsv41_jax.config import load_named
+    from dsv41_jax.planner import admit
+    from dsv41_jax.planner.segment import unwrapped_expert_bytes
+    from pallas_kernels.moe import ops
+
+    cfg = load_named("dsv41_flash")
+    e, d, f, k = cfg.n_routed_experts, cfg.hidden_size, admit(cfg, world).expert_width_padded, cfg.num_experts_per_tok
+    u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
+    stack = ExpertWeights(u8(layers, e, f, d // 2), u8(layers, e, f, d // 2), u8(layers, e, d, f // 2),
+                          u8(layers, e, f, d // 32), u8(layers, e, f, d // 32), u8(layers, e, d, f // 32))
+    ids = jax.ShapeDtypeStruct((rows, k), jnp.int32)
+    operands = jax.eval_shape(lambda s, i: ops._stack_operands(s, jnp.int32(1), i)[0], stack, ids)
+    read_in_place = operands.w1.shape[0] == layers * e
+    copied = 0 if read_in_place else sum(a.size for a in jax.tree.leaves(operands))
+    assert read_in_place == (world == 8)
+    assert copied == unwrapped_expert_bytes(cfg, f, rows * k, "fp4")
+    assert unwrapped_expert_bytes(cfg, f, rows * k, "bf16") == 0
+
+
 @pytest.mark.parametrize("n", [2, 48], ids=["decode-gathers-the-pairs-experts", "segment-copies-the-layer"])
 def test_a_stack_the_lowering_cannot_address_still_equals_the_layer_alone(monkeypatch, n):
     """The operands of a stack whose offsets would wrap (forced here on small arrays): a call of fewer pairs than
