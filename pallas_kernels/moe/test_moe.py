@@ -393,11 +393,11 @@ def test_a_stack_is_read_in_place():
 
 @pytest.mark.parametrize("layers,in_place", [(4, False), (12, True)])
 def test_fp4_stacks_of_2_to_4_gib_copy_only_what_the_call_reads(layers, in_place):
-    """Lowered for CUDA (abstract shapes, no memory): the release's fp4 experts at world 4 (384 experts, F = 576,
-    566 MB of codes a layer) as a stack of 4 layers (2.26 GB) would wrap the lowering's 32-bit offsets, so a
-    decode call gathers the experts its 6 pairs read (6 × 1.5 MB, not the stack, not the layer); 12 layers
-    (6.8 GB, 64-bit offsets) are read in place."""
-    e, f, d = 384, 576, 5120
+    """Lowered for CUDA (abstract shapes, no memory): the release's fp4 experts at world 4 (384 experts at the
+    padded F = 640, 629 MB of codes a matrix a layer) as a stack of 4 layers (2.5 GB) would wrap the lowering's
+    32-bit offsets, so a decode call gathers the experts its 6 pairs read (6 × 1.6 MB a matrix, not the stack, not
+    the layer); 12 layers (7.5 GB, 64-bit offsets) are read in place."""
+    e, f, d = 384, 640, 5120
     u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
     stack = ExpertWeights(u8(layers, e, f, d // 2), u8(layers, e, f, d // 2), u8(layers, e, d, f // 2),
                           u8(layers, e, f, d // 32), u8(layers, e, f, d // 32), u8(layers, e, d, f // 32))
