@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None) -> Request:
                         "(how generate --expert-format auto holds the released checkpoint)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per step (median reported)")
-    p.add_argument("--trace", default=None, metavar="DIR", help="write jax.profiler traces under DIR (and each step's optimised HLO, optimized_hlo.txt)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write jax.profiler traces under DIR (and each step's optimised HLO, optimized_hlo.txt)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON report to FILE")
     p.add_argument("--compile-only", action="store_true", help="abstract weights: compile and analyse, no runs")

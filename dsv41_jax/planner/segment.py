@@ -393,7 +393,7 @@ def unwrapped_expert_bytes(cfg: ModelConfig, width: int, pairs: int, experts: st
     """Bytes a MoE call of ``pairs`` pairs copies from a scanned unit's fp4 experts whose codes the Pallas lowering
     cannot address in place (2-4 GiB a matrix on this rank: ``pallas_kernels.moe.addressing``): the pairs' experts
     or the layer's, codes and ue8m0 scales of w1, w3 and w2 (``width`` columns each; docs/DESIGN.md "Scanned
-    layers" item 7). The release at world 4: its units of 4 and 5 layers, 1.8 GB at a 2,048-row segment."""
+    layers" item 7). The release at world 4: its units of 4 and 5 layers, 2.0 GB at a 2,048-row segment."""
     if experts != "fp4":
         return 0
     codes, scales = width * cfg.hidden_size // 2, width * cfg.hidden_size // 32  # a matrix of one expert

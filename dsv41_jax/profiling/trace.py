@@ -139,7 +139,7 @@ def instruction_sources(hlo_text: str) -> dict[str, str]:
 
 
 def _xla_made(line: str) -> str:
-    """The label of an instruction without a stack frame (XLA made it, e.g. the dot merger's weight concatenation):
+    """The label of an instruction without a stack frame (XLA made it, e.g. a concatenation of weights it added):
     ``xla→`` and its result shape, layout dropped (``xla→bf16[1792,5120]``), which is often enough to name it."""
     result = line.split(" = ", 1)[1]
     shape = "tuple" if result.startswith("(") else re.sub(r"\{[^}]*\}", "", result.split(" ", 1)[0])
