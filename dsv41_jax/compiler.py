@@ -5,8 +5,14 @@ store that lets a second run skip tracing and compiling altogether.
 instead of compiling and timing dozens of Triton tilings per GEMM shape. Measured on the H200 (jax 0.11.2,
 2026-12-01, docs/BENCHMARKS.md "Compile time"): the 2-layer full-width 2,048-row prefill compiles in 6.9 s
 instead of 36 s and runs in 23.8 ms vs 23.4 ms; the decode step is unchanged. ``--xla_gpu_autotune_level=0``
-compiles as fast but its untuned Triton GEMMs made that prefill 3.8× slower. XLA_FLAGS set by the user still
-apply to anything not named here.
+compiles as fast but its untuned Triton GEMMs made that prefill 3.8× slower. XLA's dot merger merges only dots
+of which one moves less than 4 MB (its default: 32 MB): with 32 it joined products that share an input but whose
+weights are larger (the shared expert's ``w1``/``w3``, 2 × 23.6 MB; ``wq_a``/``wkv``; ``wq_b`` with the indexer's
+query projection), which at 2+ rows are cuBLAS GEMMs, so every step first copied both weights into one
+(22 + 10 µs a layer, 55 µs where an indexer joins); measured on the H200 (2026-12-03, docs/BENCHMARKS.md "The dot
+merger's threshold"): the 40-layer batch-8 decode step 28.59 → 27.10 ms, the 2-layer cut's batch 8 2.57 →
+2.46 ms, batch 1 unchanged (one row's products are reductions that read both weights in one fusion without a
+copy). XLA_FLAGS set by the user still apply to anything not named here.
 
 **Executable store** (the persistent cache, `compile_cache`). JAX's own persistent cache still traces and lowers
 a program to find its entry: 4–5 s for the 40-layer model's step before a ~3 s load. When the cache is on,
@@ -34,7 +40,7 @@ import jax
 from jax.api_util import shaped_abstractify
 from jax.experimental import serialize_executable
 
-GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 4}
 STORE_DIR = "executables"
 # The store keeps at most this many bytes: the least recently used entries go first (a 40-layer step is 6-8 MB;
 # every edit of the source makes new entries).
