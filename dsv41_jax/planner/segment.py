@@ -10,7 +10,6 @@ from dsv41_jax.config import ModelConfig
 from pallas_kernels.indexer.tiling import launch_rows as index_kernel_rows
 from pallas_kernels.indexer.tiling import tiling as index_kernel_tiling
 from pallas_kernels.indexer.tiling import workspace_bytes as index_kernel_workspace
-from pallas_kernels.moe.addressing import copied_experts
 
 from . import memory
 from .admission import Admission, admit
@@ -378,7 +377,6 @@ def _workspace(cfg: ModelConfig, adm: Admission, rank: int, n: int, options: Pla
         ("L.moe.xu", 2 * re * (k + 1) * D),
         ("L.moe.xd", 2 * re * (k + 1) * width),
         ("L.moe.plan", 4 * moe["moe_block_rows"] + 12 * (moe["moe_block_rows"] // MOE_TILE + E + 1)),
-        ("L.moe.unwrapped", unwrapped_expert_bytes(cfg, width, moe["moe_block_rows"], options.experts)),
         ("L.router", min(n, ROUTER_ROWS) * E * 4),
         ("L.index.scratch", max((p.scratch_bytes for p in index), default=0)),
         ("w.index.topk", 2 * n * cfg.index_topk * 4),  # the ratio-2 and ratio-1 chains' live top-k lists
@@ -387,19 +385,6 @@ def _workspace(cfg: ModelConfig, adm: Admission, rank: int, n: int, options: Pla
         ("w.head_logits", vocab * 4),  # the last row only
     ]
     return tuple(roles)
-
-
-def unwrapped_expert_bytes(cfg: ModelConfig, width: int, pairs: int, experts: str) -> int:
-    """Bytes a MoE call of ``pairs`` pairs copies from a scanned unit's fp4 experts whose codes the Pallas lowering
-    cannot address in place (2-4 GiB a matrix on this rank: ``pallas_kernels.moe.addressing``): the pairs' experts
-    or the layer's, codes and ue8m0 scales of w1, w3 and w2 (``width`` columns each; docs/DESIGN.md "Scanned
-    layers" item 7). The release at world 4: its units of 4 and 5 layers, 2.0 GB at a 2,048-row segment."""
-    if experts != "fp4":
-        return 0
-    codes, scales = width * cfg.hidden_size // 2, width * cfg.hidden_size // 32  # a matrix of one expert
-    copied = max((copied_experts(len(unit), cfg.n_routed_experts, codes, pairs) for unit in cfg.layer_units()),
-                 default=0)
-    return copied * 3 * (codes + scales)
 
 
 def stash_row_bytes(cfg: ModelConfig) -> int:

@@ -12,12 +12,15 @@ The column-block axis is the fast grid axis, so programs of one tile run togethe
 activations in L2 while each weight block streams from HBM once per tile. Tiles with ``count == 0`` (past
 the used ones) do nothing.
 
-fp4 weights (MODEL.md §E.1: packed e2m1, low nibble = even column, ue8m0 scale per (row, 32 inputs)) are
-expanded to bf16 in registers. Rather than interleave the two nibbles, the contraction is split in two: the
-low nibbles pair with the even input columns and the high nibbles with the odd ones. For that the GEMM
-inputs arrive with the columns of every BK chunk reordered as [even columns, odd columns]: the caller
-does it for x, and ``gate_up`` does it for act when w2 is fp4 (its column block then holds w1/w3 rows in
-that order).
+fp4 weights (MODEL.md §E.1: packed e2m1, low nibble = even column, ue8m0 scale per (row, 32 inputs)) arrive as
+16-bit words, four codes each (the op's view of the code bytes, no copy): the Triton lowering addresses an
+operand with 64-bit offsets only past 2**32 bytes and counts offsets in elements, so one-byte codes of 2-4 GiB
+(a scanned unit's stack of fp4 experts on one rank) would wrap, while 2-byte words never do. They are expanded
+to bf16 in registers. Rather than interleave the nibbles, the contraction is split in four planes: word k of a
+K chunk holds columns 4k..4k+3, and plane n pairs nibble n of every word with the input columns 4k + n. For
+that the GEMM inputs arrive with the columns of every K chunk reordered as [columns ≡ 0, ≡ 1, ≡ 2, ≡ 3 mod 4]:
+the caller does it for x, and ``gate_up`` does it for act when w2 is fp4 (its column block then holds w1/w3 rows
+in that order). Each plane's dot has K = BK/4 (BF/4 for down): fp4 K chunks are multiples of 64.
 """
 
 from __future__ import annotations
@@ -83,41 +86,36 @@ def _alu_scale(scale_bits: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((scale_bits + 14) << 23, jnp.float32)
 
 
-# Inline-PTX decode (GPU only): one instance takes 4 code bytes (one 32-bit register, $2) and their 4 bf16
-# scales (two bf16x2 registers, $3 $4) and writes the 4 bf16 values of the low (or high) nibbles ($0 $1).
-# ``prmt`` spreads bytes 0,1 (then 2,3) of the codes to bytes 0 and 2 of a word; shifts and masks put each
-# nibble's 3 magnitude bits at bf16 bits 6-8 (exponent low bits + first mantissa bit) and its sign at bit
-# 15, which is the e2m1 value times 2^-126 (code 1 becomes a bf16 subnormal); one bf16x2 fma by 2^126
-# makes it exact and a second applies the scale. Half-precision fma keeps subnormals (PTX ISA).
-# (One asm per nibble: the Pallas Triton lowering takes one result per inline asm.)
-PRMT_BYTES_01, PRMT_BYTES_23 = 0x4140, 0x4342
+# Inline-PTX decode (GPU only): one instance takes two code words (one 32-bit register, $1: bytes 0-1 the first
+# word, 2-3 the second) and their two bf16 scales (one bf16x2 register, $2) and writes nibble n of each word as
+# bf16 ($0, a bf16x2 register), elementwise per word. ``prmt`` spreads code bytes 0 and 2 (nibbles 0 and 1 of the
+# two words) or 1 and 3 (nibbles 2 and 3) to bytes 0 and 2 of a word; shifts and masks put each nibble's 3
+# magnitude bits at bf16 bits 6-8 (exponent low bits + first mantissa bit) and its sign at bit 15, which is the
+# e2m1 value times 2^-126 (code 1 becomes a bf16 subnormal); one bf16x2 fma by 2^126 makes it exact and a second
+# applies the scale. Half-precision fma keeps subnormals (PTX ISA).
+PRMT_BYTES_02, PRMT_BYTES_13 = 0x4240, 0x4341
 MAG_MASK, SIGN_MASK = 0x01C001C0, 0x80008000
-LOW_SHIFTS, HIGH_SHIFTS = (6, 12), (2, 8)  # (magnitude, sign) left shifts for the low / high nibble
+LOW_SHIFTS, HIGH_SHIFTS = (6, 12), (2, 8)  # (magnitude, sign) left shifts for the low / high nibble of a byte
 BF16X2_2_POW_126, BF16X2_NEG_ZERO = 0x7E807E80, 0x80008000
+# plane n of a word: (byte selector, nibble shifts)
+PLANES = ((PRMT_BYTES_02, LOW_SHIFTS), (PRMT_BYTES_02, HIGH_SHIFTS),
+          (PRMT_BYTES_13, LOW_SHIFTS), (PRMT_BYTES_13, HIGH_SHIFTS))
 
 
-def _nibble_ptx(dst: str, word: str, shifts: tuple[int, int], scale: str) -> str:
+def _plane_ptx(selector: int, shifts: tuple[int, int]) -> str:
     mag, sign = shifts
-    return (
-        f"shl.b32 a, {word}, {mag}; and.b32 a, a, {MAG_MASK:#x}; "
-        f"shl.b32 b, {word}, {sign}; and.b32 b, b, {SIGN_MASK:#x}; or.b32 a, a, b; "
-        f"fma.rn.bf16x2 a, a, k, z; fma.rn.bf16x2 {dst}, a, {scale}, z;"
-    )
-
-
-def _fp4_ptx(shifts: tuple[int, int]) -> str:
     return " ".join([
-        "{ .reg .b32 t0, t1, a, b, k, z, zero, s01, s23;",
+        "{ .reg .b32 t, a, b, k, z, zero, sel;",
         f"mov.b32 k, {BF16X2_2_POW_126:#x}; mov.b32 z, {BF16X2_NEG_ZERO:#x}; mov.b32 zero, 0;",
-        f"mov.b32 s01, {PRMT_BYTES_01:#x}; mov.b32 s23, {PRMT_BYTES_23:#x};",
-        "prmt.b32 t0, $2, zero, s01; prmt.b32 t1, $2, zero, s23;",
-        _nibble_ptx("$0", "t0", shifts, "$3"),
-        _nibble_ptx("$1", "t1", shifts, "$4"),
+        f"mov.b32 sel, {selector:#x}; prmt.b32 t, $1, zero, sel;",
+        f"shl.b32 a, t, {mag}; and.b32 a, a, {MAG_MASK:#x};",
+        f"shl.b32 b, t, {sign}; and.b32 b, b, {SIGN_MASK:#x}; or.b32 a, a, b;",
+        "fma.rn.bf16x2 a, a, k, z; fma.rn.bf16x2 $0, a, $2, z;",
         "}",
     ])
 
 
-_FP4_PTX_LOW, _FP4_PTX_HIGH = _fp4_ptx(LOW_SHIFTS), _fp4_ptx(HIGH_SHIFTS)
+_PLANE_PTX = tuple(_plane_ptx(selector, shifts) for selector, shifts in PLANES)
 
 
 def _load_scales(scale_ref, expert, rows, chunk, chunk_len):
@@ -129,37 +127,44 @@ def _load_scales(scale_ref, expert, rows, chunk, chunk_len):
     return scale_ref[expert, rows, pl.ds(chunk * groups, groups)]
 
 
-def _fp4_halves(codes_ref, scale_bits, expert, rows, chunk, chunk_len, use_asm):
-    """Dequantise one [R, chunk_len] block of an fp4 matrix [E, ., C/2] given its scales [R, chunk_len/32].
+def _fp4_planes(words_ref, scale_bits, expert, rows, chunk, chunk_len, use_asm):
+    """Dequantise one [R, chunk_len] block of an fp4 matrix held as words [E, ., C/4] (uint16, four codes each)
+    given its scales [R, chunk_len/32].
 
-    rows: [R] row indices. Returns (low, high): [R, chunk_len/2] bf16, the even and the odd columns.
+    rows: [R] row indices. Returns 4 planes [R, chunk_len/4] bf16: plane n holds the columns 4k + n.
     """
-    half, groups = chunk_len // 2, chunk_len // 32
+    quarter, groups = chunk_len // 4, chunk_len // 32
     n_rows = rows.shape[0]
-    codes = codes_ref[expert, rows, pl.ds(chunk * half, half)]  # uint8 [R, half]
+    words = words_ref[expert, rows, pl.ds(chunk * quarter, quarter)]  # uint16 [R, quarter]
 
-    def per_code_byte(small):  # [R, groups] -> [R, half]: 16 code bytes share one scale
-        wide = jnp.broadcast_to(small[:, :, None], (n_rows, groups, 16))
-        return wide.reshape(n_rows, half)
+    def per_word(small):  # [R, groups] -> [R, quarter]: 8 words (32 codes) share one scale
+        wide = jnp.broadcast_to(small[:, :, None], (n_rows, groups, 8))
+        return wide.reshape(n_rows, quarter)
 
     if use_asm:
-        scale = jax.lax.bitcast_convert_type(scale_bits.astype(jnp.uint16) << 7, jnp.bfloat16)
-        out = [jax.ShapeDtypeStruct((n_rows, half), jnp.bfloat16)]
-        args = [codes, per_code_byte(scale)]
-        [low] = plt.elementwise_inline_asm(
-            _FP4_PTX_LOW, args=args, constraints="=r,=r,r,r,r", pack=4, result_shape_dtypes=out)
-        [high] = plt.elementwise_inline_asm(
-            _FP4_PTX_HIGH, args=args, constraints="=r,=r,r,r,r", pack=4, result_shape_dtypes=out)
-        return low, high
-    scale = per_code_byte(_alu_scale(scale_bits.astype(jnp.int32)))
-    codes = codes.astype(jnp.int32)
-    return _e2m1_to_bf16(codes & 0xF, scale), _e2m1_to_bf16(codes >> 4, scale)
+        scale = per_word(jax.lax.bitcast_convert_type(scale_bits.astype(jnp.uint16) << 7, jnp.bfloat16))
+        out = [jax.ShapeDtypeStruct((n_rows, quarter), jnp.bfloat16)]
+        return tuple(plt.elementwise_inline_asm(ptx, args=[words, scale], constraints="=r,r,r", pack=2,
+                                                result_shape_dtypes=out)[0] for ptx in _PLANE_PTX)
+    scale = per_word(_alu_scale(scale_bits.astype(jnp.int32)))
+    words = words.astype(jnp.int32)
+    return tuple(_e2m1_to_bf16((words >> (4 * n)) & 0xF, scale) for n in range(4))
 
 
-def _even_odd_order(n: int) -> jax.Array:
-    """[n] int32: position p holds column 2p (p < n/2) or 2(p - n/2) + 1 of an n-column chunk."""
+def _plane_order(n: int) -> jax.Array:
+    """[n] int32: position p holds column 4(p mod n/4) + p div (n/4) of an n-column chunk (planes of columns ≡
+    0, 1, 2, 3 mod 4)."""
     p = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-    return jnp.where(p < n // 2, 2 * p, 2 * (p - n // 2) + 1)
+    return 4 * (p % (n // 4)) + p // (n // 4)
+
+
+def _plane_dots(a_ref, a_rows, start, chunk_len, planes) -> jax.Array:
+    """Σ_n a[:, plane n of the chunk at ``start``] · planes[n]ᵀ (a's chunk columns in plane order)."""
+    quarter = chunk_len // 4
+    out = _dot(a_ref[a_rows, pl.ds(start, quarter)], planes[0])
+    for n in range(1, 4):
+        out = out + _dot(a_ref[a_rows, pl.ds(start + n * quarter, quarter)], planes[n])
+    return out
 
 
 def _gate_up_kernel(
@@ -179,7 +184,7 @@ def _gate_up_kernel(
         expert, first = tile_expert_ref[tile], tile_first_ref[tile]
         row_ok = jax.lax.broadcasted_iota(jnp.int32, (bm,), 0) < count
         tokens = plt.load(pair_token_ref.at[pl.ds(first, bm)], mask=row_ok, other=0)
-        local = _even_odd_order(bf) if permute_out else jax.lax.broadcasted_iota(jnp.int32, (bf,), 0)
+        local = _plane_order(bf) if permute_out else jax.lax.broadcasted_iota(jnp.int32, (bf,), 0)
         rows = f_block * bf + local  # which rows of w1/w3 this program's act columns come from
 
         n_steps = x_ref.shape[1] // bk
@@ -196,12 +201,8 @@ def _gate_up_kernel(
             ahead = jnp.minimum(kk + 1, n_steps - 1)
             s1_next = _load_scales(w1s_ref, expert, rows, ahead, bk)
             s3_next = _load_scales(w3s_ref, expert, rows, ahead, bk)
-            x_even = x_ref[tokens, pl.ds(kk * bk, bk // 2)]
-            x_odd = x_ref[tokens, pl.ds(kk * bk + bk // 2, bk // 2)]
-            w1_even, w1_odd = _fp4_halves(w1_ref, s1, expert, rows, kk, bk, use_asm)
-            w3_even, w3_odd = _fp4_halves(w3_ref, s3, expert, rows, kk, bk, use_asm)
-            g = g + _dot(x_even, w1_even) + _dot(x_odd, w1_odd)
-            u = u + _dot(x_even, w3_even) + _dot(x_odd, w3_odd)
+            g = g + _plane_dots(x_ref, tokens, kk * bk, bk, _fp4_planes(w1_ref, s1, expert, rows, kk, bk, use_asm))
+            u = u + _plane_dots(x_ref, tokens, kk * bk, bk, _fp4_planes(w3_ref, s3, expert, rows, kk, bk, use_asm))
             return g, u, s1_next, s3_next
 
         zeros = jnp.zeros((bm, bf), jnp.float32)
@@ -244,10 +245,8 @@ def _down_kernel(
         def step_fp4(kk, carry):
             acc, scales = carry
             scales_next = _load_scales(w2s_ref, expert, rows, jnp.minimum(kk + 1, n_steps - 1), bk)
-            a_even = act_ref[pl.ds(first, bm), pl.ds(kk * bk, bk // 2)]
-            a_odd = act_ref[pl.ds(first, bm), pl.ds(kk * bk + bk // 2, bk // 2)]
-            w_even, w_odd = _fp4_halves(w2_ref, scales, expert, rows, kk, bk, use_asm)
-            return acc + _dot(a_even, w_even) + _dot(a_odd, w_odd), scales_next
+            planes = _fp4_planes(w2_ref, scales, expert, rows, kk, bk, use_asm)
+            return acc + _plane_dots(act_ref, pl.ds(first, bm), kk * bk, bk, planes), scales_next
 
         zeros = jnp.zeros((bm, bn), jnp.float32)
         if fp4:
@@ -269,7 +268,8 @@ def gate_up(
     plan, x: jax.Array, w1, w3, w1_scale: Optional[jax.Array], w3_scale: Optional[jax.Array], *,
     width: int, permute_out: bool, limit: float, cfg: KernelConfig, interpret: bool,
 ) -> jax.Array:
-    """act [P + BM, F] bf16 for the expert-sorted pairs. x: [N, D] bf16 (chunk-reordered when fp4)."""
+    """act [P + BM, F] bf16 for the expert-sorted pairs. x: [N, D] bf16 (each BK chunk in plane order when fp4);
+    fp4 w1, w3: uint16 words [E, F, D/4]."""
     fp4 = w1_scale is not None
     n_tiles = plan.tile_count.shape[0]
     rows_out = plan.pair_token.shape[0]

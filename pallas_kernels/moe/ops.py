@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from dsv41_jax.formats import decode_fp4, ue8m0_bytes
 from pallas_kernels import registry
-from pallas_kernels.moe import addressing
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import DECODE_BLOCK_M, default_block_m, plan_tiles
 from pallas_kernels.moe.xla import clamped_swiglu, routed_experts_xla
@@ -115,30 +114,41 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row, F = 2,304: 0.084 -> 0.078
     ms; BENCHMARKS.md "Routed experts at decode sizes").
     """
+    def k_chunk(size: int, candidates: tuple[int, ...], what: str) -> int:  # fp4 K chunks: four planes of 16+
+        return _largest_block(size, tuple(c for c in candidates if c % 64 == 0 or not weights.is_fp4), what)
+
     block_m = min(default_block_m(num_pairs, weights.num_experts), block_m or 64)
-    block_f = _largest_block(weights.width, (64, 32), "expert width F")
+    block_f = k_chunk(weights.width, (64, 32), "expert width F")
     block_n = _largest_block(weights.dim, (128, 64, 32), "model width D")
     if block_m == DECODE_BLOCK_M:
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
-            block_k=_largest_block(weights.dim, (256, 128, 64, 32), "model width D"))
+            block_k=k_chunk(weights.dim, (256, 128, 64, 32), "model width D"))
     if block_m == 64 and weights.width % 128 == 0:  # down then asks (64·128 + 128·128)·2 B × 4 = 192 KB of smem
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=128, block_n=block_n, gate_up_stages=4,
-            block_k=_largest_block(weights.dim, (64, 32), "model width D"))
+            block_k=k_chunk(weights.dim, (64, 32), "model width D"))
     if weights.is_fp4:
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=block_f, block_n=block_n,
-            block_k=_largest_block(weights.dim, (64, 32), "model width D"))
+            block_k=k_chunk(weights.dim, (64,), "model width D"))
     return moe_kernel.KernelConfig(
         block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
         block_k=_largest_block(weights.dim, (128, 64, 32), "model width D"))
 
 
-def _even_odd_chunks(x: jax.Array, chunk: int) -> jax.Array:
-    """x [N, D] with each chunk of ``chunk`` columns reordered as [even columns, odd columns]."""
+def _plane_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """x [N, D] with each chunk of ``chunk`` columns in plane order: columns ≡ 0, 1, 2, 3 mod 4 (``kernel``)."""
     n, d = x.shape
-    return x.reshape(n, d // chunk, chunk // 2, 2).swapaxes(2, 3).reshape(n, d)
+    return x.reshape(n, d // chunk, chunk // 4, 4).swapaxes(2, 3).reshape(n, d)
+
+
+def _as_words(weights: ExpertWeights) -> ExpertWeights:
+    """fp4 experts with their code bytes [..., C/2] seen as 16-bit words [..., C/4] (four codes each, the first in
+    the low nibble of the low byte): the kernels' view (``kernel``: words are addressed without wrapping)."""
+    def words(codes):
+        return jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), jnp.uint16)
+    return dataclasses.replace(weights, w1=words(weights.w1), w3=words(weights.w3), w2=words(weights.w2))
 
 
 def _check_shapes(x, topk_ids, topk_weights, weights: ExpertWeights) -> None:
@@ -156,22 +166,27 @@ def _check_shapes(x, topk_ids, topk_weights, weights: ExpertWeights) -> None:
             raise ValueError(f"{name} has shape {getattr(weights, name).shape}, expected {shape}")
 
 
-def _wraps(array) -> bool:
-    """True for an operand the Triton lowering would address with wrapping 32-bit offsets (``addressing``)."""
-    return addressing.wraps(array.dtype.itemsize, array.size)
+# The Pallas Triton lowering addresses an operand with 64-bit offsets only past 2**32 bytes (jax 0.10.2 / 0.11.2,
+# ``_compute_offsets_from_indices``) and counts its offsets in elements as signed int32: an operand of one-byte
+# elements of 2-4 GiB wraps and reads outside itself (CUDA_ERROR_ILLEGAL_ADDRESS on the H200, docs/BENCHMARKS.md).
+INT32_WRAP_BYTES = (2**31, 2**32)
 
 
 def check_offsets(weights: ExpertWeights) -> None:
-    """Refuse expert operands the Triton lowering would address past their end (``addressing``)."""
-    for name in ("w1", "w3", "w2"):
+    """Refuse expert operands the Triton lowering would address past their end (``INT32_WRAP_BYTES``): the kernels
+    see fp4 codes as 16-bit words, which never wrap, so only a one-byte scale operand of 2-4 GiB could (a stack of
+    32-64 GiB of codes on one rank)."""
+    for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"):
         array = getattr(weights, name)
-        size = array.size * array.dtype.itemsize
-        if _wraps(array):
+        if array is None:
+            continue
+        words = weights.is_fp4 and name in ("w1", "w3", "w2")
+        itemsize, size = (2, array.size // 2) if words else (array.dtype.itemsize, array.size)
+        if itemsize == 1 and INT32_WRAP_BYTES[0] <= size <= INT32_WRAP_BYTES[1]:
             raise ValueError(
-                f"the Pallas MoE kernel cannot address fp4 {name} of {size / 2**30:.2f} GiB on this rank "
-                f"{tuple(array.shape)}: the Triton lowering's 32-bit offsets wrap between 2 and 4 GiB of one-byte "
-                "elements. Split the experts over more devices (--world 2 halves each rank's share) or use "
-                "--impl xla")
+                f"the Pallas MoE kernel cannot address {name} of {array.size * array.dtype.itemsize / 2**30:.2f} "
+                f"GiB on this rank {tuple(array.shape)}: the Triton lowering's 32-bit offsets wrap between 2 and 4 "
+                "GiB of one-byte elements. Split the experts over more devices or use --impl xla")
 
 
 def routed_experts(
@@ -224,30 +239,9 @@ def routed_experts(
 
 def _stack_operands(weights: ExpertWeights, row, topk_ids):
     """The kernel's operands for a call on layer ``row`` of a stack [L, E, ...]: the stack seen as [L·E, ...], read in
-    place from expert row·E, or — where the lowering cannot address the stack (``addressing``) — a copy of what the
-    call reads (``_unwrapped``; the planner's ``L.moe.unwrapped``). Returns (weights, first expert, ids, experts)."""
-    flat, e = _layers_as_experts(weights), weights.w1.shape[1]
-    if any(_wraps(getattr(flat, name)) for name in ("w1", "w3", "w2")):
-        return _unwrapped(weights, flat, row, topk_ids)
-    return flat, jnp.asarray(row, jnp.int32) * e, topk_ids, e
-
-
-def _unwrapped(weights: ExpertWeights, flat: ExpertWeights, row, topk_ids):
-    """Operands for a stack whose one-byte codes (2-4 GiB: the release's fp4 at world 4 in units of 4 or 5
-    layers of 629 MB a matrix at the padded width 640) the lowering would address with wrapping offsets: a copy of
-    what the call reads. Fewer pairs than experts (decode): each pair's expert gathered [P, ...] (5.2 MB each,
-    codes and scales, instead of the layer's 2.0 GB) and the pairs' ids renamed p -> p; otherwise the layer's
-    experts (``addressing.copied_experts``). ``flat``: the stack as [L·E, ...] (``_layers_as_experts``). Returns
-    (weights, first expert, ids, experts); dropped pairs (ids outside [0, E)) stay dropped."""
+    place from expert row·E. Returns (weights, first expert, ids, experts)."""
     e = weights.w1.shape[1]
-    if topk_ids.size >= e:
-        return layer_of(weights, row), jnp.zeros((), jnp.int32), topk_ids, e
-    ids = topk_ids.reshape(-1)
-    valid = (ids >= 0) & (ids < e)
-    source = jnp.asarray(row, jnp.int32) * e + jnp.where(valid, ids, 0)
-    gathered = jax.tree.map(lambda a: jnp.take(a, source, axis=0), flat)
-    renamed = jnp.where(valid, jnp.arange(ids.size, dtype=ids.dtype), -1).reshape(topk_ids.shape)
-    return gathered, jnp.zeros((), jnp.int32), renamed, ids.size
+    return _layers_as_experts(weights), jnp.asarray(row, jnp.int32) * e, topk_ids, e
 
 
 def layer_of(weights: ExpertWeights, row) -> ExpertWeights:
@@ -279,7 +273,7 @@ def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expe
     plan = dataclasses.replace(plan, tile_expert=plan.tile_expert + first_expert)
     x = x.astype(jnp.bfloat16)
     if weights.is_fp4:
-        x = _even_odd_chunks(x, cfg.block_k)
+        x, weights = _plane_chunks(x, cfg.block_k), _as_words(weights)
     act = moe_kernel.gate_up(
         plan, x, weights.w1, weights.w3, weights.w1_scale, weights.w3_scale,
         width=weights.width, permute_out=weights.is_fp4, limit=swiglu_limit, cfg=cfg,
@@ -292,14 +286,16 @@ def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expe
 def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
     """The kernels' grids cover F / BF and D / BN blocks and step over D / BK chunks: a block that does not
     divide its width would leave columns uncomputed (on the H200, BF 128 at F = 576 gave a 33 % error). fp4
-    K chunks (BK for gate_up, BF for down) also hold whole groups of 32 codes sharing one scale."""
+    K chunks (BK for gate_up, BF for down) are multiples of 64: four planes of 16+ columns (a GPU dot's least K)
+    of whole groups of 32 codes sharing one scale."""
     for what, size, block in (("expert width F", weights.width, cfg.block_f),
                               ("model width D", weights.dim, cfg.block_n),
                               ("model width D", weights.dim, cfg.block_k)):
         if size % block:
             raise ValueError(f"{what} = {size} is not a multiple of the block {block} ({cfg})")
-    if weights.is_fp4 and (cfg.block_k % 32 or cfg.block_f % 32):
-        raise ValueError(f"fp4 experts need block_k and block_f multiples of 32 (scale groups), got {cfg}")
+    if weights.is_fp4 and (cfg.block_k % 64 or cfg.block_f % 64):
+        raise ValueError(f"fp4 experts need block_k and block_f multiples of 64 (four planes of 16+ columns, "
+                         f"whole scale groups), got {cfg}")
 
 
 def _weighted_gather_sum(y_pairs, pair_pos, pair_valid, topk_weights) -> jax.Array:

@@ -5,6 +5,8 @@ kernel's own parts (fp4 decode in registers, the tile plan, the offset guard).""
 from __future__ import annotations
 
 import functools
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -106,39 +108,34 @@ def test_kernel_alu_e2m1_decode_is_exact():
     np.testing.assert_array_equal(np.asarray(codec, np.float64).T, expect)
 
 
-def _emulate_fp4_ptx(byte_word: int, scales: list[int]) -> tuple[list[float], list[float]]:
-    """The inline-PTX decode's integer steps in Python (prmt, shifts, masks), then the two bf16 products in
-    float64 (exact here). Returns the low- and high-nibble values of the 4 bytes of ``byte_word``."""
-    def prmt(a, selector):
+def _emulate_plane_ptx(words: int, selector: int, shifts: tuple[int, int], scales: list[int]) -> list[float]:
+    """One plane's inline-PTX decode in Python: its integer steps (prmt, shifts, masks) on the register of two code
+    words, then the two bf16 products in float64 (exact here). Returns the plane's values of the two words."""
+    def prmt(a, sel):
         src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [0, 0, 0, 0]
-        return sum(src[(selector >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+        return sum(src[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
 
     def bf16(bits):
         return float(np.array([bits], np.uint16).view(ml_dtypes.bfloat16)[0])
 
-    def decode(word, shifts, scale_pair):
-        mag = ((word << shifts[0]) & 0xFFFFFFFF) & moe_kernel.MAG_MASK
-        sign = ((word << shifts[1]) & 0xFFFFFFFF) & moe_kernel.SIGN_MASK
-        bits = mag | sign
-        k = bf16(moe_kernel.BF16X2_2_POW_126 & 0xFFFF)
-        return [bf16((bits >> 16 * h) & 0xFFFF) * k * 2.0 ** (s - 127) for h, s in enumerate(scale_pair)]
-
-    t0, t1 = prmt(byte_word, moe_kernel.PRMT_BYTES_01), prmt(byte_word, moe_kernel.PRMT_BYTES_23)
-    low = decode(t0, moe_kernel.LOW_SHIFTS, scales[:2]) + decode(t1, moe_kernel.LOW_SHIFTS, scales[2:])
-    high = decode(t0, moe_kernel.HIGH_SHIFTS, scales[:2]) + decode(t1, moe_kernel.HIGH_SHIFTS, scales[2:])
-    return low, high
+    t = prmt(words, selector)
+    bits = ((((t << shifts[0]) & 0xFFFFFFFF) & moe_kernel.MAG_MASK)
+            | (((t << shifts[1]) & 0xFFFFFFFF) & moe_kernel.SIGN_MASK))
+    k = bf16(moe_kernel.BF16X2_2_POW_126 & 0xFFFF)
+    return [bf16((bits >> 16 * h) & 0xFFFF) * k * 2.0 ** (s - 127) for h, s in enumerate(scales)]
 
 
 def test_ptx_fp4_decode_constants_emulated():
+    """Plane n of a 16-bit code word (the op's view of two code bytes) is its nibble n: the code of column 4k + n."""
     rng = _rng()
+    f4 = lambda n: np.asarray(n, np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     for _ in range(64):
-        codes = rng.integers(0, 256, 4, dtype=np.uint8)
-        scales = [int(s) for s in rng.integers(100, 140, 4)]
-        low, high = _emulate_fp4_ptx(int(codes.view(np.uint32)[0]), scales)
-        f4 = lambda n: n.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-        factor = 2.0 ** (np.array(scales) - 127.0)
-        np.testing.assert_array_equal(low, f4(codes & 0xF) * factor)
-        np.testing.assert_array_equal(high, f4(codes >> 4) * factor)
+        codes = rng.integers(0, 256, 4, dtype=np.uint8)     # two words: columns 0-3 and 4-7
+        scales = [int(s) for s in rng.integers(100, 140, 2)]
+        nibbles = np.stack([codes & 0xF, codes >> 4], 1).reshape(2, 4)  # [word, column within the word]
+        for n, (selector, shifts) in enumerate(moe_kernel.PLANES):
+            got = _emulate_plane_ptx(int(codes.view(np.uint32)[0]), selector, shifts, scales)
+            np.testing.assert_array_equal(got, f4(nibbles[:, n]) * 2.0 ** (np.array(scales) - 127.0))
 
 
 @pytest.mark.parametrize("n,k,e,block_m", [(1, 6, 16, 16), (37, 3, 8, 16), (200, 6, 16, 64)])
@@ -231,7 +228,7 @@ def test_bf16_op_matches_oracle(impl, name, n, k, e, f, d, hot, empty):
     assert _rel_err(out, ref) <= REL_TOL
 
 
-@pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 96, 128), (2, 6, 16, 64, 512), (200, 6, 16, 256, 128)],
+@pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 128, 128), (2, 6, 16, 64, 512), (200, 6, 16, 256, 128)],
                          ids=["segment", "decode-wide", "segment-f256"])
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
@@ -263,7 +260,7 @@ def test_default_blocks_the_cases_above_run_with():
 def test_a_block_that_does_not_divide_its_width_is_refused(field):
     """A grid of F / BF blocks with BF not dividing F would leave act columns uncomputed (BF 128 at F = 576
     gave a 33 % error on the H200): an explicit config like that is refused, not run; so is an fp4 K chunk
-    that splits a scale group."""
+    narrower than four planes of 16 columns."""
     import dataclasses
     rng = _rng()
     x, (ids, w), wts = _x(rng, 8, 192), _routing(rng, 8, 2, 4), _bf16_weights(rng, 4, 192, 192)
@@ -272,8 +269,8 @@ def test_a_block_that_does_not_divide_its_width_is_refused(field):
         routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", config=cfg)
     if field != "block_n":  # fp4 K chunks (BK for gate_up, BF for down) hold whole 32-code scale groups
         fp4 = _fp4_weights(rng, 4, 64, 64)
-        cfg = dataclasses.replace(default_config(16, fp4), **{field: 16})
-        with pytest.raises(ValueError, match="multiples of 32"):
+        cfg = dataclasses.replace(default_config(16, fp4), **{field: 32})
+        with pytest.raises(ValueError, match="multiples of 64"):
             routed_experts(_x(rng, 8, 64), ids, w, fp4, swiglu_limit=LIMIT, impl="pallas", config=cfg)
 
 
@@ -301,9 +298,11 @@ def test_expert_weights_is_a_pytree():
     assert jax.tree.unflatten(treedef, leaves).is_fp4
 
 
-def test_offset_guard_refuses_one_byte_operands_between_2_and_4_gib():
-    """The Triton lowering's 32-bit offsets wrap for 1-byte operands of 2-4 GiB (world-1 full-width fp4 experts,
-    384 x 2,304 x 2,560 codes = 2.11 GiB); smaller ones, and bf16 operands of any size, pass."""
+def test_offset_guard_refuses_only_what_the_kernels_would_wrap():
+    """The Triton lowering's 32-bit offsets wrap for one-byte operands of 2-4 GiB. The kernels see fp4 codes as
+    16-bit words, so world 1's full-width codes (384 x 2,304 x 2,560 = 2.11 GiB, refused before the word view)
+    pass, as do bf16 operands of any size; a one-byte scale operand of 2-4 GiB (a stack of 32-64 GiB of codes on
+    one rank) is refused."""
     from pallas_kernels.moe.ops import ExpertWeights, check_offsets
 
     def weights(e, f, d, dtype=jnp.uint8):
@@ -316,10 +315,10 @@ def test_offset_guard_refuses_one_byte_operands_between_2_and_4_gib():
             jax.ShapeDtypeStruct((e, d, f // 32), jnp.uint8)]
         return ExpertWeights(arrays[0], arrays[1], arrays[2], *scales)
 
-    with pytest.raises(ValueError, match="--world 2"):
-        check_offsets(weights(384, 2304, 5120))
-    check_offsets(weights(384, 1152, 5120))  # world 2's share: 1.05 GiB
+    check_offsets(weights(384, 2304, 5120))
     check_offsets(weights(384, 2304, 5120, jnp.bfloat16))
+    with pytest.raises(ValueError, match="w1_scale of 2.11 GiB"):
+        check_offsets(weights(16 * 384, 2304, 5120))  # 16 layers' experts at world 1: 34 GiB of codes a matrix
 
 
 def test_layers_calling_the_op_alike_lower_its_kernels_once():
@@ -391,12 +390,12 @@ def test_a_stack_is_read_in_place():
     assert "dynamic_slice" not in text and "tensor<8x64x128xbf16>" not in text   # never one layer's slice
 
 
-@pytest.mark.parametrize("layers,in_place", [(4, False), (12, True)])
-def test_fp4_stacks_of_2_to_4_gib_copy_only_what_the_call_reads(layers, in_place):
+@pytest.mark.parametrize("layers", [4, 12])
+def test_fp4_stacks_are_read_in_place_as_words(layers):
     """Lowered for CUDA (abstract shapes, no memory): the release's fp4 experts at world 4 (384 experts at the
-    padded F = 640, 629 MB of codes a matrix a layer) as a stack of 4 layers (2.5 GB) would wrap the lowering's
-    32-bit offsets, so a decode call gathers the experts its 6 pairs read (6 × 1.6 MB a matrix, not the stack, not
-    the layer); 12 layers (7.5 GB, 64-bit offsets) are read in place."""
+    padded F = 640, 629 MB of codes a matrix a layer) as a stack of 4 layers (2.5 GB: one-byte offsets would wrap)
+    or 12 (7.5 GB) are passed whole as 16-bit words [L·E, F, D/4] (a view of the bytes); no expert and no layer
+    is copied out of them."""
     e, f, d = 384, 640, 5120
     u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
     stack = ExpertWeights(u8(layers, e, f, d // 2), u8(layers, e, f, d // 2), u8(layers, e, d, f // 2),
@@ -408,53 +407,9 @@ def test_fp4_stacks_of_2_to_4_gib_copy_only_what_the_call_reads(layers, in_place
 
     x = jax.ShapeDtypeStruct((1, d), jnp.bfloat16)
     text = jax.jit(layer).trace(x, stack, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
-    whole, gathered = f"tensor<{layers * e}x{f}x{d // 2}xui8>", f"tensor<6x{f}x{d // 2}xui8>"
-    assert whole in text and (gathered in text) != in_place   # the stack (as [L·E, ...]) is read or gathered from
-    assert f"tensor<{e}x{f}x{d // 2}xui8>" not in text          # never the whole layer at decode
-
-
-@pytest.mark.parametrize("world,layers,rows", [(4, 5, 2048), (4, 4, 16), (2, 3, 2048), (2, 3, 1), (8, 12, 2048)])
-def test_the_planner_sizes_what_a_stack_call_copies(world, layers, rows):
-    """The planner's workspace role ``L.moe.unwrapped`` is the copy the op makes (abstract shapes, no memory): the
-    release's fp4 experts on one rank at the padded width the engine allocates, as the largest unit the world puts
-    in the 2-4 GiB window (world 4: 640 columns, units of 4 and 5 layers, 629 MB of codes a matrix a layer; world 2:
-    the unit of 3) — the layer's experts for a 2,048-row segment, the pairs' for 16 rows or a decode row; at world 8
-    (384 columns) no unit is in the window and the 12-layer stack is read in place."""
-    from dsv41_jax.config import load_named
-    from dsv41_jax.planner import admit
-    from dsv41_jax.planner.segment import unwrapped_expert_bytes
-    from pallas_kernels.moe import ops
-
-    cfg = load_named("dsv41_flash")
-    e, d, f, k = cfg.n_routed_experts, cfg.hidden_size, admit(cfg, world).expert_width_padded, cfg.num_experts_per_tok
-    u8 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint8)
-    stack = ExpertWeights(u8(layers, e, f, d // 2), u8(layers, e, f, d // 2), u8(layers, e, d, f // 2),
-                          u8(layers, e, f, d // 32), u8(layers, e, f, d // 32), u8(layers, e, d, f // 32))
-    ids = jax.ShapeDtypeStruct((rows, k), jnp.int32)
-    operands = jax.eval_shape(lambda s, i: ops._stack_operands(s, jnp.int32(1), i)[0], stack, ids)
-    read_in_place = operands.w1.shape[0] == layers * e
-    copied = 0 if read_in_place else sum(a.size for a in jax.tree.leaves(operands))
-    assert read_in_place == (world == 8)
-    assert copied == unwrapped_expert_bytes(cfg, f, rows * k, "fp4")
-    assert unwrapped_expert_bytes(cfg, f, rows * k, "bf16") == 0
-
-
-@pytest.mark.parametrize("n", [2, 48], ids=["decode-gathers-the-pairs-experts", "segment-copies-the-layer"])
-def test_a_stack_the_lowering_cannot_address_still_equals_the_layer_alone(monkeypatch, n):
-    """The operands of a stack whose offsets would wrap (forced here on small arrays): a call of fewer pairs than
-    experts runs on its pairs' experts gathered and renamed, a larger one on the layer's experts; both equal the
-    op on the layer alone, dropped pairs included (tolerance: test_a_layer_of_a_stack_equals_the_layer_alone)."""
-    from pallas_kernels.moe import ops
-    monkeypatch.setattr(ops, "_wraps", lambda array: True)
-    rng = _rng()
-    layers = [_fp4_weights(rng, 8, 64, 128) for _ in range(3)]
-    x = _x(rng, n, 128)
-    ids, w = _routing(rng, n, 3, 8, hot=2)
-    ids = ids.at[::5, 1].set(-1)
-    run = jax.jit(lambda x, stack, row: routed_experts(x, ids, w, stack, swiglu_limit=LIMIT, impl="pallas",
-                                                      interpret=True, row=row))
-    for row in range(3):
-        assert _rel_err(run(x, _stack(layers), jnp.int32(row)), _op(x, ids, w, layers[row], "pallas")) <= 1e-6
+    assert f"tensor<{layers * e}x{f}x{d // 4}xui16>" in text      # the stack, whole, as words
+    code_arrays = re.findall(rf"tensor<(\d+)x{f}x(?:{d // 4}xui16|{d // 2}xui8|{d // 4}x2xui8)>", text)
+    assert set(code_arrays) == {str(layers * e)}                 # never fewer experts: nothing copied out of it
 
 
 def _random_stack(key, fmt: str, layers: int, e: int, f: int, d: int) -> ExpertWeights:
@@ -472,13 +427,12 @@ def _random_stack(key, fmt: str, layers: int, e: int, f: int, d: int) -> ExpertW
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels' addressing of large stacks")
 @pytest.mark.parametrize("fmt,layers,e,f,rows", [
     ("bf16", 12, 24, 2304, 1), ("bf16", 12, 24, 2304, 64),    # 6.8 GB a tensor: 64-bit offsets, read in place
-    ("fp4", 12, 96, 2304, 8),                                    # 6.8 GB of codes: in place
-    ("fp4", 4, 384, 576, 1), ("fp4", 4, 384, 576, 8)])          # 2.26 GB of codes: the pairs' experts gathered
+    ("fp4", 12, 96, 2304, 8),                                    # 6.8 GB of codes
+    ("fp4", 4, 384, 576, 1), ("fp4", 4, 384, 576, 8)])          # 2.26 GB of codes (one-byte offsets would wrap)
 def test_large_stacks_on_the_gpu_equal_the_layer_alone(fmt, layers, e, f, rows):
-    """On the GPU, the compiled kernels (not interpret mode) on stacks past the lowering's 32-bit offsets (read
-    in place) and inside its wrapping window (decode calls gather their pairs' experts): layers 0, the middle and
-    the last equal the op on that layer alone, bitwise (H200, 2026-12-02: the in-place cases; the gathered ones
-    are new)."""
+    """On the GPU, the compiled kernels (not interpret mode) on stacks read in place past the lowering's 32-bit
+    offsets and, for fp4 codes as 16-bit words, where one-byte offsets would wrap (2-4 GiB): layers 0, the middle
+    and the last equal the op on that layer alone, bitwise."""
     d = 5120
     stack = _random_stack(jax.random.key(0), fmt, layers, e, f, d)
     x = (jax.random.normal(jax.random.key(1), (rows, d), jnp.float32)).astype(jnp.bfloat16)
