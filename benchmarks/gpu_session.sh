@@ -65,7 +65,7 @@ decode() {
 }
 
 depth() {
-  echo "== large expert stacks on the GPU (read in place; fp4 stacks of 2-4 GiB gather the pairs' experts)"
+  echo "== large expert stacks on the GPU (read in place; fp4 codes as 16-bit words, stacks of 2-4 GiB included)"
   timeout ${STACK_S:-150} python3 -m pytest -q -x -p no:cacheprovider pallas_kernels/moe/test_moe.py \
     -k on_the_gpu > "$OUT/stack_tests.txt" 2>&1
   echo "tests exit status $? (log: stack_tests.txt)"; date -u
@@ -74,7 +74,7 @@ depth() {
     --positions 0,300000 --formats bf16 --tokens 64 --steps 32 --json-out "$OUT/depth.json" 2>&1 \
     | grep -v "^WARNING" | tail -5
   date -u
-  echo "== bench_decode, 40 layers, 24 fp4 routed experts a layer (the units of 5 layers in the 2-4 GiB gather window)"
+  echo "== bench_decode, 40 layers, 24 fp4 routed experts a layer (units of 5 layers hold 2.1 GB of codes a matrix, read in place as words)"
   timeout ${DEPTH_FP4_S:-150} python3 benchmarks/bench_decode.py --layers 40 --experts 24 --worlds 1 --batches 1,8 \
     --positions 0 --formats fp4 --tokens 64 --steps 32 --json-out "$OUT/depth_fp4.json" 2>&1 \
     | grep -v "^WARNING" | tail -3
