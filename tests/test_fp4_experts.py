@@ -29,7 +29,7 @@ from test_sharding_pallas_model import BATCH, ROWS, prefill, small_config
 # Reference path at world 4: the tensor-parallel partial sums reorder f32 sums of a few hundred terms (~1e-7
 # relative) over four layers: observed 2.2e-6 on logits O(3); bound 1e-4 as tests/test_sharding_model.py.
 REFERENCE_ATOL = 1e-4
-# Pallas: the fp4 kernel decodes in registers with its own blocking (K chunks of 64, even/odd column order)
+# Pallas: the fp4 kernel decodes in registers with its own blocking (K chunks of 64 in four planes of columns ≡ n mod 4)
 # where the bf16 kernel streams 128-wide chunks, so f32 accumulation order differs; x and the activation are
 # rounded to bf16 inside the kernel (PLANNER.md §E), where a last-bit difference flips one bf16 rounding
 # (relative 2⁻⁸). Observed 1.1e-3 (world 1) and 2.0e-3 (world 4) on logits O(3); bound 1e-2 (~ one bf16 ulp
@@ -89,6 +89,21 @@ def test_pallas_fp4_equals_dequantized_world_1_and_4(fp4_checkpoint):
     # Expert parallel: the kernel takes each rank's whole packed experts inside shard_map.
     model, mesh = sharding.prepare(cfg, packed, 4, options("pallas", "fp4"), layout="ep")
     np.testing.assert_allclose(prefill(model, cfg, ids, mesh)[0], ref, rtol=0, atol=PALLAS_ATOL)
+
+
+@pytest.mark.devices(8)
+def test_pallas_fp4_at_world_8_pads_each_rank_s_narrow_experts(fp4_checkpoint, monkeypatch):
+    """Tensor parallel at world 8 leaves 32 expert columns a rank, narrower than the fp4 kernel's 64-wide K chunks:
+    the op zero-pads each rank's experts per call (``moe.ops._padded_width``) and the model equals one device."""
+    from pallas_kernels.moe import ops
+    cfg, _, dequantized, packed, ids = fp4_checkpoint
+    ref = one_device(cfg, dequantized, options("pallas", "dequantized"), ids)
+    widths = []
+    pad = ops._padded_width
+    monkeypatch.setattr(ops, "_padded_width", lambda w, m: widths.append(w.w1.shape[-2]) or pad(w, m))
+    model, mesh = sharding.prepare(cfg, packed, 8, options("pallas", "fp4"))
+    np.testing.assert_allclose(prefill(model, cfg, ids, mesh)[0], ref, rtol=0, atol=PALLAS_ATOL)
+    assert widths and set(widths) == {32}
 
 
 def _packed_flat(cfg, flat: dict) -> dict:

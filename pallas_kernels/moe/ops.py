@@ -100,6 +100,9 @@ def _largest_block(size: int, candidates: tuple[int, ...], what: str) -> int:
     raise ValueError(f"{what} = {size} must be a multiple of {candidates[-1]}")
 
 
+FP4_K_MULTIPLE = 64  # fp4 K chunks: four planes of 16+ columns (a GPU dot's least K), whole scale groups
+
+
 def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None = None) -> moe_kernel.KernelConfig:
     """Block sizes for this shape: BM by the mean rows per expert (at most ``block_m``, the plan's BM of a
     prefill-sized block, PLANNER.md §E), the rest the largest that divide.
@@ -114,8 +117,9 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row, F = 2,304: 0.084 -> 0.078
     ms; BENCHMARKS.md "Routed experts at decode sizes").
     """
-    def k_chunk(size: int, candidates: tuple[int, ...], what: str) -> int:  # fp4 K chunks: four planes of 16+
-        return _largest_block(size, tuple(c for c in candidates if c % 64 == 0 or not weights.is_fp4), what)
+    def k_chunk(size: int, candidates: tuple[int, ...], what: str) -> int:
+        fits = tuple(c for c in candidates if c % FP4_K_MULTIPLE == 0 or not weights.is_fp4)
+        return _largest_block(size, fits, what)
 
     block_m = min(default_block_m(num_pairs, weights.num_experts), block_m or 64)
     block_f = k_chunk(weights.width, (64, 32), "expert width F")
@@ -225,6 +229,9 @@ def routed_experts(
         return routed_experts_xla(x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if layer.is_fp4 and layer.width % FP4_K_MULTIPLE:
+        weights = _padded_width(weights, FP4_K_MULTIPLE)
+        layer = _layer_shapes(weights) if stacked else weights
     flat, first, num_experts = weights, jnp.zeros((), jnp.int32), layer.num_experts
     if stacked:
         flat, first, topk_ids, num_experts = _stack_operands(weights, row, topk_ids)
@@ -235,6 +242,23 @@ def routed_experts(
     _check_blocks(cfg, layer)
     return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=num_experts,
                           swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
+
+
+def _padded_width(weights: ExpertWeights, multiple: int) -> ExpertWeights:
+    """fp4 experts (one layer's or a stack's) with the width F zero-padded to a multiple of ``multiple``, a copy
+    made per call: only a toy model's narrow shard needs it (the tiny config at world 8 has 32 columns a rank; the
+    release's widths are multiples of 64 at every world). Zero codes are zero weights, so the padded gate/up rows
+    give act 0 and the padded down columns add nothing (the argument of ``sharding/layout.py``)."""
+    extra = -weights.w1.shape[-2] % multiple
+
+    def pad(a, axis: int, n: int):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, n)
+        return jnp.pad(a, widths)
+
+    return ExpertWeights(w1=pad(weights.w1, -2, extra), w3=pad(weights.w3, -2, extra),
+                         w2=pad(weights.w2, -1, extra // 2), w1_scale=pad(weights.w1_scale, -2, extra),
+                         w3_scale=pad(weights.w3_scale, -2, extra), w2_scale=pad(weights.w2_scale, -1, extra // 32))
 
 
 def _stack_operands(weights: ExpertWeights, row, topk_ids):
@@ -293,7 +317,7 @@ def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
                               ("model width D", weights.dim, cfg.block_k)):
         if size % block:
             raise ValueError(f"{what} = {size} is not a multiple of the block {block} ({cfg})")
-    if weights.is_fp4 and (cfg.block_k % 64 or cfg.block_f % 64):
+    if weights.is_fp4 and (cfg.block_k % FP4_K_MULTIPLE or cfg.block_f % FP4_K_MULTIPLE):
         raise ValueError(f"fp4 experts need block_k and block_f multiples of 64 (four planes of 16+ columns, "
                          f"whole scale groups), got {cfg}")
 

@@ -228,8 +228,9 @@ def test_bf16_op_matches_oracle(impl, name, n, k, e, f, d, hot, empty):
     assert _rel_err(out, ref) <= REL_TOL
 
 
-@pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 128, 128), (2, 6, 16, 64, 512), (200, 6, 16, 256, 128)],
-                         ids=["segment", "decode-wide", "segment-f256"])
+@pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 128, 128), (2, 6, 16, 64, 512), (200, 6, 16, 256, 128),
+                                       (9, 2, 4, 32, 64)],
+                         ids=["segment", "decode-wide", "segment-f256", "narrow-f32-padded"])
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
     rng = _rng()
