@@ -15,11 +15,15 @@
 #       layer so bf16 fits one H200; its scanned units and loops as in the release): `bench_decode` at batches
 #       1 and 8, positions 0 and 300,000 (issue 14: a 2-layer cut has no scanned unit), the same in fp4 at 0;
 #       `bench_hc_product` (the HC product at few rows, both ways f32_matmul runs it: norms.SPLIT_MIN_ROWS).
+#   bash benchmarks/gpu_session.sh worlds   (~560 s; on 2 or 4 GPUs) issues 14 and 22 across worlds: `bench_decode`
+#       of the 2-layer cut at batches 1/8/32 and of the 40-layer model (24 experts) at batches 1/8, worlds 1, 2 (and
+#       4 when four GPUs are there), with a trace (issue 14: world 2 and 4 faster than world 1); `bench_prefill` of
+#       the 2-layer cut, 2,048 rows, worlds 1/2/4, row-parallel HC mixes off and on (issue 22's bounds).
 # Each step has its own time limit (seconds, overridable by the variables named below).
 set -u
 part=${1:-}
-if [[ "$part" != kernels && "$part" != decode && "$part" != depth ]]; then
-  echo "usage: bash benchmarks/gpu_session.sh kernels|decode|depth" >&2
+if [[ "$part" != kernels && "$part" != decode && "$part" != depth && "$part" != worlds ]]; then
+  echo "usage: bash benchmarks/gpu_session.sh kernels|decode|depth|worlds" >&2
   exit 2
 fi
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
@@ -81,6 +85,25 @@ depth() {
   date -u
   echo "== bench_hc_product"
   timeout ${HC_S:-90} python3 benchmarks/bench_hc_product.py 2>&1 | grep -v "^WARNING"
+}
+
+worlds() {
+  export NCCL_NVLS_ENABLE=0
+  local worlds
+  worlds=$(python3 -c "import jax; n = len(jax.devices()); print(','.join(str(w) for w in (1, 2, 4) if w <= n))")
+  echo "== bench_decode, 2-layer cut, worlds $worlds, bf16"
+  timeout ${DECODE_S:-180} python3 benchmarks/bench_decode.py --worlds "$worlds" --batches 1,8,32 --positions 0 \
+    --formats bf16 --tokens 64 --steps 32 --trace /tmp/gpu_session_worlds --json-out "$OUT/decode_worlds.json" 2>&1 \
+    | grep -v "^WARNING" | tail -12
+  date -u
+  echo "== bench_decode, 40 layers (24 experts), worlds $worlds, bf16"
+  timeout ${DEPTH_S:-200} python3 benchmarks/bench_decode.py --layers 40 --experts 24 --worlds "$worlds" \
+    --batches 1,8 --positions 0 --formats bf16 --tokens 32 --steps 32 --json-out "$OUT/depth_worlds.json" 2>&1 \
+    | grep -v "^WARNING" | tail -8
+  date -u
+  echo "== bench_prefill, 2-layer cut, 2,048 rows, worlds $worlds, row-parallel HC off / on"
+  timeout ${PREFILL_S:-180} python3 benchmarks/bench_prefill.py --layers 2 --worlds "$worlds" --rows 2048 \
+    --row-parallel-rows 0,1024 --json-out "$OUT/prefill_worlds.json" 2>&1 | grep -v "^WARNING" | tail -12
 }
 
 {
