@@ -208,17 +208,20 @@ def piece_fns(cfg: KernelConfig):
     from pallas_kernels.moe import ops
     from pallas_kernels.moe.grouping import plan_tiles
 
-    def words(ww):  # fp4 codes as the kernels read them (16-bit words)
-        return ops._as_words(ww) if ww.is_fp4 else ww
+    def gate_up(p, xx, ww):
+        ww = ops._as_words(ww) if ww.is_fp4 else ww  # fp4 codes as the kernels read them (16-bit words)
+        return kern.gate_up(p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
+                            limit=LIMIT, cfg=cfg, interpret=INTERPRET)
+
+    def down(p, a, ww):
+        ww = ops._as_words(ww) if ww.is_fp4 else ww
+        return kern.down(p, a, ww.w2, ww.w2_scale, dim=ww.dim, cfg=cfg, interpret=INTERPRET)
 
     return dict(
         plan=jax.jit(lambda i: plan_tiles(i, E, cfg.block_m)),
         x_in=lambda x, fp4: ops._plane_chunks(x, cfg.block_k) if fp4 else x,
-        gate_up=jax.jit(lambda p, xx, ww: kern.gate_up(
-            p, xx, words(ww).w1, words(ww).w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
-            limit=LIMIT, cfg=cfg, interpret=INTERPRET)),
-        down=jax.jit(lambda p, a, ww: kern.down(p, a, words(ww).w2, ww.w2_scale, dim=ww.dim, cfg=cfg,
-                                                 interpret=INTERPRET)),
+        gate_up=jax.jit(gate_up),
+        down=jax.jit(down),
         gather_sum=jax.jit(ops._weighted_gather_sum))
 
 
