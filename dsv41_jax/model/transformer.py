@@ -269,10 +269,11 @@ def _run_stacked(block: Block, caches: list, streams, pre, seg: Segment, csa: Cs
 
 def _run_groups(leads: Block, runs: Block, lead_caches: list, run_caches: list, streams, pre, seg: Segment,
                 csa: CsaState, is_image, taps: bool, scan: bool):
-    """A group scan (``ModelConfig.layer_steps``): G repeats of (a reindex layer, its run of n reuse layers);
-    ``leads`` holds the G reindex layers stacked, ``runs`` the G·n reuse layers. One graph definition serves
-    every repeat: the first repeat's, whose lead publishes its selections under its own layer id and whose run
-    reads them there — consistent within a repeat, which is all a repeat reads (§B.9).
+    """A group scan (``ModelConfig.layer_steps``): G repeats of (a reindex layer, its run of n reuse layers), one
+    loop over the repeats with the run unrolled inside; ``leads`` holds the G reindex layers stacked, ``runs``
+    the G·n reuse layers. One graph definition serves every repeat: the first repeat's, whose lead publishes
+    its selections under its own layer id and whose run reads them there — consistent within a repeat, which
+    is all a repeat reads (§B.9).
 
     Returns (streams, pre, G new lead caches, G·n new run caches, selections [G,B,T,K], entering of the leads
     [G,B,T,D] and of the run layers [G·n,B,T,D], or None)."""
@@ -289,8 +290,12 @@ def _run_groups(leads: Block, runs: Block, lead_caches: list, run_caches: list, 
         tap = {} if taps else None
         lead = nnx.merge(lead_def, lead_routed, lw)
         s, p, lc, repeat_csa = lead(*carry, seg, lc, csa, is_image, None, tap, lead_row)
+        # the run unrolled in the repeat (scan=False): a loop here would take the repeat's rows of the run's
+        # stacks as its input, a copy of n layers' weights every repeat (1.9 ms of a 40-layer decode step on the
+        # H200: docs/BENCHMARKS.md "A group scan's loop inside a loop"); unrolled, each layer's products read
+        # its row of the stacks in place at an offset of the repeats' loop counter
         s, p, rc, run_entering = _scan_run(run_def, run_routed, rw, run_rows, rc, s, p, seg, repeat_csa, is_image,
-                                           taps, scan)
+                                           taps, scan=False)
         return (s, p), (lc, rc, repeat_csa.topk[lead_id], tap["entering"] if taps else None, run_entering)
 
     rows = jnp.arange(g * n, dtype=jnp.int32).reshape(g, n)   # repeat r's run layers: rows r·n .. r·n + n - 1

@@ -12,7 +12,8 @@ A run of consecutive reuse layers of one signature is held stacked (``layers.A-B
   the group scan (scanned, the default) against mlx-lm on ``test_parity_mlx.grouped_config``;
 * the compiled program does not grow with the number of layers in a run (the point of the scan);
 * no loop slices the routed experts: each layer's MoE op reads its unit's whole stack at its row (a loop-sliced
-  layer copied all its experts every step);
+  layer copied all its experts every step); and no loop runs inside another (a group scan's run is unrolled in
+  the repeat: a loop there copied the repeat's rows of the run's weights every step);
 * the loader maps per-layer tensors onto stacked parameters and names a missing or mis-shaped layer.
 """
 
@@ -192,35 +193,42 @@ def test_loader_stacks_per_layer_tensors():
         build_model(cfg, F32, bad)
 
 
-def _scan_inputs(jaxpr) -> list:
-    """The avals of every scan's sliced inputs (xs), nested scans included."""
+def _scan_inputs(jaxpr, depth: int = 0) -> list:
+    """(loop depth, aval) of every scan's sliced inputs (xs), nested scans included (depth 1 = inside a scan)."""
     found = []
     for eqn in jaxpr.eqns:
+        inner = depth
         if eqn.primitive.name == "scan":
             skip = eqn.params["num_consts"] + eqn.params["num_carry"]
-            found += [v.aval for v in eqn.invars[skip:]]
+            found += [(depth, v.aval) for v in eqn.invars[skip:]]
+            inner = depth + 1
         for value in eqn.params.values():   # nested jaxprs: a scan's body, a jit's call, a cond's branches
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
-                    found += _scan_inputs(sub)
+                    found += _scan_inputs(sub, inner)
     return found
 
 
 @pytest.mark.parametrize("cfg", [scan_config(3), group_config(2)], ids=["run", "group"])
-def test_no_loop_slices_the_routed_experts(cfg):
+def test_no_loop_slices_the_routed_experts_nor_feeds_a_loop(cfg):
     """The decode step's loops slice every stacked weight but the routed experts: those enter whole and each
     layer's op addresses its row of them (``transformer._split_routed``; the Pallas kernel reads expert e of
     row r at r·E + e). On the H200 a loop-sliced layer copied its E experts every step: 56 ms for a 40-layer
-    step whose kernels took 12 ms (docs/BENCHMARKS.md)."""
+    step whose kernels took 12 ms (docs/BENCHMARKS.md). And no loop runs inside a loop: a group scan's run is
+    unrolled in the repeat, since a loop there took the repeat's slice of the run's stacks as its input, a copy
+    of n layers' weights every repeat (1.9 ms of a 14.4 ms 40-layer decode step), where the products of an
+    unrolled layer read their row of the stacks in place."""
     model = nnx.eval_shape(lambda: Transformer(cfg, F32, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: init_cache(cfg, 1, 32, "float32"))
     ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda s, i, c: nnx.merge(graphdef, s)(i, c))(state, ids, cache).jaxpr
-    sliced = _scan_inputs(jaxpr)
+    found = _scan_inputs(jaxpr)
+    sliced = [aval for _, aval in found]
     e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     experts = {(e, f, d), (e, d, f)}
     assert sliced, "the config should have a scanned unit"
     assert any(a.shape[-2:] == (f, d) for a in sliced)            # the shared expert's stack is still sliced
     assert not [a.shape for a in sliced if tuple(a.shape[-3:]) in experts]
+    assert {depth for depth, _ in found} == {0}                   # no loop inside a loop
