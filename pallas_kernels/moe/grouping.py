@@ -67,12 +67,15 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
     """Sort the pairs of ``topk_ids`` [N, k] by expert (stable by token) and build the tile table.
 
     Pairs whose id is outside [0, E) are dropped: sorted past every expert and given no tile. The two
-    implementations (sort, or pairwise comparisons for at most ``DENSE_MAX_PAIRS`` pairs) give equal plans.
+    implementations (sort, or pairwise comparisons for at most ``DENSE_MAX_PAIRS`` pairs) give equal plans; one
+    row's pairs are not sorted at all (``_one_row_plan``: a tile per pair, in slot order).
     """
     n_rows, k = topk_ids.shape
     num_pairs = n_rows * k
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     valid = (ids >= 0) & (ids < num_experts)
+    if n_rows == 1 and k <= max_tiles(k, num_experts, block_m):
+        return _one_row_plan(ids, valid, num_experts, block_m)
     bucket = jnp.where(valid, ids, num_experts)  # dropped pairs go to an extra last bucket
     tiles = _dense_tiles if num_pairs <= DENSE_MAX_PAIRS else _sorted_tiles
     order, pos, expert, first, count = tiles(bucket, num_experts, block_m)
@@ -83,6 +86,23 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
         tile_expert=expert,
         tile_first=first,
         tile_count=count,
+    )
+
+
+def _one_row_plan(ids, valid, num_experts: int, block_m: int) -> TilePlan:
+    """One row (a batch-1 decode step): its k pairs name k experts, distinct under top-k, so each pair is its own
+    tile in slot order, with no sort: elementwise work XLA fuses into the router's last kernel, where the
+    comparisons of ``_dense_tiles`` took ~4 kernels a layer. Tile order does not change a pair's result (each tile
+    is computed alone and ``pair_pos`` finds it); repeated ids are only read once per pair."""
+    k = ids.shape[0]
+    slot = jnp.arange(k, dtype=jnp.int32)
+    return TilePlan(
+        pair_token=jnp.zeros((k + block_m,), jnp.int32),
+        pair_pos=jnp.where(valid, slot, k).reshape(1, k),
+        pair_valid=valid.reshape(1, k),
+        tile_expert=jnp.where(valid, ids, num_experts - 1),
+        tile_first=jnp.where(valid, slot, 0),
+        tile_count=valid.astype(jnp.int32),
     )
 
 

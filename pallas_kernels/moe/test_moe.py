@@ -18,7 +18,7 @@ from dsv41_jax.formats import decode_fp4
 from pallas_kernels.moe import ExpertWeights, routed_experts
 from pallas_kernels.moe import grouping
 from pallas_kernels.moe.grouping import max_tiles, plan_tiles
-from pallas_kernels.moe.ops import default_config
+from pallas_kernels.moe.ops import _as_words, _plane_chunks, _weighted_gather_sum, default_config
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.reference import routed_experts_reference
 from pallas_kernels.registry import IMPLEMENTATIONS
@@ -153,8 +153,9 @@ def test_plan_covers_every_pair_once(n, k, e, block_m):
         seen.extend(range(first, first + count))
         tokens = plan.pair_token[first:first + count]
         assert np.all(np.diff(tokens) >= 0)  # stable by token within an expert
-    assert sorted(seen) == list(range(len(seen)))  # tiles cover the sorted prefix exactly once
-    assert len(seen) == int(np.sum(flat >= 0))
+    assert len(set(seen)) == len(seen) == int(np.sum(flat >= 0))  # every valid pair's slot in one tile
+    if n > 1:
+        assert sorted(seen) == list(range(len(seen)))  # sorted plans: the tiles cover the sorted prefix
     for n_i, j in np.ndindex(n, k):
         if flat[n_i * k + j] < 0:
             assert not plan.pair_valid[n_i, j]
@@ -181,6 +182,39 @@ def test_dense_plan_equals_the_sorted_plan(n, k, e, block_m):
         for name, a, b in zip(("order", "pos", "tile_expert", "tile_first", "tile_count"), dense, sort):
             np.testing.assert_array_equal(a, b, err_msg=name)
     assert n * k <= grouping.DENSE_MAX_PAIRS  # plan_tiles takes the dense path for these
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_one_row_plan_gives_the_sorted_plan_s_result(fmt):
+    """A batch-1 decode step's plan is a tile per pair in slot order (``_one_row_plan``, no sort): through both
+    kernels and the weighted sum it gives the sorted plan's output bitwise (each tile is computed alone, so the
+    order of the tiles cannot matter), with a dropped pair (-1), an id past E and a repeated expert in the row."""
+    rng = _rng()
+    e, f, d, k = 16, 64, 256, 6
+    wts = (_fp4_weights if fmt == "fp4" else _bf16_weights)(rng, e, f, d)
+    x = _x(rng, 1, d)
+    ids = jnp.asarray([[3, -1, 11, 3, e, 7]], jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.5, (1, k)), jnp.float32)
+    cfg = default_config(k, wts)
+    one_row = grouping.plan_tiles(ids, e, cfg.block_m)
+    assert np.asarray(one_row.tile_count).tolist() == [1, 0, 1, 1, 0, 1]      # a tile per valid pair, in order
+    valid = (ids >= 0) & (ids < e)
+    order, pos, expert, first, count = grouping._sorted_tiles(jnp.where(valid, ids, e).reshape(-1), e, cfg.block_m)
+    sorted_plan = grouping.TilePlan(jnp.concatenate([order // k, jnp.zeros((cfg.block_m,), jnp.int32)]),
+                                    jnp.where(valid.reshape(-1), pos, k).reshape(1, k), valid,
+                                    expert, first, count)
+    xb, w_ = (_plane_chunks(x, cfg.block_k), _as_words(wts)) if wts.is_fp4 else (x, wts)  # the op's operands
+
+    def run(plan):
+        act = moe_kernel.gate_up(plan, xb, w_.w1, w_.w3, w_.w1_scale, w_.w3_scale, width=f,
+                                 permute_out=wts.is_fp4, limit=LIMIT, cfg=cfg, interpret=True)
+        y = moe_kernel.down(plan, act, w_.w2, w_.w2_scale, dim=d, cfg=cfg, interpret=True)
+        return np.asarray(_weighted_gather_sum(y, plan.pair_pos, plan.pair_valid, w))
+
+    np.testing.assert_array_equal(run(one_row), run(sorted_plan))
+    deq = wts.dequantized()
+    ref = routed_experts_reference(x, ids, w, deq.w1, deq.w3, deq.w2, swiglu_limit=LIMIT)
+    assert _rel_err(run(one_row), ref) <= REL_TOL
 
 
 def test_reference_matches_per_pair_numpy():
