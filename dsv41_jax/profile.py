@@ -349,8 +349,11 @@ def _trace(req: Request, step, jax, measure) -> dict:
     found = trace.perfetto_file(folder)
     if found is None:
         return {"dir": str(folder), "error": "no Perfetto trace written"}
-    ops = trace.op_times(trace.load_events(found), measure.hlo_sources(step), steps, req.world)
+    events, sources = trace.load_events(found), measure.hlo_sources(step)
+    ops = trace.op_times(events, sources, steps, req.world)
+    other = trace.unattributed_times(events, sources, steps)
     return {"dir": str(folder), "file": str(found), "op_seconds": sum(o.seconds for o in ops),
+            "unattributed": [{"name": o.name, "seconds": o.seconds, "launches": o.count} for o in other],
             "components": [{"source": s, "seconds": t} for s, t in trace.by_component(ops)],
             "layers": [{"scope": s, "seconds": t} for s, t in trace.by_layer(ops)],
             "parts": [{"part": s, "seconds": t} for s, t in trace.by_part(ops)],
@@ -432,6 +435,10 @@ def _print_trace(t: dict, median_s, w) -> None:
         w("  by layer: " + ", ".join(f"{c['scope']} {100 * c['seconds'] / total:.0f} %" for c in t["layers"]) + "\n")
     for o in t["ops"][:10]:
         w(f"    {o['seconds'] * 1e3:9.3f} ms {100 * o['seconds'] / total:5.1f} %  {o['op']:<36} {o['source']}\n")
+    other = t.get("unattributed") or []
+    if other:  # device copies and the like: no instruction of the program names them
+        w(f"  on the device outside the program's ops: {sum(o['seconds'] for o in other) * 1e3:,.2f} ms a step · "
+          + ", ".join(f"{o['name'][:40]} ×{o['launches']} {o['seconds'] * 1e3:,.3f} ms" for o in other[:5]) + "\n")
 
 
 def _num(x) -> str:

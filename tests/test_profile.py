@@ -245,3 +245,31 @@ def test_scanned_run_scope():
 
     sources = instruction_sources(jax.jit(f).lower(jnp.ones(4)).compile().as_text())
     assert any(label.startswith("L4-7/attn") for label in sources.values()), sources
+
+
+def test_trace_names_device_work_outside_the_program_s_ops():
+    """A GPU trace's kernels that name no instruction of the program (a command buffer's copy kernels, a memcpy)
+    are summed by name per step; spans that are not device activity (a module's execution) and the program's
+    own ops are not; a CPU trace (no device process) has none."""
+    from dsv41_jax.profiling import trace
+
+    gpu = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+           {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/device:GPU:1"}}]
+    kernel = lambda pid, name, dur, **args: {"ph": "X", "pid": pid, "tid": 1, "name": name, "dur": dur,
+                                             "args": {"kernel_details": "grid:1,1,1", **args}}
+    events = gpu + [
+        kernel(7, "fusion_3", 10.0, hlo_op="fusion.3"), kernel(7, "fusion_3", 10.0, hlo_op="fusion.3"),
+        kernel(7, "memcpy128", 48.0, hlo_op="command_buffer_1"),
+        kernel(7, "memcpy128", 52.0, hlo_op="command_buffer_1"),
+        {"ph": "X", "pid": 7, "tid": 2, "name": "MemcpyDtoD", "dur": 6.0, "args": {"memcpy_details": "size:8"}},
+        {"ph": "X", "pid": 7, "tid": 3, "name": "jit_step", "dur": 900.0, "args": {}},   # the module's span
+        kernel(9, "memcpy128", 99.0),                                                     # another device
+    ]
+    sources = {"fusion.3": "moe.py:10"}
+    ops = trace.op_times(events, sources, steps=2)
+    assert [(o.name, round(o.seconds * 1e6, 6), o.count) for o in ops] == [("fusion.3", 10.0, 1)]
+    other = trace.unattributed_times(events, sources, steps=2)
+    assert [(o.name, round(o.seconds * 1e6, 6), o.count) for o in other] == [("memcpy128", 50.0, 1),
+                                                                             ("MemcpyDtoD", 3.0, 0)]
+    cpu = [{"ph": "X", "pid": 1, "tid": 1, "name": "fusion.3", "dur": 5.0, "args": {}}]
+    assert trace.unattributed_times(cpu, sources, steps=1) == []

@@ -37,6 +37,28 @@ def load_events(path: Path) -> list[dict]:
     return data.get("traceEvents", []) if isinstance(data, dict) else data
 
 
+def _device_events(events: list[dict]) -> tuple[int | None, list[dict]]:
+    """(the first ``/device:`` process id or None, the complete events with a duration in it — all of them
+    when the trace has no device process, as on CPU)."""
+    device_pids = sorted((str(e.get("args", {}).get("name", "")), e["pid"]) for e in events
+                         if e.get("ph") == "M" and e.get("name") == "process_name"
+                         and "/device:" in str(e.get("args", {}).get("name", "")))
+    keep_pid = device_pids[0][1] if device_pids else None
+    return keep_pid, [e for e in events if e.get("ph") == "X" and "dur" in e
+                      and (keep_pid is None or e.get("pid") == keep_pid)]
+
+
+def _op_name(event: dict) -> str:
+    return str(event.get("args", {}).get("hlo_op") or event.get("name", ""))
+
+
+def _is_activity(event: dict) -> bool:
+    """A kernel or a copy the device ran (not a span such as a whole module's execution on another line)."""
+    args = event.get("args", {})
+    name = str(event.get("name", "")).lower()
+    return "kernel_details" in args or "memcpy_details" in args or name.startswith(("memcpy", "memset"))
+
+
 def op_times(events: list[dict], sources: dict[str, str], steps: int, devices: int = 1) -> list[OpTime]:
     """Complete events of known HLO instructions, summed per instruction, per step and per device; slowest first.
 
@@ -44,18 +66,11 @@ def op_times(events: list[dict], sources: dict[str, str], steps: int, devices: i
     only the first device's process is counted. CPU (simulated devices share one process): all XLA threads are
     counted and the sum divided by ``devices``.
     """
-    device_pids = sorted((str(e.get("args", {}).get("name", "")), e["pid"]) for e in events
-                         if e.get("ph") == "M" and e.get("name") == "process_name"
-                         and "/device:" in str(e.get("args", {}).get("name", "")))
-    keep_pid = device_pids[0][1] if device_pids else None
-    share = 1 if device_pids else max(devices, 1)
+    keep_pid, kept = _device_events(events)
+    share = 1 if keep_pid is not None else max(devices, 1)
     totals: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        if keep_pid is not None and e.get("pid") != keep_pid:
-            continue
-        name = str(e.get("args", {}).get("hlo_op") or e.get("name", ""))
+    for e in kept:
+        name = _op_name(e)
         if name not in sources:
             continue
         slot = totals.setdefault(name, [0.0, 0])
@@ -63,6 +78,26 @@ def op_times(events: list[dict], sources: dict[str, str], steps: int, devices: i
         slot[1] += 1
     per = max(steps, 1) * share
     ops = [OpTime(n, sources[n], t / per, c // per) for n, (t, c) in totals.items()]
+    return sorted(ops, key=lambda o: -o.seconds)
+
+
+def unattributed_times(events: list[dict], sources: dict[str, str], steps: int) -> list[OpTime]:
+    """The first device's events that name no instruction of the program (GPU only; none on CPU), by event name,
+    per step, slowest first: device copies (``MemcpyDtoD``; inside a command buffer ``memcpy128``), which the
+    per-op table cannot show. Found this way on the H200: a group scan's loop copying 12 layers' dense weights
+    every decode step (1.9 ms of 14.4 ms; docs/BENCHMARKS.md "A group scan's loop inside a loop")."""
+    keep_pid, kept = _device_events(events)
+    if keep_pid is None:
+        return []
+    totals: dict[str, list[float]] = {}
+    for e in kept:
+        if _op_name(e) in sources or not _is_activity(e):
+            continue
+        slot = totals.setdefault(str(e.get("name", "")), [0.0, 0])
+        slot[0] += float(e["dur"]) * 1e-6
+        slot[1] += 1
+    per = max(steps, 1)
+    ops = [OpTime(n, "", t / per, c // per) for n, (t, c) in totals.items()]
     return sorted(ops, key=lambda o: -o.seconds)
 
 
