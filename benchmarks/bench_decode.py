@@ -21,14 +21,17 @@ Per case it prints:
   reads, queueing, stop bookkeeping), next to ``step tok/s`` = batch / step, and their quotient; one row per
   ``--decode-chunks`` value k (``Engine(decode_chunk=k)``: k steps per program call, ``chunk`` column).
 
-With ``--trace DIR`` also ``kernels``: the share of the step inside kernels, from a ``jax.profiler`` trace of a
-few chained steps per case (`dsv41_jax.profiling.trace`); XLA's command buffers are then off for the whole run,
-as in ``dsv41_jax.profile --trace``, so every op is its own named kernel (step times include those launches).
+With ``--trace DIR`` also ``kernels``: the share of the step inside the first device's kernels and copies, from a
+``jax.profiler`` trace of a few chained steps per case (`dsv41_jax.profiling.trace.device_timeline`), with XLA's
+command buffers on as the step runs; the JSON adds the gaps between them, those over 5 µs and the device copies
+(``timeline``). ``dsv41_jax.profile --trace`` names each op instead (command buffers off). On a CPU the share
+is the program's XLA ops on the host's threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -74,7 +77,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="first world, batch 1, position 0, bf16, 32 tokens")
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--trace", default=None, metavar="DIR", help="trace a few steps per case under DIR: the share "
-                   "of the step inside kernels (command buffers off for the run)")
+                   "of the step inside the device's kernels and copies, the gaps between them (command buffers on)")
     a = p.parse_args(argv)
     try:
         a.batches = comma_ints(a.batches, "--batches")
@@ -116,16 +119,21 @@ def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps:
     t0 = time.perf_counter()
     step_s, cache, program = engine.step_seconds(cache, last, steps)
     sampled_s, cache, _ = engine.step_seconds(cache, last, steps, SAMPLED)
-    kernel_s = None
+    kernel_s = timeline = None
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             cache = engine.step_seconds(cache, last, TRACE_STEPS).cache
         found = trace.perfetto_file(trace_dir)
         if found is not None:  # the warm-up call is traced too: TRACE_STEPS + 1 steps
-            ops = trace.op_times(trace.load_events(found), trace.instruction_sources(program.as_text()),
-                                 TRACE_STEPS + 1, mesh.size)
-            kernel_s = sum(o.seconds for o in ops)
+            events = trace.load_events(found)
+            timeline = trace.device_timeline(events, TRACE_STEPS + 1)
+            if timeline is not None:  # a device's activities, command buffers on as the step runs
+                kernel_s = timeline.busy_s
+            else:  # CPU: the program's XLA ops on the host's threads
+                ops = trace.op_times(events, trace.instruction_sources(program.as_text()), TRACE_STEPS + 1,
+                                     mesh.size)
+                kernel_s = sum(o.seconds for o in ops)
     weights, touched = weight_bytes(model, cfg, batch)
     kv = cache_bytes(cfg, batch, position)
     floor_s = (weights + kv) / bandwidth
@@ -145,7 +153,8 @@ def run_case(model, mesh, cfg, *, batch: int, position: int, tokens: int, steps:
                      "gen_tok_s": gen_tok_s, "gen_over_step": gen_tok_s / (batch / step_s),
                      "sampled_ms": sampled_s * 1e3, "tokens": out.timings.generated_tokens,
                      "case_s": time.perf_counter() - t0,
-                     "kernel_share": None if kernel_s is None else kernel_s / step_s})
+                     "kernel_share": None if kernel_s is None else kernel_s / step_s,
+                     "timeline": None if timeline is None else dataclasses.asdict(timeline)})
     return rows
 
 
@@ -163,9 +172,6 @@ def fmt_row(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "--trace" in (sys.argv[1:] if argv is None else argv):
-        from dsv41_jax.profile import _one_kernel_per_op  # noqa: PLC0415 - before JAX starts its backend
-        _one_kernel_per_op()
     a = parse_args(argv)
     try:
         cfg = cut_layers(load_named(a.config), a.layers, routed_experts=a.experts)

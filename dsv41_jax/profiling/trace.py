@@ -101,6 +101,51 @@ def unattributed_times(events: list[dict], sources: dict[str, str], steps: int) 
     return sorted(ops, key=lambda o: -o.seconds)
 
 
+@dataclass(frozen=True)
+class Timeline:
+    """The first device's work per call, from its activities (kernels and copies): ``busy_s`` inside them (overlaps
+    counted once), ``gap_s`` between them (``long_gap_s`` of it in gaps over 5 µs: not the queue's own
+    latency), ``copy_s`` in copy kernels and memcpys, ``activities`` per call."""
+
+    busy_s: float
+    gap_s: float
+    long_gap_s: float
+    copy_s: float
+    activities: int
+
+
+def device_timeline(events: list[dict], calls: int, skip: int = 1) -> Timeline | None:
+    """The device's timeline over the last ``calls - skip`` of ``calls`` traced calls of one program (the first
+    ``skip`` are warm-up, apart from the rest by a host wait), per call; None without a device process (CPU).
+    Meant for traces with XLA's command buffers on, as the program runs: inside a CUDA graph the kernels are
+    named by the graph, not by op, but their times and the gaps between them are the step's own."""
+    keep_pid, kept = _device_events(events)
+    if keep_pid is None:
+        return None
+    acts = sorted((e for e in kept if _is_activity(e)), key=lambda e: float(e["ts"]))
+    per = len(acts) // max(calls, 1)
+    counted = max(calls - skip, 1)
+    acts = acts[len(acts) - counted * per:]
+    if not acts:
+        return None
+    busy = gap = long_gap = copy = 0.0
+    start, end = float(acts[0]["ts"]), float(acts[0]["ts"]) + float(acts[0]["dur"])
+    for e in acts:
+        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if str(e.get("name", "")).lower().startswith("memcpy"):
+            copy += float(e["dur"])
+        if t0 > end:  # a gap: close the merged interval
+            busy += end - start
+            gap += t0 - end
+            long_gap += (t0 - end) if t0 - end > 5.0 else 0.0
+            start, end = t0, t1
+        else:
+            end = max(end, t1)
+    busy += end - start
+    scale = 1e-6 / counted  # µs a call -> s
+    return Timeline(busy * scale, gap * scale, long_gap * scale, copy * scale, per)
+
+
 def by_component(ops: list[OpTime]) -> list[tuple[str, float]]:
     """Seconds per model source file (attention.py, moe.py, indexer.py, hc.py, ...), largest first."""
     out: dict[str, float] = {}
