@@ -91,9 +91,9 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
 
 def _one_row_plan(ids, valid, num_experts: int, block_m: int) -> TilePlan:
     """One row (a batch-1 decode step): its k pairs name k experts, distinct under top-k, so each pair is its own
-    tile in slot order, with no sort: elementwise work XLA fuses into the router's last kernel, where the
-    comparisons of ``_dense_tiles`` took ~4 kernels a layer. Tile order does not change a pair's result (each tile
-    is computed alone and ``pair_pos`` finds it); repeated ids are only read once per pair."""
+    tile in slot order, with no sort: elementwise work only, where the comparisons of ``_dense_tiles`` took ~4
+    small kernels a layer (~0.1 ms of a 40-layer step on the H200). Tile order does not change a pair's result
+    (each tile is computed alone and ``pair_pos`` finds it); an expert named twice is read once for each pair."""
     k = ids.shape[0]
     slot = jnp.arange(k, dtype=jnp.int32)
     return TilePlan(
