@@ -68,17 +68,7 @@ def op_times(events: list[dict], sources: dict[str, str], steps: int, devices: i
     """
     keep_pid, kept = _device_events(events)
     share = 1 if keep_pid is not None else max(devices, 1)
-    totals: dict[str, list[float]] = {}
-    for e in kept:
-        name = _op_name(e)
-        if name not in sources:
-            continue
-        slot = totals.setdefault(name, [0.0, 0])
-        slot[0] += float(e["dur"]) * 1e-6  # µs -> s
-        slot[1] += 1
-    per = max(steps, 1) * share
-    ops = [OpTime(n, sources[n], t / per, c // per) for n, (t, c) in totals.items()]
-    return sorted(ops, key=lambda o: -o.seconds)
+    return _summed([(_op_name(e), e) for e in kept if _op_name(e) in sources], sources.get, max(steps, 1) * share)
 
 
 def unattributed_times(events: list[dict], sources: dict[str, str], steps: int) -> list[OpTime]:
@@ -89,15 +79,20 @@ def unattributed_times(events: list[dict], sources: dict[str, str], steps: int) 
     keep_pid, kept = _device_events(events)
     if keep_pid is None:
         return []
+    named = [(str(e.get("name", "")), e) for e in kept if _op_name(e) not in sources and _is_activity(e)]
+    return _summed(named, lambda _: "", steps)
+
+
+def _summed(named: list[tuple[str, dict]], source_of, per: int) -> list[OpTime]:
+    """(name, event) pairs summed by name, divided by ``per`` (steps, times devices sharing a process), slowest
+    first."""
     totals: dict[str, list[float]] = {}
-    for e in kept:
-        if _op_name(e) in sources or not _is_activity(e):
-            continue
-        slot = totals.setdefault(str(e.get("name", "")), [0.0, 0])
-        slot[0] += float(e["dur"]) * 1e-6
+    for name, e in named:
+        slot = totals.setdefault(name, [0.0, 0])
+        slot[0] += float(e["dur"]) * 1e-6  # µs -> s
         slot[1] += 1
-    per = max(steps, 1)
-    ops = [OpTime(n, "", t / per, c // per) for n, (t, c) in totals.items()]
+    per = max(per, 1)
+    ops = [OpTime(n, source_of(n), t / per, c // per) for n, (t, c) in totals.items()]
     return sorted(ops, key=lambda o: -o.seconds)
 
 

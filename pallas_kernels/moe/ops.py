@@ -180,13 +180,12 @@ def check_offsets(weights: ExpertWeights) -> None:
     """Refuse expert operands the Triton lowering would address past their end (``INT32_WRAP_BYTES``): the kernels
     see fp4 codes as 16-bit words, which never wrap, so only a one-byte scale operand of 2-4 GiB could (a stack of
     32-64 GiB of codes on one rank)."""
+    codes = ("w1", "w3", "w2") if weights.is_fp4 else ()  # read as 16-bit words (``_as_words``): never wrap
     for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"):
         array = getattr(weights, name)
-        if array is None:
+        if array is None or name in codes:
             continue
-        words = weights.is_fp4 and name in ("w1", "w3", "w2")
-        itemsize, size = (2, array.size // 2) if words else (array.dtype.itemsize, array.size)
-        if itemsize == 1 and INT32_WRAP_BYTES[0] <= size <= INT32_WRAP_BYTES[1]:
+        if array.dtype.itemsize == 1 and INT32_WRAP_BYTES[0] <= array.size <= INT32_WRAP_BYTES[1]:
             raise ValueError(
                 f"the Pallas MoE kernel cannot address {name} of {array.size * array.dtype.itemsize / 2**30:.2f} "
                 f"GiB on this rank {tuple(array.shape)}: the Triton lowering's 32-bit offsets wrap between 2 and 4 "
@@ -232,15 +231,15 @@ def routed_experts(
     if layer.is_fp4 and layer.width % FP4_K_MULTIPLE:
         weights = _padded_width(weights, FP4_K_MULTIPLE)
         layer = _layer_shapes(weights) if stacked else weights
-    flat, first, num_experts = weights, jnp.zeros((), jnp.int32), layer.num_experts
-    if stacked:
-        flat, first, topk_ids, num_experts = _stack_operands(weights, row, topk_ids)
+    flat, first = weights, jnp.zeros((), jnp.int32)
+    if stacked:  # the stack seen as [L·E, ...], read in place from the layer's first expert row·E
+        flat, first = _layers_as_experts(weights), jnp.asarray(row, jnp.int32) * layer.num_experts
     if not interpret:
         check_offsets(flat)
     num_pairs = topk_ids.size
     cfg = config or default_config(num_pairs, layer, block_m)
     _check_blocks(cfg, layer)
-    return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=num_experts,
+    return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=layer.num_experts,
                           swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
 
 
@@ -259,13 +258,6 @@ def _padded_width(weights: ExpertWeights, multiple: int) -> ExpertWeights:
     return ExpertWeights(w1=pad(weights.w1, -2, extra), w3=pad(weights.w3, -2, extra),
                          w2=pad(weights.w2, -1, extra // 2), w1_scale=pad(weights.w1_scale, -2, extra),
                          w3_scale=pad(weights.w3_scale, -2, extra), w2_scale=pad(weights.w2_scale, -1, extra // 32))
-
-
-def _stack_operands(weights: ExpertWeights, row, topk_ids):
-    """The kernel's operands for a call on layer ``row`` of a stack [L, E, ...]: the stack seen as [L·E, ...], read in
-    place from expert row·E. Returns (weights, first expert, ids, experts)."""
-    e = weights.w1.shape[1]
-    return _layers_as_experts(weights), jnp.asarray(row, jnp.int32) * e, topk_ids, e
 
 
 def layer_of(weights: ExpertWeights, row) -> ExpertWeights:
