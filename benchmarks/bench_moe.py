@@ -362,7 +362,7 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
                 whole_sweep=()) -> None:
     """The op and its pieces at one shape, each timed as many calls in one program (``timed_chained``): the
     plan, ``gate_up`` with the default blocks and each of ``gate_up_sweep``'s (BF, BK, stages, warps),
-    ``down`` likewise with ``down_sweep``'s (BF: its K chunk, BN, stages, warps), the gather-sum, the whole op
+    ``down`` likewise with ``down_sweep``'s (its K chunk, BN, stages, warps), the gather-sum, the whole op
     with the default blocks and with each of ``whole_sweep``'s (BF, BK, gate_up stages, gate_up warps)."""
     kx, kr, kw = jax.random.split(key, 3)
     x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
@@ -403,11 +403,11 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
     if act is None:
         print(f"{label}: the default gate_up failed; nothing more to time", flush=True)
         return
-    down_first = (base.block_f, base.block_n, base.down_stages, base.down_warps)
+    down_first = (base.down_chunk, base.block_n, base.down_stages, base.down_warps)
     for bf, bn, st, wp in [down_first] + [c for c in down_sweep if c != down_first]:
-        if fp4 and bf != base.block_f:  # fp4 act columns are ordered within BF chunks: act above fits base's BF
+        if fp4 and bf != base.down_chunk:  # fp4 act is in plane order per down chunk: act above fits base's
             continue
-        cfg = dataclasses.replace(base, block_f=bf, block_n=bn, down_stages=st, down_warps=wp)
+        cfg = dataclasses.replace(base, down_block_k=bf, block_n=bn, down_stages=st, down_warps=wp)
         add_tiling("down", cfg, f"bf{bf} bn{bn} s{st} w{wp}", per_matrix, piece_fns(cfg)["down"], plan, act, wts)
     y_pairs = base_fns["down"](plan, act, wts)
     add("gather-sum", "", timed_chained(base_fns["gather_sum"], y_pairs, plan.pair_pos, plan.pair_valid, w), 0.0)
@@ -418,7 +418,7 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
         add_tiling("whole op", cfg, f"bf{bf} bk{bk} s{st} w{wp}", 3 * per_matrix, pallas_fn(cfg), x, ids, w, wts)
 
 
-# (block_f, block_k, stages, warps) of gate_up and (block_f, block_n, stages, warps) of down in --decode-sweep and
+# (block_f, block_k, stages, warps) of gate_up and (K chunk, block_n, stages, warps) of down in --decode-sweep and
 # --prefill-sweep (shared memory a bf16 gate_up stage: (BM·BK + 2·BF·BK)·2 B, a down stage (BM·BF + BN·BF)·2 B;
 # 227 KB a block on the H200; a failing tiling is reported and skipped)
 DECODE_GATE_UP = [(64, 64, 4, 4), (64, 128, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (64, 256, 4, 4),

@@ -19,8 +19,9 @@ operand with 64-bit offsets only past 2**32 bytes and counts offsets in elements
 to bf16 in registers. Rather than interleave the nibbles, the contraction is split in four planes: word k of a
 K chunk holds columns 4k..4k+3, and plane n pairs nibble n of every word with the input columns 4k + n. For
 that the GEMM inputs arrive with the columns of every K chunk reordered as [columns ≡ 0, ≡ 1, ≡ 2, ≡ 3 mod 4]:
-the caller does it for x, and ``gate_up`` does it for act when w2 is fp4 (its column block then holds w1/w3 rows
-in that order). Each plane's dot has K = BK/4 (BF/4 for down): fp4 K chunks are multiples of 64.
+the caller does it for x, and ``gate_up`` does it for act when w2 is fp4 (per chunk of the down GEMM's K, its
+column block then holds w1/w3 rows in that order). Each plane's dot has K = BK/4 (the down chunk / 4 for down):
+fp4 K chunks are multiples of 64.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from jax.experimental.pallas import triton as plt
 class KernelConfig:
     """Block sizes (powers of two) and Triton launch settings of the two kernels.
 
-    block_m: pairs per tile (BM); block_f: act columns per gate/up program (BF), also the K chunk of the
-    down GEMM; block_k: D chunk of the gate/up GEMM (BK); block_n: output columns per down program (BN).
+    block_m: pairs per tile (BM); block_f: act columns per gate/up program (BF); block_k: D chunk of the gate/up
+    GEMM (BK); block_n: output columns per down program (BN); down_block_k: F chunk of the down GEMM (0: BF).
     """
 
     block_m: int = 64
@@ -51,6 +52,15 @@ class KernelConfig:
     down_warps: int = 4
     down_stages: int = 4
     fp4_decode: str = "asm"  # "asm" (inline PTX, GPU only) or "alu" (plain jnp ops; used in interpret mode)
+    # fp4: the dequantised weight block is the GEMMs' first operand (outᵀ = W·xᵀ), so Hopper's wgmma may take it
+    # from registers rather than through shared memory; the result is transposed once a program
+    fp4_weights_first: bool = False
+    down_block_k: int = 0
+
+    @property
+    def down_chunk(self) -> int:
+        """The down GEMM's K chunk (F columns a step); with fp4 experts act is stored in plane order per chunk."""
+        return self.down_block_k or self.block_f
 
 
 _TRANS_B = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k]^T
@@ -151,19 +161,22 @@ def _fp4_planes(words_ref, scale_bits, expert, rows, chunk, chunk_len, use_asm):
     return tuple(_e2m1_to_bf16((words >> (4 * n)) & 0xF, scale) for n in range(4))
 
 
-def _plane_order(n: int) -> jax.Array:
-    """[n] int32: position p holds column 4(p mod n/4) + p div (n/4) of an n-column chunk (planes of columns ≡
-    0, 1, 2, 3 mod 4)."""
-    p = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-    return 4 * (p % (n // 4)) + p // (n // 4)
+def _plane_columns(stored: jax.Array, n: int) -> jax.Array:
+    """The column each stored position holds when every n-column chunk is in plane order: position p of a chunk
+    holds its column 4(p mod n/4) + p div (n/4) (planes of columns ≡ 0, 1, 2, 3 mod 4)."""
+    p = stored % n
+    return stored - p + 4 * (p % (n // 4)) + p // (n // 4)
 
 
-def _plane_dots(a_ref, a_rows, start, chunk_len, planes) -> jax.Array:
-    """Σ_n a[:, plane n of the chunk at ``start``] · planes[n]ᵀ (a's chunk columns in plane order)."""
+def _plane_dots(a_ref, a_rows, start, chunk_len, planes, weights_first: bool) -> jax.Array:
+    """Σ_n a[:, plane n of the chunk at ``start``] · planes[n]ᵀ (a's chunk columns in plane order): [A, W];
+    with ``weights_first`` its transpose Σ_n planes[n] · a[:, plane n]ᵀ: [W, A]."""
     quarter = chunk_len // 4
-    out = _dot(a_ref[a_rows, pl.ds(start, quarter)], planes[0])
-    for n in range(1, 4):
-        out = out + _dot(a_ref[a_rows, pl.ds(start + n * quarter, quarter)], planes[n])
+    out = None
+    for n in range(4):
+        a = a_ref[a_rows, pl.ds(start + n * quarter, quarter)]
+        term = _dot(planes[n], a) if weights_first else _dot(a, planes[n])
+        out = term if out is None else out + term
     return out
 
 
@@ -184,8 +197,8 @@ def _gate_up_kernel(
         expert, first = tile_expert_ref[tile], tile_first_ref[tile]
         row_ok = jax.lax.broadcasted_iota(jnp.int32, (bm,), 0) < count
         tokens = plt.load(pair_token_ref.at[pl.ds(first, bm)], mask=row_ok, other=0)
-        local = _plane_order(bf) if permute_out else jax.lax.broadcasted_iota(jnp.int32, (bf,), 0)
-        rows = f_block * bf + local  # which rows of w1/w3 this program's act columns come from
+        stored = f_block * bf + jax.lax.broadcasted_iota(jnp.int32, (bf,), 0)  # this program's act columns
+        rows = _plane_columns(stored, cfg.down_chunk) if permute_out else stored  # the w1/w3 rows they hold
 
         n_steps = x_ref.shape[1] // bk
 
@@ -201,15 +214,20 @@ def _gate_up_kernel(
             ahead = jnp.minimum(kk + 1, n_steps - 1)
             s1_next = _load_scales(w1s_ref, expert, rows, ahead, bk)
             s3_next = _load_scales(w3s_ref, expert, rows, ahead, bk)
-            g = g + _plane_dots(x_ref, tokens, kk * bk, bk, _fp4_planes(w1_ref, s1, expert, rows, kk, bk, use_asm))
-            u = u + _plane_dots(x_ref, tokens, kk * bk, bk, _fp4_planes(w3_ref, s3, expert, rows, kk, bk, use_asm))
+            planes1 = _fp4_planes(w1_ref, s1, expert, rows, kk, bk, use_asm)
+            planes3 = _fp4_planes(w3_ref, s3, expert, rows, kk, bk, use_asm)
+            g = g + _plane_dots(x_ref, tokens, kk * bk, bk, planes1, cfg.fp4_weights_first)
+            u = u + _plane_dots(x_ref, tokens, kk * bk, bk, planes3, cfg.fp4_weights_first)
             return g, u, s1_next, s3_next
 
         zeros = jnp.zeros((bm, bf), jnp.float32)
         if fp4:
             first_scales = (_load_scales(w1s_ref, expert, rows, 0, bk),
                             _load_scales(w3s_ref, expert, rows, 0, bk))
-            g, u, _, _ = jax.lax.fori_loop(0, n_steps, step_fp4, (zeros, zeros, *first_scales))
+            acc = zeros.T if cfg.fp4_weights_first else zeros
+            g, u, _, _ = jax.lax.fori_loop(0, n_steps, step_fp4, (acc, acc, *first_scales))
+            if cfg.fp4_weights_first:
+                g, u = g.T, u.T
         else:
             g, u = jax.lax.fori_loop(0, n_steps, step_bf16, (zeros, zeros))
         act = swiglu(g, u, limit).astype(act_ref.dtype)
@@ -225,7 +243,7 @@ def _down_kernel(
         w2_ref, w2s_ref, y_ref = refs
     else:
         w2_ref, y_ref = refs
-    bm, bk, bn = cfg.block_m, cfg.block_f, cfg.block_n
+    bm, bk, bn = cfg.block_m, cfg.down_chunk, cfg.block_n
     n_block, tile = pl.program_id(0), pl.program_id(1)
     count = tile_count_ref[tile]
 
@@ -246,12 +264,14 @@ def _down_kernel(
             acc, scales = carry
             scales_next = _load_scales(w2s_ref, expert, rows, jnp.minimum(kk + 1, n_steps - 1), bk)
             planes = _fp4_planes(w2_ref, scales, expert, rows, kk, bk, use_asm)
-            return acc + _plane_dots(act_ref, pl.ds(first, bm), kk * bk, bk, planes), scales_next
+            return acc + _plane_dots(act_ref, pl.ds(first, bm), kk * bk, bk, planes, cfg.fp4_weights_first), scales_next
 
         zeros = jnp.zeros((bm, bn), jnp.float32)
         if fp4:
-            y, _ = jax.lax.fori_loop(
-                0, n_steps, step_fp4, (zeros, _load_scales(w2s_ref, expert, rows, 0, bk)))
+            acc = zeros.T if cfg.fp4_weights_first else zeros
+            y, _ = jax.lax.fori_loop(0, n_steps, step_fp4, (acc, _load_scales(w2s_ref, expert, rows, 0, bk)))
+            if cfg.fp4_weights_first:
+                y = y.T
         else:
             y = jax.lax.fori_loop(0, n_steps, step_bf16, zeros)
         row_ok = jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < count

@@ -107,11 +107,14 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     """Block sizes for this shape: BM by the mean rows per expert (at most ``block_m``, the plan's BM of a
     prefill-sized block, PLANNER.md §E), the rest the largest that divide.
 
-    Prefill-sized tiles (BM 64) of an F that 128 divides compute 128 act columns a program from 64-wide K
-    chunks, 4 stages, in both formats: half the programs, so each gathered x row is read half as often (H200,
-    2,048 rows: bf16 at F = 2,304 ``gate_up`` 4.69 -> 4.19 ms, 0.99x its read floor; fp4 at F = 1,152 the op
-    4.44 -> 4.01 ms; BENCHMARKS.md "routed experts at prefill sizes"). Other widths: bf16 streams 128-wide K
-    chunks (3 stages) into 64 columns; fp4, dequantised in registers, did best with 64-wide chunks.
+    bf16 prefill-sized tiles (BM 64) of an F that 128 divides compute 128 act columns a program from 64-wide K
+    chunks, 4 stages: half the programs, so each gathered x row is read half as often (H200, 2,048 rows: F = 2,304
+    ``gate_up`` 4.69 -> 4.19 ms, 0.99x its read floor; BENCHMARKS.md "routed experts at prefill sizes"); other
+    widths stream 128-wide K chunks (3 stages) into 64 columns. fp4 tiles above decode size take the dequantised
+    weights as the GEMMs' first operand (``fp4_weights_first``) with 64 act columns from 128-wide K chunks, 3
+    stages, and ``down`` steps over 128-wide F chunks where 128 divides F (H200, 2,048 rows, the op: F = 576 /
+    1,152 / 2,304 2.72 / 4.64 / 8.67 -> 1.89 / 3.04 / 5.79 ms; BENCHMARKS.md "fp4 experts: the weights as the first
+    operand").
     Decode-sized tiles (BM 16: under 4 rows an expert) stream 256-wide K chunks in both formats: each program
     then has twice to four times the bytes in flight per step, which is what a tile of one or two rows lacks
     (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row, F = 2,304: 0.084 -> 0.078
@@ -128,14 +131,15 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
             block_k=k_chunk(weights.dim, (256, 128, 64, 32), "model width D"))
+    if weights.is_fp4:
+        return moe_kernel.KernelConfig(
+            block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3, fp4_weights_first=True,
+            block_k=k_chunk(weights.dim, (128, 64), "model width D"),
+            down_block_k=k_chunk(weights.width, (128, 64), "expert width F"))
     if block_m == 64 and weights.width % 128 == 0:  # down then asks (64·128 + 128·128)·2 B × 4 = 192 KB of smem
         return moe_kernel.KernelConfig(
             block_m=block_m, block_f=128, block_n=block_n, gate_up_stages=4,
             block_k=k_chunk(weights.dim, (64, 32), "model width D"))
-    if weights.is_fp4:
-        return moe_kernel.KernelConfig(
-            block_m=block_m, block_f=block_f, block_n=block_n,
-            block_k=k_chunk(weights.dim, (64,), "model width D"))
     return moe_kernel.KernelConfig(
         block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3,
         block_k=_largest_block(weights.dim, (128, 64, 32), "model width D"))
@@ -302,16 +306,17 @@ def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expe
 def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
     """The kernels' grids cover F / BF and D / BN blocks and step over D / BK chunks: a block that does not
     divide its width would leave columns uncomputed (on the H200, BF 128 at F = 576 gave a 33 % error). fp4
-    K chunks (BK for gate_up, BF for down) are multiples of 64: four planes of 16+ columns (a GPU dot's least K)
+    K chunks (BK for gate_up, ``down_chunk`` for down) are multiples of 64: four planes of 16+ columns (a GPU dot's least K)
     of whole groups of 32 codes sharing one scale."""
     for what, size, block in (("expert width F", weights.width, cfg.block_f),
+                              ("expert width F", weights.width, cfg.down_chunk),
                               ("model width D", weights.dim, cfg.block_n),
                               ("model width D", weights.dim, cfg.block_k)):
         if size % block:
             raise ValueError(f"{what} = {size} is not a multiple of the block {block} ({cfg})")
-    if weights.is_fp4 and (cfg.block_k % FP4_K_MULTIPLE or cfg.block_f % FP4_K_MULTIPLE):
-        raise ValueError(f"fp4 experts need block_k and block_f multiples of 64 (four planes of 16+ columns, "
-                         f"whole scale groups), got {cfg}")
+    if weights.is_fp4 and any(b % FP4_K_MULTIPLE for b in (cfg.block_k, cfg.block_f, cfg.down_chunk)):
+        raise ValueError(f"fp4 experts need block_k, block_f and down_block_k multiples of 64 (four planes of 16+ "
+                         f"columns, whole scale groups), got {cfg}")
 
 
 def _weighted_gather_sum(y_pairs, pair_pos, pair_valid, topk_weights) -> jax.Array:

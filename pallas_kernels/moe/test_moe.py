@@ -4,6 +4,7 @@ kernel's own parts (fp4 decode in registers, the tile plan, the offset guard).""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -277,32 +278,56 @@ def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
     assert _rel_err(out, ref) <= REL_TOL
 
 
+@pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 128, 128), (2, 6, 16, 64, 512), (200, 6, 16, 256, 128)],
+                         ids=["segment", "decode-wide", "segment-f256"])
+def test_fp4_weights_first_gives_the_same_sums(n, k, e, f, d):
+    """``fp4_weights_first`` computes each tile's products transposed (outᵀ = W·xᵀ, then one transpose), and a
+    down K chunk wider than the gate/up programs' columns (``down_block_k``) has act stored in plane order per
+    chunk: the same sums as the default, so the same output up to summation order, and the oracle's."""
+    rng = _rng()
+    x = _x(rng, n, d)
+    ids, w = _routing(rng, n, k, e, hot=1, empty=(6,))
+    wts = _fp4_weights(rng, e, f, d)
+    cfg = dataclasses.replace(default_config(n * k, wts), block_f=64)
+    variants = {"second": dict(fp4_weights_first=False), "first": dict(fp4_weights_first=True)}
+    if f % 128 == 0:  # act stored in plane order per 128-column chunk by 64-column gate/up programs
+        variants["first, down chunk 128"] = dict(fp4_weights_first=True, down_block_k=128)
+    out = {name: routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", interpret=True,
+                                config=dataclasses.replace(cfg, **fields)) for name, fields in variants.items()}
+    deq = wts.dequantized()
+    ref = routed_experts_reference(x, ids, w, deq.w1, deq.w3, deq.w2, swiglu_limit=LIMIT)
+    for name in variants:
+        assert _rel_err(out[name], out["second"]) <= 1e-6, name  # f32 sums of exact products, in another order
+        assert _rel_err(out[name], ref) <= REL_TOL, name
+
+
 def test_default_blocks_the_cases_above_run_with():
-    """Decode-sized tiles (BM 16) stream 256-wide K chunks; prefill-sized tiles of an F that 128 divides compute
-    128 act columns from 64-wide K chunks in both formats (the ``f256`` cases), other widths 64 columns."""
+    """Decode-sized tiles (BM 16) stream 256-wide K chunks, weights second in both formats; bf16 prefill-sized
+    tiles of an F that 128 divides compute 128 act columns from 64-wide K chunks (the ``f256`` cases), other widths
+    64 columns from 128-wide chunks; fp4 prefill-sized tiles put the weights first, 64 columns, 128-wide chunks."""
     rng = _rng()
     for weights in (_bf16_weights(rng, 16, 64, 512), _fp4_weights(rng, 16, 64, 512)):
         decode, segment = default_config(2 * 6, weights), default_config(2048 * 6, weights)
-        assert (decode.block_m, decode.block_k, decode.gate_up_stages) == (16, 256, 3)
-        assert segment.block_m == 64 and segment.block_k == (64 if weights.is_fp4 else 128)
+        assert (decode.block_m, decode.block_k, decode.gate_up_stages, decode.fp4_weights_first) == (16, 256, 3, False)
+        assert (segment.block_m, segment.block_k, segment.fp4_weights_first) == (64, 128, weights.is_fp4)
     wide = default_config(200 * 6, _bf16_weights(rng, 16, 256, 128))
     assert (wide.block_m, wide.block_f, wide.block_k, wide.gate_up_stages) == (64, 128, 64, 4)
-    assert default_config(200 * 6, _fp4_weights(rng, 16, 256, 128)).block_f == 128
+    wide_fp4 = default_config(200 * 6, _fp4_weights(rng, 16, 256, 128))
+    assert (wide_fp4.block_f, wide_fp4.block_k, wide_fp4.gate_up_stages, wide_fp4.fp4_weights_first) == (64, 128, 3, True)
     assert default_config(200 * 6, _bf16_weights(rng, 16, 192, 128)).block_f == 64
 
 
-@pytest.mark.parametrize("field", ["block_f", "block_n", "block_k"])
+@pytest.mark.parametrize("field", ["block_f", "block_n", "block_k", "down_block_k"])
 def test_a_block_that_does_not_divide_its_width_is_refused(field):
     """A grid of F / BF blocks with BF not dividing F would leave act columns uncomputed (BF 128 at F = 576
     gave a 33 % error on the H200): an explicit config like that is refused, not run; so is an fp4 K chunk
     narrower than four planes of 16 columns."""
-    import dataclasses
     rng = _rng()
     x, (ids, w), wts = _x(rng, 8, 192), _routing(rng, 8, 2, 4), _bf16_weights(rng, 4, 192, 192)
     cfg = dataclasses.replace(default_config(16, wts), **{field: 128})
     with pytest.raises(ValueError, match="not a multiple of the block 128"):
         routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", config=cfg)
-    if field != "block_n":  # fp4 K chunks (BK for gate_up, BF for down) hold whole 32-code scale groups
+    if field != "block_n":  # fp4 K chunks (BK for gate_up, the down chunk for down) hold whole 32-code scale groups
         fp4 = _fp4_weights(rng, 4, 64, 64)
         cfg = dataclasses.replace(default_config(16, fp4), **{field: 32})
         with pytest.raises(ValueError, match="multiples of 64"):
