@@ -23,9 +23,10 @@ Per case it prints:
 
 With ``--trace DIR`` also ``kernels``: the share of the step inside the first device's kernels and copies, from a
 ``jax.profiler`` trace of a few chained steps per case (`dsv41_jax.profiling.trace.device_timeline`), with XLA's
-command buffers on as the step runs; the JSON adds the gaps between them, those over 5 µs and the device copies
-(``timeline``). ``dsv41_jax.profile --trace`` names each op instead (command buffers off). On a CPU the share
-is the program's XLA ops on the host's threads.
+command buffers on as the step runs; on a device a second table (and the JSON's ``timeline``) gives a traced step's
+busy time, the gaps inside it (those over 5 µs), the gap between two steps (the host's launch when late; the
+profiler slows the host, so read it as an upper bound) and the device copies. ``dsv41_jax.profile --trace``
+names each op instead (command buffers off). On a CPU the share is the program's XLA ops on the host's threads.
 """
 
 from __future__ import annotations
@@ -171,6 +172,19 @@ def fmt_row(r: dict) -> str:
             f"{'-' if r['kernel_share'] is None else format(r['kernel_share'], '.0%'):>7}")
 
 
+TIMELINE_HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'step ms':>8} {'busy ms':>8} "
+                   f"{'gaps ms':>8} {'>5µs ms':>8} {'between':>8} {'copies':>8} {'acts':>5}   (traced steps)")
+
+
+def fmt_timeline(r: dict) -> str:
+    """A traced case's device timeline a step: busy, gaps inside the step (over 5 µs), the gap between two steps
+    (grown by the profiler's host cost), copies, activities."""
+    t = r["timeline"]
+    ms = lambda key: f"{t.get(key, 0.0) * 1e3:>8.3f}"
+    return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "
+            f"{ms('busy_s')} {ms('gap_s')} {ms('long_gap_s')} {ms('between_s')} {ms('copy_s')} {t['activities']:>5}")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
@@ -213,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for r in rows:
         print(fmt_row(r) if "error" not in r else f"{r['world']:>5} {r['experts']:>7}  {r['error']}")
+    traced = [r for r in rows if r.get("timeline")]
+    if traced:  # --trace on a device: where each step's time went, command buffers on (``trace.device_timeline``)
+        print(TIMELINE_HEADER)
+        for r in traced:
+            print(fmt_timeline(r))
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({"device": str(dev.device_kind if hasattr(dev, "device_kind") else dev),

@@ -99,7 +99,7 @@ worlds() {
   echo "== bench_decode, 2-layer cut, worlds $worlds, bf16"
   timeout ${DECODE_S:-180} python3 benchmarks/bench_decode.py --worlds "$worlds" --batches 1,8,32 --positions 0 \
     --formats bf16 --tokens 64 --steps 32 --trace /tmp/gpu_session_worlds --json-out "$OUT/decode_worlds.json" 2>&1 \
-    | grep -v "^WARNING" | tail -12
+    | grep -v "^WARNING" | tail -22
   date -u
   echo "== bench_decode, 40 layers (24 experts), worlds $worlds, bf16"
   timeout ${DEPTH_S:-200} python3 benchmarks/bench_decode.py --layers 40 --experts 24 --worlds "$worlds" \

@@ -58,6 +58,18 @@ def test_quick_smoke_run_on_cpu(tmp_path, capsys):
     assert "step tok/s" in capsys.readouterr().out
 
 
+def test_timeline_table_row():
+    """A traced device case's second-table row: a step's busy time, gaps inside it, those over 5 µs, the gap between
+    steps and the copies, in ms, with the activity count (a JSON from before ``between_s`` reads 0 there)."""
+    timeline = {"busy_s": 0.91e-3, "gap_s": 0.05e-3, "long_gap_s": 0.03e-3, "copy_s": 3e-6, "activities": 145,
+                "between_s": 0.6e-3}
+    row = {"world": 2, "experts": "bf16", "batch": 1, "position": 0, "step_ms": 1.002, "timeline": timeline}
+    assert bench.fmt_timeline(row).split() == ["2", "bf16", "1", "0", "1.002", "0.910", "0.050", "0.030", "0.600",
+                                               "0.003", "145"]
+    older = {**row, "timeline": {k: v for k, v in timeline.items() if k != "between_s"}}
+    assert bench.fmt_timeline(older).split()[8] == "0.000"
+
+
 def test_whole_depth_with_fewer_experts(tmp_path):
     """``--experts``: the layers as configured (scanned units included) with fewer routed experts a layer (the
     40-layer model on one H200); fewer than a token picks is refused."""

@@ -276,9 +276,9 @@ def test_trace_names_device_work_outside_the_program_s_ops():
 
 
 def test_device_timeline_of_chained_calls():
-    """Busy time counts overlapping activities once, gaps are what lies between them (those over 5 µs apart),
-    copies are memcpy kernels and memcpys; the warm-up call (the first, apart by a host wait) is dropped and
-    the rest averaged per call; no device process (CPU) gives None."""
+    """Busy time counts overlapping activities once, gaps are what lies between them inside a call (those over 5
+    µs apart) and, apart, between two calls; copies are memcpy kernels and memcpys; the warm-up call (the first,
+    apart by a host wait) is dropped and the rest averaged per call; no device process (CPU) gives None."""
     from dsv41_jax.profiling import trace
 
     meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}]
@@ -286,11 +286,12 @@ def test_device_timeline_of_chained_calls():
                                       "args": {"kernel_details": "grid:1,1,1"}}
     call = lambda t0: [act(t0, 10.0), act(t0 + 5.0, 10.0), act(t0 + 16.0, 4.0, "memcpy128"), act(t0 + 30.0, 10.0)]
     span = {"ph": "X", "pid": 7, "tid": 2, "name": "jit_step", "ts": 0.0, "dur": 5000.0, "args": {}}
-    events = meta + [span] + call(0.0) + call(1000.0) + call(1040.0)   # warm-up, a host wait, two chained calls
+    events = meta + [span] + call(0.0) + call(1000.0) + call(1047.0)   # warm-up, a host wait, two chained calls
     tl = trace.device_timeline(events, calls=3)
-    # a call: [0, 15] ∪ [16, 20] ∪ [30, 40] busy 29 µs, gaps 1 + 10 µs; then 0 µs to the next call
+    # a call: [0, 15] ∪ [16, 20] ∪ [30, 40] busy 29 µs, gaps 1 + 10 µs; then 7 µs to the next call
     assert tl.activities == 4
     assert round(tl.busy_s * 1e6, 6) == 29.0
     assert round(tl.gap_s * 1e6, 6) == 11.0 and round(tl.long_gap_s * 1e6, 6) == 10.0
+    assert round(tl.between_s * 1e6, 6) == 7.0
     assert round(tl.copy_s * 1e6, 6) == 4.0
     assert trace.device_timeline([act(0.0, 1.0) | {"pid": 1}], calls=1) is None

@@ -99,14 +99,17 @@ def _summed(named: list[tuple[str, dict]], source_of, per: int) -> list[OpTime]:
 @dataclass(frozen=True)
 class Timeline:
     """The first device's work per call, from its activities (kernels and copies): ``busy_s`` inside them (overlaps
-    counted once), ``gap_s`` between them (``long_gap_s`` of it in gaps over 5 µs: not the queue's own
-    latency), ``copy_s`` in copy kernels and memcpys, ``activities`` per call."""
+    counted once), ``gap_s`` between them within a call (``long_gap_s`` of it in gaps over 5 µs: not the queue's
+    own latency), ``between_s`` from one call's last activity to the next call's first (the host's launch of the
+    next call when it is late: a profiler slows the host, so under a trace this one grows), ``copy_s`` in copy
+    kernels and memcpys, ``activities`` per call."""
 
     busy_s: float
     gap_s: float
     long_gap_s: float
     copy_s: float
     activities: int
+    between_s: float = 0.0
 
 
 def device_timeline(events: list[dict], calls: int, skip: int = 1) -> Timeline | None:
@@ -123,22 +126,26 @@ def device_timeline(events: list[dict], calls: int, skip: int = 1) -> Timeline |
     acts = acts[len(acts) - counted * per:]
     if not acts:
         return None
-    busy = gap = long_gap = copy = 0.0
+    busy = gap = long_gap = copy = between = 0.0
     start, end = float(acts[0]["ts"]), float(acts[0]["ts"]) + float(acts[0]["dur"])
-    for e in acts:
+    for i, e in enumerate(acts):
         t0, t1 = float(e["ts"]), float(e["ts"]) + float(e["dur"])
         if str(e.get("name", "")).lower().startswith("memcpy"):
             copy += float(e["dur"])
         if t0 > end:  # a gap: close the merged interval
             busy += end - start
-            gap += t0 - end
-            long_gap += (t0 - end) if t0 - end > 5.0 else 0.0
+            if i % per == 0:  # the first activity of a call: the gap lies between two calls
+                between += t0 - end
+            else:
+                gap += t0 - end
+                long_gap += (t0 - end) if t0 - end > 5.0 else 0.0
             start, end = t0, t1
         else:
             end = max(end, t1)
     busy += end - start
     scale = 1e-6 / counted  # µs a call -> s
-    return Timeline(busy * scale, gap * scale, long_gap * scale, copy * scale, per)
+    return Timeline(busy * scale, gap * scale, long_gap * scale, copy * scale, per,
+                    between * 1e-6 / max(counted - 1, 1))  # counted calls have counted - 1 boundaries
 
 
 def by_component(ops: list[OpTime]) -> list[tuple[str, float]]:
