@@ -306,8 +306,8 @@ def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expe
 def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
     """The kernels' grids cover F / BF and D / BN blocks and step over D / BK chunks: a block that does not
     divide its width would leave columns uncomputed (on the H200, BF 128 at F = 576 gave a 33 % error). fp4
-    K chunks (BK for gate_up, ``down_chunk`` for down) are multiples of 64: four planes of 16+ columns (a GPU dot's least K)
-    of whole groups of 32 codes sharing one scale."""
+    K chunks (BK for gate_up, ``down_chunk`` for down) are multiples of 64: four planes of 16+ columns (a GPU dot's
+    least K) of whole groups of 32 codes sharing one scale."""
     for what, size, block in (("expert width F", weights.width, cfg.block_f),
                               ("expert width F", weights.width, cfg.down_chunk),
                               ("model width D", weights.dim, cfg.block_n),

@@ -313,7 +313,7 @@ def test_default_blocks_the_cases_above_run_with():
     wide = default_config(200 * 6, _bf16_weights(rng, 16, 256, 128))
     assert (wide.block_m, wide.block_f, wide.block_k, wide.gate_up_stages) == (64, 128, 64, 4)
     wide_fp4 = default_config(200 * 6, _fp4_weights(rng, 16, 256, 128))
-    assert (wide_fp4.block_f, wide_fp4.block_k, wide_fp4.gate_up_stages, wide_fp4.fp4_weights_first) == (64, 128, 3, True)
+    assert (wide_fp4.block_f, wide_fp4.block_k, wide_fp4.down_chunk, wide_fp4.fp4_weights_first) == (64, 128, 128, True)
     assert default_config(200 * 6, _bf16_weights(rng, 16, 192, 128)).block_f == 64
 
 
