@@ -363,7 +363,7 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
     """The op and its pieces at one shape, each timed as many calls in one program (``timed_chained``): the
     plan, ``gate_up`` with the default blocks and each of ``gate_up_sweep``'s (BF, BK, stages, warps),
     ``down`` likewise with ``down_sweep``'s (its K chunk, BN, stages, warps), the gather-sum, the whole op
-    with the default blocks and with each of ``whole_sweep``'s (BF, BK, gate_up stages, gate_up warps)."""
+    with the default blocks and with each of ``whole_sweep``'s overrides of them (``KernelConfig`` fields)."""
     kx, kr, kw = jax.random.split(key, 3)
     x = jax.random.normal(kx, (rows, D)).astype(jnp.bfloat16)
     ids, w = make_routing(kr, rows, E)
@@ -413,9 +413,10 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
     add("gather-sum", "", timed_chained(base_fns["gather_sum"], y_pairs, plan.pair_pos, plan.pair_valid, w), 0.0)
     whole = pallas_fn(None)
     add("whole op", "default", timed_chained(whole, x, ids, w, wts), 3 * per_matrix)
-    for bf, bk, st, wp in whole_sweep:
-        cfg = dataclasses.replace(base, block_f=bf, block_k=bk, gate_up_stages=st, gate_up_warps=wp)
-        add_tiling("whole op", cfg, f"bf{bf} bk{bk} s{st} w{wp}", 3 * per_matrix, pallas_fn(cfg), x, ids, w, wts)
+    for fields in whole_sweep:
+        cfg = dataclasses.replace(base, **fields)
+        name = " ".join(f"{k}={v}" for k, v in fields.items())
+        add_tiling("whole op", cfg, name, 3 * per_matrix, pallas_fn(cfg), x, ids, w, wts)
 
 
 # (block_f, block_k, stages, warps) of gate_up and (K chunk, block_n, stages, warps) of down in --decode-sweep and
@@ -431,7 +432,10 @@ PREFILL_DOWN = [(64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 3, 4), (128, 64, 4
                 (128, 128, 2, 4)]
 PREFILL_GATE_UP_FP4 = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 4, 8), (128, 64, 3, 8), (64, 128, 3, 4),
                        (64, 64, 3, 8), (32, 64, 4, 4), (128, 128, 2, 8)]
-PREFILL_WHOLE_FP4 = [(128, 64, 4, 4), (128, 64, 4, 8), (64, 128, 3, 4)]
+# the whole fp4 op: overrides of the default blocks (weights first, BK 128, down chunk 128 where it divides F):
+# BM 32 (2,048 rows give ~32 pairs an expert), a wider K chunk, and the blocks before the weights came first
+PREFILL_WHOLE_FP4 = [dict(block_m=32), dict(block_m=32, block_k=256), dict(block_k=256),
+                     dict(fp4_weights_first=False, block_k=64, gate_up_stages=4, down_block_k=0)]
 
 
 def _report(args, rows_out, checks, bandwidth) -> int:
