@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for r in rows:
         print(fmt_row(r) if "error" not in r else f"{r['world']:>5} {r['experts']:>7}  {r['error']}")
-    traced = [r for r in rows if r.get("timeline")]
+    traced = [r for r in rows if r.get("timeline") and r["chunk"] == a.decode_chunks[0]]  # once a case
     if traced:  # --trace on a device: where each step's time went, command buffers on (``trace.device_timeline``)
         print(TIMELINE_HEADER)
         for r in traced:

@@ -172,13 +172,14 @@ def gpu_checks(key) -> list[str]:
         ("fp4 decode-8", 8, 64, 576, 1024, True, None),
         ("fp4 segment-700 skewed", 700, 64, 512, 1024, True, 5),
         ("fp4 segment-300 w2304", 300, 16, 2304, 512, True, None),
+        ("fp4 segment-700 w576", 700, 64, 576, 1024, True, 5),  # weights first, down chunk 64 (world 4's width)
     ]
     if QUICK_CHECKS:
         cases = [cases[i] for i in (2, 4, 5, 6)]
     if DECODE_CHECKS:
         cases = [cases[i] for i in (0, 1, 4)]
     elif PREFILL_CHECKS:
-        cases = [cases[i] for i in (3, 5)]
+        cases = [cases[i] for i in (3, 5, 7)]
     lines = []
     ref_fn = jax.jit(routed_experts_reference, static_argnames="swiglu_limit")
     runs = {"pallas": pallas_fn(None), "xla": xla_fn}
@@ -336,10 +337,11 @@ def main() -> int:
             print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
         return _report(args, rows_out, checks, bandwidth)
 
-    fp4_base = default_config(ROWS * K, make_weights(key, 576, True, 2, 64))
+    fp4_base = default_config(ROWS * K, make_weights(key, 576, True, 2))  # the blocks of F = 576, D = 5,120
     fp4_configs = [("default", None)]
-    if not args.quick:
-        fp4_configs.append(("bk128-s3", dataclasses.replace(fp4_base, block_k=128, gate_up_stages=3)))
+    if not args.quick:  # the blocks before the decoded weights became the GEMMs' first operand (2026-12-03)
+        fp4_configs.append(("weights-second", dataclasses.replace(
+            fp4_base, fp4_weights_first=False, block_k=64, gate_up_stages=4, down_block_k=0)))
     section("2048 rows F=576 bf16", 576, False, ROWS, [("default", None)], with_xla=args.xla, seed=1)
     section("2048 rows F=576 fp4", 576, True, ROWS, fp4_configs, seed=2)
     for fp4 in (False, True):

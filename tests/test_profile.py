@@ -295,3 +295,11 @@ def test_device_timeline_of_chained_calls():
     assert round(tl.between_s * 1e6, 6) == 7.0
     assert round(tl.copy_s * 1e6, 6) == 4.0
     assert trace.device_timeline([act(0.0, 1.0) | {"pid": 1}], calls=1) is None
+    # a warm-up with its arguments' host-to-device copies (more extra activities than calls) is still cut at the
+    # host's wait: the same per-call figures
+    uploads = [act(-100.0 + 10 * i, 2.0, "MemcpyHtoD") for i in range(5)]
+    events = meta + [span] + uploads + call(0.0) + call(1000.0) + call(1047.0) + call(1094.0)
+    tl = trace.device_timeline(events, calls=4)
+    assert tl.activities == 4
+    assert round(tl.busy_s * 1e6, 6) == 29.0 and round(tl.gap_s * 1e6, 6) == 11.0
+    assert round(tl.between_s * 1e6, 6) == 7.0

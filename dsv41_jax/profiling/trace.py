@@ -116,13 +116,20 @@ def device_timeline(events: list[dict], calls: int, skip: int = 1) -> Timeline |
     """The device's timeline over the last ``calls - skip`` of ``calls`` traced calls of one program (the first
     ``skip`` are warm-up, apart from the rest by a host wait), per call; None without a device process (CPU).
     Meant for traces with XLA's command buffers on, as the program runs: inside a CUDA graph the kernels are
-    named by the graph, not by op, but their times and the gaps between them are the step's own."""
+    named by the graph, not by op, but their times and the gaps between them are the step's own.
+
+    The warm-up ends at the trace's longest idle stretch (the host's wait on it; the first chained call then
+    waits its whole dispatch, later ones only what the device has not already hidden), and may carry extra
+    activities (its arguments' host-to-device copies); the calls after it are alike, so each has 1/counted of
+    their activities."""
     keep_pid, kept = _device_events(events)
     if keep_pid is None:
         return None
     acts = sorted((e for e in kept if _is_activity(e)), key=lambda e: float(e["ts"]))
-    per = len(acts) // max(calls, 1)
+    if skip > 0 and len(acts) > 1:
+        acts = acts[_after_longest_idle(acts):]
     counted = max(calls - skip, 1)
+    per = len(acts) // counted
     acts = acts[len(acts) - counted * per:]
     if not acts:
         return None
@@ -146,6 +153,18 @@ def device_timeline(events: list[dict], calls: int, skip: int = 1) -> Timeline |
     scale = 1e-6 / counted  # µs a call -> s
     return Timeline(busy * scale, gap * scale, long_gap * scale, copy * scale, per,
                     between * 1e-6 / max(counted - 1, 1))  # counted calls have counted - 1 boundaries
+
+
+def _after_longest_idle(acts: list[dict]) -> int:
+    """Index of the first activity after the longest stretch with no activity running (``acts`` sorted by start)."""
+    best, best_at = -1.0, 0
+    end = float(acts[0]["ts"]) + float(acts[0]["dur"])
+    for i in range(1, len(acts)):
+        t0 = float(acts[i]["ts"])
+        if t0 - end > best:
+            best, best_at = t0 - end, i
+        end = max(end, t0 + float(acts[i]["dur"]))
+    return best_at
 
 
 def by_component(ops: list[OpTime]) -> list[tuple[str, float]]:

@@ -289,9 +289,11 @@ def test_fp4_weights_first_gives_the_same_sums(n, k, e, f, d):
     ids, w = _routing(rng, n, k, e, hot=1, empty=(6,))
     wts = _fp4_weights(rng, e, f, d)
     cfg = dataclasses.replace(default_config(n * k, wts), block_f=64)
-    variants = {"second": dict(fp4_weights_first=False), "first": dict(fp4_weights_first=True)}
-    if f % 128 == 0:  # act stored in plane order per 128-column chunk by 64-column gate/up programs
+    variants = {"second": dict(fp4_weights_first=False, down_block_k=0),  # the order and chunks before
+                "first": dict(fp4_weights_first=True, down_block_k=0)}
+    if f % 128 == 0:  # act in plane order per down chunk, written by gate/up programs narrower and wider than it
         variants["first, down chunk 128"] = dict(fp4_weights_first=True, down_block_k=128)
+        variants["first, BF 128, down chunk 64"] = dict(fp4_weights_first=True, block_f=128, down_block_k=64)
     out = {name: routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", interpret=True,
                                 config=dataclasses.replace(cfg, **fields)) for name, fields in variants.items()}
     deq = wts.dequantized()
