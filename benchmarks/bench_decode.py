@@ -178,7 +178,7 @@ TIMELINE_HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'
 
 def fmt_timeline(r: dict) -> str:
     """A traced case's device timeline a step: busy, gaps inside the step (over 5 µs), the gap between two steps
-    (grown by the profiler's host cost), copies, activities."""
+    (the host's lateness, a profiler's cost included), copies, activities."""
     t = r["timeline"]
     ms = lambda key: f"{t.get(key, 0.0) * 1e3:>8.3f}"
     return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "

@@ -127,44 +127,37 @@ def device_timeline(events: list[dict], calls: int, skip: int = 1) -> Timeline |
         return None
     acts = sorted((e for e in kept if _is_activity(e)), key=lambda e: float(e["ts"]))
     if skip > 0 and len(acts) > 1:
-        acts = acts[_after_longest_idle(acts):]
+        idle = _idle_stretches(acts)[1]
+        if idle:  # the warm-up ends at the longest idle stretch
+            acts = acts[max(idle, key=lambda stretch: stretch[1])[0]:]
     counted = max(calls - skip, 1)
     per = len(acts) // counted
     acts = acts[len(acts) - counted * per:]
     if not acts:
         return None
-    busy = gap = long_gap = copy = between = 0.0
+    busy, idle = _idle_stretches(acts)
+    between = sum(us for i, us in idle if i % per == 0)  # before a call's first activity: between two calls
+    inside = [us for i, us in idle if i % per]
+    copy = sum(float(e["dur"]) for e in acts if str(e.get("name", "")).lower().startswith("memcpy"))
+    scale = 1e-6 / counted  # µs a call -> s
+    return Timeline(busy * scale, sum(inside) * scale, sum(us for us in inside if us > 5.0) * scale, copy * scale,
+                    per, between * 1e-6 / max(counted - 1, 1))  # counted calls have counted - 1 boundaries
+
+
+def _idle_stretches(acts: list[dict]) -> tuple[float, list[tuple[int, float]]]:
+    """(µs with some activity running, [(index of the activity that ends an idle stretch, the stretch's µs)]) of
+    activities sorted by start; overlapping activities count once."""
+    busy, idle = 0.0, []
     start, end = float(acts[0]["ts"]), float(acts[0]["ts"]) + float(acts[0]["dur"])
-    for i, e in enumerate(acts):
-        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-        if str(e.get("name", "")).lower().startswith("memcpy"):
-            copy += float(e["dur"])
-        if t0 > end:  # a gap: close the merged interval
+    for i in range(1, len(acts)):
+        t0, t1 = float(acts[i]["ts"]), float(acts[i]["ts"]) + float(acts[i]["dur"])
+        if t0 > end:  # idle until t0: close the merged interval
             busy += end - start
-            if i % per == 0:  # the first activity of a call: the gap lies between two calls
-                between += t0 - end
-            else:
-                gap += t0 - end
-                long_gap += (t0 - end) if t0 - end > 5.0 else 0.0
+            idle.append((i, t0 - end))
             start, end = t0, t1
         else:
             end = max(end, t1)
-    busy += end - start
-    scale = 1e-6 / counted  # µs a call -> s
-    return Timeline(busy * scale, gap * scale, long_gap * scale, copy * scale, per,
-                    between * 1e-6 / max(counted - 1, 1))  # counted calls have counted - 1 boundaries
-
-
-def _after_longest_idle(acts: list[dict]) -> int:
-    """Index of the first activity after the longest stretch with no activity running (``acts`` sorted by start)."""
-    best, best_at = -1.0, 0
-    end = float(acts[0]["ts"]) + float(acts[0]["dur"])
-    for i in range(1, len(acts)):
-        t0 = float(acts[i]["ts"])
-        if t0 - end > best:
-            best, best_at = t0 - end, i
-        end = max(end, t0 + float(acts[i]["dur"]))
-    return best_at
+    return busy + end - start, idle
 
 
 def by_component(ops: list[OpTime]) -> list[tuple[str, float]]:
