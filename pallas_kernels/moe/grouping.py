@@ -57,18 +57,12 @@ def default_block_m(num_pairs: int, num_experts: int) -> int:
     return DECODE_BLOCK_M
 
 
-# Up to this many pairs (a decode step: rows × k), the plan is computed by pairwise comparisons ([P, P] and
-# [T, P] masks, a few fused kernels) instead of a sort, cumsums and searches over the experts (~27 small
-# kernels a layer on the H200; BENCHMARKS.md "Decode: fewer launches").
-DENSE_MAX_PAIRS = 256
-
-
 def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
     """Sort the pairs of ``topk_ids`` [N, k] by expert (stable by token) and build the tile table.
 
-    Pairs whose id is outside [0, E) are dropped: sorted past every expert and given no tile. The two
-    implementations (sort, or pairwise comparisons for at most ``DENSE_MAX_PAIRS`` pairs) give equal plans; one
-    row's pairs are not sorted at all (``_one_row_plan``: a tile per pair, in slot order).
+    Pairs whose id is outside [0, E) are dropped: sorted past every expert and given no tile. The sort is a
+    counting sort by comparisons (``_counted_tiles``); one row's pairs are not sorted at all (``_one_row_plan``: a
+    tile per pair, in slot order).
     """
     n_rows, k = topk_ids.shape
     num_pairs = n_rows * k
@@ -77,8 +71,7 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
     if n_rows == 1 and k <= max_tiles(k, num_experts, block_m):
         return _one_row_plan(ids, valid, num_experts, block_m)
     bucket = jnp.where(valid, ids, num_experts)  # dropped pairs go to an extra last bucket
-    tiles = _dense_tiles if num_pairs <= DENSE_MAX_PAIRS else _sorted_tiles
-    order, pos, expert, first, count = tiles(bucket, num_experts, block_m)
+    order, pos, expert, first, count = _counted_tiles(bucket, num_experts, block_m)
     return TilePlan(
         pair_token=jnp.concatenate([order // k, jnp.zeros((block_m,), jnp.int32)]),
         pair_pos=jnp.where(valid, pos, num_pairs).reshape(n_rows, k),
@@ -91,8 +84,8 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
 
 def _one_row_plan(ids, valid, num_experts: int, block_m: int) -> TilePlan:
     """One row (a batch-1 decode step): its k pairs name k experts, distinct under top-k, so each pair is its own
-    tile in slot order, with no sort: elementwise work only, where the comparisons of ``_dense_tiles`` took ~4
-    small kernels a layer (~0.1 ms of a 40-layer step on the H200). Tile order does not change a pair's result
+    tile in slot order, with no sort: elementwise work only, where a plan by pairwise comparisons took ~4 small
+    kernels a layer (~0.1 ms of a 40-layer step on the H200). Tile order does not change a pair's result
     (each tile is computed alone and ``pair_pos`` finds it); an expert named twice is read once for each pair."""
     k = ids.shape[0]
     slot = jnp.arange(k, dtype=jnp.int32)
@@ -106,55 +99,58 @@ def _one_row_plan(ids, valid, num_experts: int, block_m: int) -> TilePlan:
     )
 
 
-def _sorted_tiles(bucket, num_experts: int, block_m: int):
+# Pairs a ``_counted_tiles`` block compares pairwise ([blocks, B, B] comparisons; a block's bucket counts are
+# [blocks, B, E + 2] comparisons): 12,288 pairs (2,048 rows, top-6) make 48 blocks, a decode step's pairs one.
+COUNT_BLOCK = 256
+
+
+def _counted_tiles(bucket, num_experts: int, block_m: int):
     """bucket [P] (E = dropped) -> (order [P]: pair at each sorted slot, pos [P]: each pair's sorted slot, and
-    the tile table's expert, first sorted pair and count [T]), all int32."""
+    the tile table's expert, first sorted pair and count [T]), all int32: the stable sort by bucket as a counting
+    sort. Pair i's slot is the pairs of lower buckets, plus those of its bucket in earlier blocks of
+    ``COUNT_BLOCK`` pairs, plus the earlier ones of its own block; the prefix sums over the E + 2 buckets and the
+    tiles are masked sums, and a tile's expert counts the experts whose tiles end at or before it (a search by
+    comparison). Every step is a fused comparison-and-sum: no sort, scan or search loop. On the H200 (BENCHMARKS.md
+    "fp4 experts: one accumulator") 25 µs at 12,288 pairs, where an argsort, cumsums and a search loop took
+    0.16-0.22 ms of a 2,048-row MoE call, and 12-14 µs at decode sizes (48-384 pairs), as the pairwise comparisons
+    of all the pairs it replaces there (9.5-20 µs)."""
     num_pairs = bucket.shape[0]
-    order = jnp.argsort(bucket, stable=True).astype(jnp.int32)  # stable: by token within an expert
-    pos = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
+    block = min(COUNT_BLOCK, num_pairs)
+    n_blocks = -(-num_pairs // block)
+    buckets = num_experts + 2  # experts, dropped pairs (E), the padding of the last block (E + 1)
+    blocks = jnp.pad(bucket, (0, n_blocks * block - num_pairs), constant_values=num_experts + 1)
+    blocks = blocks.reshape(n_blocks, block)
 
-    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[bucket].add(1)[:num_experts]
-    offsets = jnp.cumsum(counts) - counts
+    in_block = jnp.sum(blocks[:, :, None] == jnp.arange(buckets, dtype=jnp.int32), axis=1, dtype=jnp.int32)
+    counts = jnp.sum(in_block, axis=0, dtype=jnp.int32)  # [E + 2]
+    lower = _exclusive_sums(counts)  # [E + 2]: pairs in lower buckets
+    b = jnp.arange(n_blocks, dtype=jnp.int32)
+    earlier = jnp.sum(jnp.where((b[None, :] < b[:, None])[..., None], in_block[None], 0), axis=1,
+                      dtype=jnp.int32)  # [blocks, E + 2]: a bucket's pairs in earlier blocks
+    i = jnp.arange(block, dtype=jnp.int32)
+    same_before = (blocks[:, None, :] == blocks[:, :, None]) & (i[None, :] < i[:, None])  # [blocks, B, B]
+    rank = jnp.sum(same_before, axis=2, dtype=jnp.int32)
+    pos = lower[blocks] + jnp.take_along_axis(earlier, blocks, axis=1) + rank
+    pos = pos.reshape(-1)[:num_pairs]
+    order = jnp.zeros((num_pairs,), jnp.int32).at[pos].set(jnp.arange(num_pairs, dtype=jnp.int32),
+                                                            unique_indices=True)
+
+    counts = counts[:num_experts]
     tiles_per_expert = (counts + block_m - 1) // block_m
-    tile_end = jnp.cumsum(tiles_per_expert)  # inclusive: tiles [end_e - n_e, end_e) belong to expert e
-    tiles_used = tile_end[-1]
-
+    tile_end = _exclusive_sums(tiles_per_expert) + tiles_per_expert  # tiles [end_e - n_e, end_e) are expert e's
     n_tiles = max_tiles(num_pairs, num_experts, block_m)
     t = jnp.arange(n_tiles, dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), num_experts - 1).astype(jnp.int32)
+    expert = jnp.minimum(jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32), num_experts - 1)
     index_in_expert = t - (tile_end[expert] - tiles_per_expert[expert])
-    first = offsets[expert] + index_in_expert * block_m
+    first = lower[expert] + index_in_expert * block_m
     count = jnp.clip(counts[expert] - index_in_expert * block_m, 0, block_m)
-    count = jnp.where(t < tiles_used, count, 0)
+    count = jnp.where(t < tile_end[-1], count, 0)
     first = jnp.where(count > 0, first, 0)
     return order, pos, expert, first.astype(jnp.int32), count.astype(jnp.int32)
 
 
-def _dense_tiles(bucket, num_experts: int, block_m: int):
-    """``_sorted_tiles`` by pairwise comparisons: pair i's sorted position is the number of pairs in lower
-    buckets plus the earlier pairs of its own; each used expert's first pair (its "lead") carries the expert's
-    tile count, and tile t belongs to the lead whose tile range holds t."""
-    num_pairs = bucket.shape[0]
-    i = jnp.arange(num_pairs, dtype=jnp.int32)
-    lower = bucket[None, :] < bucket[:, None]  # [P, P]: pair j's bucket sorts before pair i's
-    same = bucket[None, :] == bucket[:, None]
-    offset = jnp.sum(lower, axis=1, dtype=jnp.int32)  # first sorted slot of i's bucket
-    rank = jnp.sum(same & (i[None, :] < i[:, None]), axis=1, dtype=jnp.int32)
-    pos = offset + rank
-    order = jnp.sum(jnp.where(pos[None, :] == i[:, None], i[None, :], 0), axis=1, dtype=jnp.int32)
-    count = jnp.sum(same, axis=1, dtype=jnp.int32)  # pairs in i's bucket
-    n_tiles_of = (count + block_m - 1) // block_m
-    lead = (bucket < num_experts) & (rank == 0)
-    tile_start = jnp.sum(jnp.where(lead[None, :] & lower, n_tiles_of[None, :], 0), axis=1, dtype=jnp.int32)
-
-    t = jnp.arange(max_tiles(num_pairs, num_experts, block_m), dtype=jnp.int32)[:, None]
-    owns = lead[None, :] & (tile_start[None, :] <= t) & (t < (tile_start + n_tiles_of)[None, :])  # [T, P]
-
-    def owner(values):
-        return jnp.sum(jnp.where(owns, values[None, :], 0), axis=1, dtype=jnp.int32)
-
-    used = jnp.any(owns, axis=1)
-    index_in_expert = t[:, 0] - owner(tile_start)
-    count_t = jnp.where(used, jnp.clip(owner(count) - index_in_expert * block_m, 0, block_m), 0)
-    first_t = jnp.where(count_t > 0, owner(offset) + index_in_expert * block_m, 0)
-    return order, pos, jnp.where(used, owner(bucket), num_experts - 1), first_t, count_t
+def _exclusive_sums(values):
+    """[n] -> [n]: the sum of the values before each (a masked [n, n] sum: one fused kernel for the few hundred
+    experts, where a cumsum is a chain of small ones)."""
+    j = jnp.arange(values.shape[0], dtype=jnp.int32)
+    return jnp.sum(jnp.where(j[None, :] < j[:, None], values[None, :], 0), axis=1, dtype=jnp.int32)

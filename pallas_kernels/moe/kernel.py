@@ -168,16 +168,19 @@ def _plane_columns(stored: jax.Array, n: int) -> jax.Array:
     return stored - p + 4 * (p % (n // 4)) + p // (n // 4)
 
 
-def _plane_dots(a_ref, a_rows, start, chunk_len, planes, weights_first: bool) -> jax.Array:
-    """Σ_n a[:, plane n of the chunk at ``start``] · planes[n]ᵀ (a's chunk columns in plane order): [A, W];
-    with ``weights_first`` its transpose Σ_n planes[n] · a[:, plane n]ᵀ: [W, A]."""
+def _plane_dots(acc, a_ref, a_rows, start, chunk_len, planes, weights_first: bool) -> jax.Array:
+    """acc + Σ_n a[:, plane n of the chunk at ``start``] · planes[n]ᵀ (a's chunk columns in plane order): [A, W];
+    with ``weights_first`` its transpose, acc + Σ_n planes[n] · a[:, plane n]ᵀ: [W, A].
+
+    Each plane's product is added to the running accumulator itself, so Triton fuses every add into its dot
+    (``dot(p, a, acc)``): four chained MMAs on one accumulator a K step. Summing the planes first and adding the
+    sum was 11-21 % slower (H200, 2,048 rows at F = 576: ``gate_up`` 1.035 -> 0.914 ms, ``down`` 0.641 -> 0.508
+    ms; BENCHMARKS.md "fp4 experts: one accumulator")."""
     quarter = chunk_len // 4
-    out = None
     for n in range(4):
         a = a_ref[a_rows, pl.ds(start + n * quarter, quarter)]
-        term = _dot(planes[n], a) if weights_first else _dot(a, planes[n])
-        out = term if out is None else out + term
-    return out
+        acc = acc + (_dot(planes[n], a) if weights_first else _dot(a, planes[n]))
+    return acc
 
 
 def _gate_up_kernel(
@@ -216,8 +219,8 @@ def _gate_up_kernel(
             s3_next = _load_scales(w3s_ref, expert, rows, ahead, bk)
             planes1 = _fp4_planes(w1_ref, s1, expert, rows, kk, bk, use_asm)
             planes3 = _fp4_planes(w3_ref, s3, expert, rows, kk, bk, use_asm)
-            g = g + _plane_dots(x_ref, tokens, kk * bk, bk, planes1, cfg.fp4_weights_first)
-            u = u + _plane_dots(x_ref, tokens, kk * bk, bk, planes3, cfg.fp4_weights_first)
+            g = _plane_dots(g, x_ref, tokens, kk * bk, bk, planes1, cfg.fp4_weights_first)
+            u = _plane_dots(u, x_ref, tokens, kk * bk, bk, planes3, cfg.fp4_weights_first)
             return g, u, s1_next, s3_next
 
         zeros = jnp.zeros((bm, bf), jnp.float32)
@@ -264,7 +267,7 @@ def _down_kernel(
             acc, scales = carry
             scales_next = _load_scales(w2s_ref, expert, rows, jnp.minimum(kk + 1, n_steps - 1), bk)
             planes = _fp4_planes(w2_ref, scales, expert, rows, kk, bk, use_asm)
-            return acc + _plane_dots(act_ref, pl.ds(first, bm), kk * bk, bk, planes, cfg.fp4_weights_first), scales_next
+            return _plane_dots(acc, act_ref, pl.ds(first, bm), kk * bk, bk, planes, cfg.fp4_weights_first), scales_next
 
         zeros = jnp.zeros((bm, bn), jnp.float32)
         if fp4:

@@ -167,22 +167,42 @@ def test_plan_covers_every_pair_once(n, k, e, block_m):
         assert plan.pair_token[pos] == n_i
 
 
+def _sorted_plan(bucket: np.ndarray, e: int, block_m: int, n_tiles: int) -> tuple[np.ndarray, ...]:
+    """The plan by definition (numpy): a stable argsort by bucket, each expert's run cut into tiles of ``block_m``
+    in expert order, unused tiles (count 0) at expert E - 1 from slot 0. Returns (order, pos, tile_expert,
+    tile_first, tile_count) as ``grouping``'s implementations do."""
+    order = np.argsort(bucket, kind="stable")
+    pos = np.empty_like(order)
+    pos[order] = np.arange(len(order))
+    counts = np.bincount(bucket, minlength=e + 1)[:e]
+    expert, first, count = [], [], []
+    for ex in range(e):
+        start = int(np.sum(counts[:ex]))
+        for done in range(0, counts[ex], block_m):
+            expert.append(ex), first.append(start + done), count.append(min(block_m, counts[ex] - done))
+    unused = n_tiles - len(expert)
+    as_int = functools.partial(np.asarray, dtype=np.int32)
+    return (as_int(order), as_int(pos), as_int(expert + [e - 1] * unused), as_int(first + [0] * unused),
+            as_int(count + [0] * unused))
+
+
 @pytest.mark.parametrize("n,k,e,block_m", [(1, 6, 256, 16), (8, 6, 256, 16), (3, 6, 8, 16), (40, 6, 16, 32),
-                                           (9, 2, 4, 4)])
-def test_dense_plan_equals_the_sorted_plan(n, k, e, block_m):
-    """Decode-sized plans (pairwise comparisons) are the sort-based plans, array for array (the sorted order,
-    every pair's slot, dropped ones included, and the tile table): hot and empty experts, dropped pairs (ids -1,
-    E and beyond), experts spanning several tiles."""
+                                           (9, 2, 4, 4), (50, 6, 384, 64), (700, 6, 16, 64), (2048, 6, 384, 64)])
+def test_plan_is_the_stable_sort_by_expert(n, k, e, block_m):
+    """The counting sort (``_counted_tiles``) equals the plan by definition (``_sorted_plan``, numpy), array for
+    array: the sorted order, every pair's slot (dropped ones included) and the tile table, with hot and empty
+    experts, dropped pairs (ids -1, E and beyond), experts spanning several tiles; over one block (decode sizes),
+    over blocks with a partial last one (700 × 6 pairs) and at a release prefill's size (2,048 rows × top-6 of
+    384)."""
     rng = _rng()
-    for trial in range(4):
+    for trial in range(3):
         ids, _ = _routing(rng, n, k, e, hot=trial % 3, empty=(1,))
         ids = ids.at[0, 0].set(-1).at[n - 1, k - 1].set(e + trial)
         bucket = jnp.where((ids >= 0) & (ids < e), ids, e).reshape(-1)
-        dense, sort = (jax.tree.map(np.asarray, jax.jit(f, static_argnums=(1, 2))(bucket, e, block_m))
-                       for f in (grouping._dense_tiles, grouping._sorted_tiles))
-        for name, a, b in zip(("order", "pos", "tile_expert", "tile_first", "tile_count"), dense, sort):
+        got = jax.tree.map(np.asarray, jax.jit(grouping._counted_tiles, static_argnums=(1, 2))(bucket, e, block_m))
+        want = _sorted_plan(np.asarray(bucket), e, block_m, max_tiles(n * k, e, block_m))
+        for name, a, b in zip(("order", "pos", "tile_expert", "tile_first", "tile_count"), got, want):
             np.testing.assert_array_equal(a, b, err_msg=name)
-    assert n * k <= grouping.DENSE_MAX_PAIRS  # plan_tiles takes the dense path for these
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp4"])
@@ -200,7 +220,7 @@ def test_one_row_plan_gives_the_sorted_plan_s_result(fmt):
     one_row = grouping.plan_tiles(ids, e, cfg.block_m)
     assert np.asarray(one_row.tile_count).tolist() == [1, 0, 1, 1, 0, 1]      # a tile per valid pair, in order
     valid = (ids >= 0) & (ids < e)
-    order, pos, expert, first, count = grouping._sorted_tiles(jnp.where(valid, ids, e).reshape(-1), e, cfg.block_m)
+    order, pos, expert, first, count = grouping._counted_tiles(jnp.where(valid, ids, e).reshape(-1), e, cfg.block_m)
     sorted_plan = grouping.TilePlan(jnp.concatenate([order // k, jnp.zeros((cfg.block_m,), jnp.int32)]),
                                     jnp.where(valid.reshape(-1), pos, k).reshape(1, k), valid,
                                     expert, first, count)
