@@ -112,9 +112,10 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     ``gate_up`` 4.69 -> 4.19 ms, 0.99x its read floor; BENCHMARKS.md "routed experts at prefill sizes"); other
     widths stream 128-wide K chunks (3 stages) into 64 columns. fp4 tiles above decode size take the dequantised
     weights as the GEMMs' first operand (``fp4_weights_first``) with 64 act columns from 128-wide K chunks, 3
-    stages, and ``down`` steps over 128-wide F chunks where 128 divides F (H200, 2,048 rows, the op: F = 576 /
-    1,152 / 2,304 2.72 / 4.64 / 8.67 -> 1.89 / 3.04 / 5.79 ms; BENCHMARKS.md "fp4 experts: the weights as the first
-    operand").
+    stages, and ``down`` steps over 128-wide F chunks where 128 divides F, 3 stages (H200, 2,048 rows, the op: F =
+    576 / 1,152 / 2,304 2.72 / 4.64 / 8.67 -> 1.89 / 3.04 / 5.79 ms; BENCHMARKS.md "fp4 experts: the weights as the
+    first operand"; ``down`` with 3 stages rather than 4: 0.944 -> 0.837 ms at F = 1,152, "fp4 experts: one
+    accumulator").
     Decode-sized tiles (BM 16: under 4 rows an expert) stream 256-wide K chunks in both formats: each program
     then has twice to four times the bytes in flight per step, which is what a tile of one or two rows lacks
     (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row, F = 2,304: 0.084 -> 0.078
@@ -133,8 +134,8 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
             block_k=k_chunk(weights.dim, (256, 128, 64, 32), "model width D"))
     if weights.is_fp4:
         return moe_kernel.KernelConfig(
-            block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3, fp4_weights_first=True,
-            block_k=k_chunk(weights.dim, (128, 64), "model width D"),
+            block_m=block_m, block_f=block_f, block_n=block_n, gate_up_stages=3, down_stages=3,
+            fp4_weights_first=True, block_k=k_chunk(weights.dim, (128, 64), "model width D"),
             down_block_k=k_chunk(weights.width, (128, 64), "expert width F"))
     if block_m == 64 and weights.width % 128 == 0:  # down then asks (64·128 + 128·128)·2 B × 4 = 192 KB of smem
         return moe_kernel.KernelConfig(

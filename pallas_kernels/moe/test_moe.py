@@ -326,7 +326,8 @@ def test_fp4_weights_first_gives_the_same_sums(n, k, e, f, d):
 def test_default_blocks_the_cases_above_run_with():
     """Decode-sized tiles (BM 16) stream 256-wide K chunks, weights second in both formats; bf16 prefill-sized
     tiles of an F that 128 divides compute 128 act columns from 64-wide K chunks (the ``f256`` cases), other widths
-    64 columns from 128-wide chunks; fp4 prefill-sized tiles put the weights first, 64 columns, 128-wide chunks."""
+    64 columns from 128-wide chunks; fp4 prefill-sized tiles put the weights first, 64 columns, 128-wide chunks,
+    3 stages in both kernels."""
     rng = _rng()
     for weights in (_bf16_weights(rng, 16, 64, 512), _fp4_weights(rng, 16, 64, 512)):
         decode, segment = default_config(2 * 6, weights), default_config(2048 * 6, weights)
@@ -336,6 +337,7 @@ def test_default_blocks_the_cases_above_run_with():
     assert (wide.block_m, wide.block_f, wide.block_k, wide.gate_up_stages) == (64, 128, 64, 4)
     wide_fp4 = default_config(200 * 6, _fp4_weights(rng, 16, 256, 128))
     assert (wide_fp4.block_f, wide_fp4.block_k, wide_fp4.down_chunk, wide_fp4.fp4_weights_first) == (64, 128, 128, True)
+    assert (wide_fp4.gate_up_stages, wide_fp4.down_stages) == (3, 3)
     assert default_config(200 * 6, _bf16_weights(rng, 16, 192, 128)).block_f == 64
 
 
