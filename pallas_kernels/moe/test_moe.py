@@ -170,7 +170,7 @@ def test_plan_covers_every_pair_once(n, k, e, block_m):
 def _sorted_plan(bucket: np.ndarray, e: int, block_m: int, n_tiles: int) -> tuple[np.ndarray, ...]:
     """The plan by definition (numpy): a stable argsort by bucket, each expert's run cut into tiles of ``block_m``
     in expert order, unused tiles (count 0) at expert E - 1 from slot 0. Returns (order, pos, tile_expert,
-    tile_first, tile_count) as ``grouping``'s implementations do."""
+    tile_first, tile_count) as ``grouping._counted_tiles`` does."""
     order = np.argsort(bucket, kind="stable")
     pos = np.empty_like(order)
     pos[order] = np.arange(len(order))
@@ -203,6 +203,11 @@ def test_plan_is_the_stable_sort_by_expert(n, k, e, block_m):
         want = _sorted_plan(np.asarray(bucket), e, block_m, max_tiles(n * k, e, block_m))
         for name, a, b in zip(("order", "pos", "tile_expert", "tile_first", "tile_count"), got, want):
             np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_plan_of_no_rows_has_no_tiles():
+    plan = plan_tiles(jnp.zeros((0, 6), jnp.int32), 16, 64)
+    assert plan.pair_pos.shape == (0, 6) and not np.any(np.asarray(plan.tile_count))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp4"])
