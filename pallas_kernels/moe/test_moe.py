@@ -175,15 +175,11 @@ def _sorted_plan(bucket: np.ndarray, e: int, block_m: int, n_tiles: int) -> tupl
     pos = np.empty_like(order)
     pos[order] = np.arange(len(order))
     counts = np.bincount(bucket, minlength=e + 1)[:e]
-    expert, first, count = [], [], []
-    for ex in range(e):
-        start = int(np.sum(counts[:ex]))
-        for done in range(0, counts[ex], block_m):
-            expert.append(ex), first.append(start + done), count.append(min(block_m, counts[ex] - done))
-    unused = n_tiles - len(expert)
-    as_int = functools.partial(np.asarray, dtype=np.int32)
-    return (as_int(order), as_int(pos), as_int(expert + [e - 1] * unused), as_int(first + [0] * unused),
-            as_int(count + [0] * unused))
+    tiles = [(ex, int(np.sum(counts[:ex])) + done, min(block_m, counts[ex] - done))
+             for ex in range(e) for done in range(0, counts[ex], block_m)]  # (expert, first, count)
+    tiles += [(e - 1, 0, 0)] * (n_tiles - len(tiles))
+    expert, first, count = (np.asarray(column, np.int32) for column in zip(*tiles))
+    return order.astype(np.int32), pos.astype(np.int32), expert, first, count
 
 
 @pytest.mark.parametrize("n,k,e,block_m", [(1, 6, 256, 16), (8, 6, 256, 16), (3, 6, 8, 16), (40, 6, 16, 32),
