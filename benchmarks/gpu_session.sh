@@ -6,8 +6,8 @@
 #       picks equal the Triton pass's, incl. a candidate-masked layer), the op at 2,048 rows × 300 K with it;
 #       `bench_moe --decode` (issue 14: the routed experts at 1 and 8 rows, bf16 and fp4, after their GPU
 #       checks); `bench_moe --prefill-sweep fp4` (the weights-first fp4 blocks checked against the f32 oracle
-#       at 700 rows, F = 512 and 576 — down chunks 128 and 64 —, then fp4 at 2,048 rows, F = 1,152 / 576, swept); the 2-layer prefill at 0 / 300,000 / ending at 1,048,576
-#       (issues 15 and 22);
+#       at 700 rows, F = 512 and 576 — down chunks 128 and 64 —, then fp4 at 2,048 rows, F = 1,152 / 576, swept);
+#       the 2-layer prefill at 0 / 300,000 / ending at 1,048,576 (issues 15 and 22);
 #   bash benchmarks/gpu_session.sh decode   (~600 s) the GPU tests of the engine's decode paths
 #       (`tests/test_decode_step.py`, `tests/test_engine.py`, `tests/test_serve_slots.py`); `bench_decode`
 #       (issue 14): batches 1/8/32 at 0 and 300 K; `bench_compile` of the 40-layer decode step (issue 14's
@@ -45,7 +45,8 @@ kernels() {
   timeout ${MOE_S:-90} python3 benchmarks/bench_moe.py --decode 2>&1 | grep -E "^check|whole op"
   date -u
   echo "== bench_moe --prefill-sweep fp4 (the weights-first fp4 blocks: GPU check against the f32 oracle, sweep)"
-  timeout ${MOE_FP4_S:-150} python3 benchmarks/bench_moe.py --prefill-sweep fp4 2>&1 | grep -E "^check|gate_up|down|whole op"
+  timeout ${MOE_FP4_S:-150} python3 benchmarks/bench_moe.py --prefill-sweep fp4 2>&1 \
+    | grep -E "^check|gate_up|down|whole op"
   date -u
   echo "== profile 2 layers, pallas (Mosaic score pass)"
   timeout ${PROFILE_S:-200} python3 -m dsv41_jax.profile --config dsv41_flash --layers 2 --world 1 \

@@ -126,9 +126,7 @@ def _counted_tiles(bucket, num_experts: int, block_m: int):
     in_block = jnp.sum(blocks[:, :, None] == jnp.arange(buckets, dtype=jnp.int32), axis=1, dtype=jnp.int32)
     counts = jnp.sum(in_block, axis=0, dtype=jnp.int32)  # [E + 2]
     lower = _exclusive_sums(counts)  # [E + 2]: pairs in lower buckets
-    b = jnp.arange(n_blocks, dtype=jnp.int32)
-    earlier = jnp.sum(jnp.where((b[None, :] < b[:, None])[..., None], in_block[None], 0), axis=1,
-                      dtype=jnp.int32)  # [blocks, E + 2]: a bucket's pairs in earlier blocks
+    earlier = _exclusive_sums(in_block)  # [blocks, E + 2]: a bucket's pairs in earlier blocks
     i = jnp.arange(block, dtype=jnp.int32)
     same_before = (blocks[:, None, :] == blocks[:, :, None]) & (i[None, :] < i[:, None])  # [blocks, B, B]
     rank = jnp.sum(same_before, axis=2, dtype=jnp.int32)
@@ -137,8 +135,7 @@ def _counted_tiles(bucket, num_experts: int, block_m: int):
     order = jnp.zeros((num_pairs,), jnp.int32).at[pos].set(jnp.arange(num_pairs, dtype=jnp.int32),
                                                             unique_indices=True)
 
-    counts = counts[:num_experts]
-    tiles_per_expert = (counts + block_m - 1) // block_m
+    tiles_per_expert = (counts[:num_experts] + block_m - 1) // block_m
     tile_end = _exclusive_sums(tiles_per_expert) + tiles_per_expert  # tiles [end_e - n_e, end_e) are expert e's
     n_tiles = max_tiles(num_pairs, num_experts, block_m)
     t = jnp.arange(n_tiles, dtype=jnp.int32)
@@ -152,7 +149,8 @@ def _counted_tiles(bucket, num_experts: int, block_m: int):
 
 
 def _exclusive_sums(values):
-    """[n] -> [n]: the sum of the values before each (a masked [n, n] sum: one fused kernel for the few hundred
-    experts, where a cumsum is a chain of small ones)."""
+    """int32 [n, ...] -> [n, ...]: along the first axis, the sum of the rows before each (a masked [n, n, ...]
+    sum: one fused kernel for the few hundred experts or blocks, where a cumsum is a chain of small ones)."""
     j = jnp.arange(values.shape[0], dtype=jnp.int32)
-    return jnp.sum(jnp.where(j[None, :] < j[:, None], values[None, :], 0), axis=1, dtype=jnp.int32)
+    before = (j[None, :] < j[:, None]).reshape(j.size, j.size, *(1,) * (values.ndim - 1))
+    return jnp.sum(jnp.where(before, values[None], 0), axis=1, dtype=jnp.int32)
