@@ -12,7 +12,8 @@ query projection), which at 2+ rows are cuBLAS GEMMs, so every step first copied
 (22 + 10 µs a layer, 55 µs where an indexer joins); measured on the H200 (2026-12-03, docs/BENCHMARKS.md "The dot
 merger's threshold"): the 40-layer batch-8 decode step 28.59 → 27.10 ms, the 2-layer cut's batch 8 2.57 →
 2.46 ms, batch 1 unchanged (one row's products are reductions that read both weights in one fusion without a
-copy). XLA_FLAGS set by the user still apply to anything not named here.
+copy). An option that ``XLA_FLAGS`` names is the user's: the value here gives way to it. (Options XLA reads
+only from ``XLA_FLAGS``, not per compile, are set on import of the package: `dsv41_jax.RUNTIME_FLAGS`.)
 
 **Executable store** (the persistent cache, `compile_cache`). JAX's own persistent cache still traces and lowers
 a program to find its entry: 4–5 s for the 40-layer model's step before a ~3 s load. When the cache is on,
@@ -39,6 +40,8 @@ from pathlib import Path
 import jax
 from jax.api_util import shaped_abstractify
 from jax.experimental import serialize_executable
+
+from dsv41_jax import flags_named
 
 GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 4}
 STORE_DIR = "executables"
@@ -67,7 +70,10 @@ jax.monitoring.register_event_listener(_on_event)
 def options(platform: str | None = None) -> dict:
     """The compile options for ``platform`` (default: the default backend's), for ``Lowered.compile``."""
     platform = platform or jax.default_backend()
-    return dict(GPU_OPTIONS) if platform in ("gpu", "cuda", "rocm") else {}
+    if platform not in ("gpu", "cuda", "rocm"):
+        return {}
+    named = flags_named(os.environ.get("XLA_FLAGS", ""))
+    return {name: value for name, value in GPU_OPTIONS.items() if name not in named}
 
 
 def compile(jitted, args: tuple, static: dict | None = None, *, identity: str, extra_options: dict | None = None,
