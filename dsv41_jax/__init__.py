@@ -11,7 +11,8 @@ import os
 # one command after another. A one-row decode step is ~140 small, latency-bound launches, many independent (the
 # indexer's, the compressor's and the attention query's pieces of a layer). Measured on the H200 (jax 0.11.2,
 # 2026-12-03, docs/BENCHMARKS.md "Concurrent command buffers"): the 2-layer cut's batch-1 step 0.97-0.98 ->
-# 0.85-0.87 ms, batch 8 2.49 -> 2.30 ms. As a compile option the flag changes nothing.
+# 0.85-0.89 ms, batch 8 2.49 -> 2.30-2.34 ms; the 40-layer batch-1 step 11.9 -> 10.6 ms. As a compile option the
+# flag changes nothing.
 RUNTIME_FLAGS = {"xla_gpu_graph_enable_concurrent_region": "true"}
 
 
