@@ -21,11 +21,11 @@ def flags_named(xla_flags: str) -> set[str]:
     return {word.lstrip("-").split("=", 1)[0] for word in xla_flags.split() if word.startswith("--")}
 
 
-def with_runtime_flags(xla_flags: str) -> str:
-    """``xla_flags`` with each of `RUNTIME_FLAGS` it does not name appended."""
+def with_flags(xla_flags: str, flags: dict[str, object]) -> str:
+    """``xla_flags`` with ``--name=value`` appended for each of ``flags`` whose name it does not set already."""
     named = flags_named(xla_flags)
-    added = [f"--{name}={value}" for name, value in RUNTIME_FLAGS.items() if name not in named]
+    added = [f"--{name}={value}" for name, value in flags.items() if name not in named]
     return " ".join([xla_flags.strip(), *added]).strip()
 
 
-os.environ["XLA_FLAGS"] = with_runtime_flags(os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), RUNTIME_FLAGS)

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv41_jax import with_flags
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
 from dsv41_jax.planner import (WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, admit, cache_pool_bytes,
                                engram_bytes_per_rank, kernel_tiles, param_bytes_per_rank, plan_segment)
@@ -486,9 +487,7 @@ def _one_kernel_per_op() -> None:
     """GPU: no CUDA-graph command buffers, so the trace has one kernel event per XLA op to attribute (inside a
     command buffer the kernels are not named by op). Must run before JAX starts; a no-op on CPU."""
     import os
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_enable_command_buffer" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_command_buffer=").strip()
+    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), {"xla_gpu_enable_command_buffer": ""})
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from dsv41_jax import with_flags
+
 from dsv41_jax.planner import WORLDS
 
 TP = "tp"
@@ -51,7 +53,5 @@ def request_host_devices(count: int) -> None:
 
     For CLIs (``generate --world N`` on a CPU machine): call before the first JAX computation.
     """
-    flag = f"--xla_force_host_platform_device_count={count}"
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " " + flag).strip()
+    os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""),
+                                         {"xla_force_host_platform_device_count": count})

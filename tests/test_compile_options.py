@@ -1,8 +1,9 @@
 """The engine's XLA options: `dsv41_jax.RUNTIME_FLAGS` added to ``XLA_FLAGS`` on import unless the user names
 them, and the compile options (`dsv41_jax.compiler.options`), from which a flag the user names is dropped. On a
-GPU: products that share an input keep their own weights. XLA's dot merger, at its default threshold, joins the shared expert's ``w1``/``w3`` (2 × 23.6 MB at the
-release's width) into one GEMM whose weight it concatenates on every call; at 2+ rows that copy ran in every layer
-of every decode step (docs/BENCHMARKS.md "The dot merger's threshold": 40-layer batch-8 step 28.59 → 27.10 ms)."""
+GPU: products that share an input keep their own weights. XLA's dot merger, at its default threshold, joins the
+shared expert's ``w1``/``w3`` (2 × 23.6 MB at the release's width) into one GEMM whose weight it concatenates on
+every call; at 2+ rows that copy ran in every layer of every decode step (docs/BENCHMARKS.md "The dot merger's
+threshold": 40-layer batch-8 step 28.59 → 27.10 ms)."""
 
 from __future__ import annotations
 
@@ -47,10 +48,10 @@ def test_products_sharing_an_input_keep_their_own_weights(rows):
 
 def test_runtime_flags_are_added_unless_the_user_names_them():
     assert dsv41_jax.flags_named("--a=1  --b --c=x=y") == {"a", "b", "c"}
-    assert dsv41_jax.with_runtime_flags("") == "--xla_gpu_graph_enable_concurrent_region=true"
+    assert dsv41_jax.with_flags("", dsv41_jax.RUNTIME_FLAGS) == "--xla_gpu_graph_enable_concurrent_region=true"
     mine = "--xla_force_host_platform_device_count=2 --xla_gpu_graph_enable_concurrent_region=false"
-    assert dsv41_jax.with_runtime_flags(mine) == mine  # the user's value stays, nothing appended twice
-    assert dsv41_jax.with_runtime_flags("--xla_dump_to=/d").split() == [
+    assert dsv41_jax.with_flags(mine, dsv41_jax.RUNTIME_FLAGS) == mine  # the user's value stays, not added twice
+    assert dsv41_jax.with_flags("--xla_dump_to=/d", dsv41_jax.RUNTIME_FLAGS).split() == [
         "--xla_dump_to=/d", "--xla_gpu_graph_enable_concurrent_region=true"]
 
 
