@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json_out, "w") as f:
             json.dump({"device": str(dev.device_kind if hasattr(dev, "device_kind") else dev),
                        "jax": jax.__version__, "config": a.config, "layers": cfg.num_hidden_layers,
-                       "routed_experts": cfg.n_routed_experts, "impl": a.impl, "rows": rows}, f, indent=1)
+                       "routed_experts": cfg.n_routed_experts, "impl": a.impl,
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
     return 1 if any("error" in r for r in rows) else 0
 
 

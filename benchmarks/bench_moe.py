@@ -319,7 +319,8 @@ def main() -> int:
         print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
 
     if args.decode or args.decode_sweep:
-        for rows, width, formats in ((8, 576, (True, False)), (1, 1152, (True, False)), (1, 2304, (False,))):
+        for rows, width, formats in ((8, 576, (True, False)), (1, 576, (True, False)), (1, 1152, (True, False)),
+                                     (1, 2304, (False,))):
             for fp4 in formats:
                 sweeps = (DECODE_GATE_UP, DECODE_DOWN) if args.decode_sweep else ((), ())
                 piece_sweep(rows_out, rows, width, fp4, bandwidth, jax.random.key(3), *sweeps)

@@ -21,11 +21,15 @@
 #       of the 2-layer cut at batches 1/8/32 and of the 40-layer model (24 experts) at batches 1/8, worlds 1, 2 (and
 #       4 when four GPUs are there), with a trace (issue 14: world 2 and 4 faster than world 1); `bench_prefill` of
 #       the 2-layer cut, 2,048 rows, worlds 1/2/4, row-parallel HC mixes off and on (issue 22's bounds).
+#   bash benchmarks/gpu_session.sh collectives (~400 s; on 2 or 4 GPUs) the same decode steps with XLA recording
+#       the collectives into its command buffers (`--xla_gpu_enable_command_buffer=+COLLECTIVES`; by default every
+#       all-reduce ends one command buffer and starts the next: ~2 a layer, ~80 a 40-layer step, each a host launch
+#       per device), against the defaults in the same call: 2-layer cut at batches 1/8, 40 layers at batch 1.
 # Each step has its own time limit (seconds, overridable by the variables named below).
 set -u
 part=${1:-}
-if [[ "$part" != kernels && "$part" != decode && "$part" != depth && "$part" != worlds ]]; then
-  echo "usage: bash benchmarks/gpu_session.sh kernels|decode|depth|worlds" >&2
+if [[ "$part" != kernels && "$part" != decode && "$part" != depth && "$part" != worlds && "$part" != collectives ]]; then
+  echo "usage: bash benchmarks/gpu_session.sh kernels|decode|depth|worlds|collectives" >&2
   exit 2
 fi
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
@@ -110,6 +114,27 @@ worlds() {
   echo "== bench_prefill, 2-layer cut, 2,048 rows, worlds $worlds, row-parallel HC off / on"
   timeout ${PREFILL_S:-180} python3 benchmarks/bench_prefill.py --layers 2 --worlds "$worlds" --rows 2048 \
     --row-parallel-rows 0,1024 --json-out "$OUT/prefill_worlds.json" 2>&1 | grep -v "^WARNING" | tail -12
+}
+
+collectives() {
+  export NCCL_NVLS_ENABLE=0
+  local worlds flags=--xla_gpu_enable_command_buffer=+COLLECTIVES
+  worlds=$(python3 -c "import jax; n = len(jax.devices()); print(','.join(str(w) for w in (1, 2, 4) if w <= n))")
+  if ! XLA_FLAGS="$flags" python3 -c "import jax; jax.devices()" > /dev/null 2>&1; then
+    echo "this XLA does not take $flags: nothing to compare"; return
+  fi
+  for setting in "" "$flags"; do
+    echo "== bench_decode, 2-layer cut, worlds $worlds, bf16, XLA_FLAGS='$setting'"
+    XLA_FLAGS="$setting" timeout ${DECODE_S:-120} python3 benchmarks/bench_decode.py --worlds "$worlds" --batches 1,8 \
+      --positions 0 --formats bf16 --tokens 64 --steps 32 --json-out "$OUT/collectives_2${setting:+_in_graphs}.json" \
+      2>&1 | grep -v "^WARNING" | tail -7
+    date -u
+    echo "== bench_decode, 40 layers (24 experts), worlds $worlds, bf16, batch 1, XLA_FLAGS='$setting'"
+    XLA_FLAGS="$setting" timeout ${DEPTH_S:-150} python3 benchmarks/bench_decode.py --layers 40 --experts 24 \
+      --worlds "$worlds" --batches 1 --positions 0 --formats bf16 --tokens 32 --steps 32 \
+      --json-out "$OUT/collectives_40${setting:+_in_graphs}.json" 2>&1 | grep -v "^WARNING" | tail -4
+    date -u
+  done
 }
 
 {

@@ -56,6 +56,7 @@ def test_quick_smoke_run_on_cpu(tmp_path, capsys):
     assert row["kernel_share"] > 0  # the traced steps' XLA ops were found and attributed
     assert row["timeline"] is None  # a CPU trace has no device process
     assert "step tok/s" in capsys.readouterr().out
+    assert "xla_gpu_graph_enable_concurrent_region" in report["xla_flags"]  # the flags it ran with (A/B runs)
 
 
 def test_timeline_table_row():
