@@ -22,10 +22,12 @@
 #       of the 2-layer cut at batches 1/8/32 and of the 40-layer model (24 experts) at batches 1/8, worlds 1, 2 (and
 #       4 when four GPUs are there), with a trace (issue 14: world 2 and 4 faster than world 1); `bench_prefill` of
 #       the 2-layer cut, 2,048 rows, worlds 1/2/4, row-parallel HC mixes off and on (issue 22's bounds).
-#   bash benchmarks/gpu_session.sh collectives (~400 s; on 2 or 4 GPUs) the same decode steps with XLA recording
-#       the collectives into its command buffers (`--xla_gpu_enable_command_buffer=+COLLECTIVES`; by default every
-#       all-reduce ends one command buffer and starts the next: ~2 a layer, ~80 a 40-layer step, each a host launch
-#       per device), against the defaults in the same call: 2-layer cut at batches 1/8, 40 layers at batch 1.
+#   bash benchmarks/gpu_session.sh collectives (~600 s; on 2 or 4 GPUs) tensor-parallel decode under the XLA
+#       options for small all-reduces, one process each: the defaults (every all-reduce, ~2 a layer, ends one
+#       command buffer and runs as an NCCL call), the all-reduces recorded into the command buffers
+#       (`--xla_gpu_enable_command_buffer=+COLLECTIVES`), XLA's own one-shot all-reduce kernel instead of NCCL
+#       (`--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true`), and both: the 2-layer cut at batches 1/8;
+#       then 40 layers at batch 1 with the defaults and with both.
 # Each step has its own time limit (seconds, overridable by the variables named below).
 set -u
 part=${1:-}
@@ -119,21 +121,26 @@ worlds() {
 
 collectives() {
   export NCCL_NVLS_ENABLE=0
-  local worlds flags=--xla_gpu_enable_command_buffer=+COLLECTIVES
+  local worlds in_graphs=--xla_gpu_enable_command_buffer=+COLLECTIVES
+  local one_shot=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true
   worlds=$(python3 -c "import jax; n = len(jax.devices()); print(','.join(str(w) for w in (1, 2, 4) if w <= n))")
-  if ! XLA_FLAGS="$flags" python3 -c "import jax; jax.devices()" > /dev/null 2>&1; then
-    echo "this XLA does not take $flags: nothing to compare"; return
-  fi
-  for setting in "" "$flags"; do
+  local settings=("" "$in_graphs" "$one_shot" "$in_graphs $one_shot") taken=()
+  for setting in "${settings[@]}"; do
+    if ! XLA_FLAGS="$setting" python3 -c "import jax; jax.devices()" > /dev/null 2>&1; then
+      echo "this XLA does not take '$setting': skipped"; continue
+    fi
+    taken+=("$setting")
     echo "== bench_decode, 2-layer cut, worlds $worlds, bf16, XLA_FLAGS='$setting'"
-    XLA_FLAGS="$setting" timeout ${DECODE_S:-120} python3 benchmarks/bench_decode.py --worlds "$worlds" --batches 1,8 \
-      --positions 0 --formats bf16 --tokens 64 --steps 32 --json-out "$OUT/collectives_2${setting:+_in_graphs}.json" \
+    XLA_FLAGS="$setting" timeout ${DECODE_S:-100} python3 benchmarks/bench_decode.py --worlds "$worlds" --batches 1,8 \
+      --positions 0 --formats bf16 --tokens 64 --steps 32 --json-out "$OUT/collectives_2_${#taken[@]}.json" \
       2>&1 | grep -v "^WARNING" | tail -7
     date -u
+  done
+  for setting in "${taken[0]}" "${taken[-1]}"; do  # the defaults and the most the XLA took
     echo "== bench_decode, 40 layers (24 experts), worlds $worlds, bf16, batch 1, XLA_FLAGS='$setting'"
-    XLA_FLAGS="$setting" timeout ${DEPTH_S:-150} python3 benchmarks/bench_decode.py --layers 40 --experts 24 \
+    XLA_FLAGS="$setting" timeout ${DEPTH_S:-120} python3 benchmarks/bench_decode.py --layers 40 --experts 24 \
       --worlds "$worlds" --batches 1 --positions 0 --formats bf16 --tokens 32 --steps 32 \
-      --json-out "$OUT/collectives_40${setting:+_in_graphs}.json" 2>&1 | grep -v "^WARNING" | tail -4
+      --json-out "$OUT/collectives_40${setting:+_flags}.json" 2>&1 | grep -v "^WARNING" | tail -4
     date -u
   done
 }
