@@ -6,7 +6,7 @@ PYTHONPATH=. python benchmarks/bench_moe.py --decode | --decode-sweep     # deco
 PYTHONPATH=. python benchmarks/bench_moe.py --prefill-sweep [bf16|fp4]   # 2,048 rows only, block sizes swept
 
 Shape (PLANNER.md §E, issue 7): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
-F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 8 rows. The floor is the
+F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 1 and 8 rows. The floor is the
 bytes of the touched experts' weights over 4.3 TB/s (the copy bandwidth measured on this H200 kind). Decode
 shapes are timed as many calls in one program (a host dispatch a call, ~50 µs, would hide them). Prints GPU
 correctness checks (every implementation, compiled, vs the f32 gather oracle) first and a table last.
@@ -324,7 +324,7 @@ def main() -> int:
 
     if args.decode or args.decode_sweep:
         for rows, width, formats in ((8, 576, (True, False)), (1, 576, (True, False)), (1, 1152, (True, False)),
-                                     (1, 2304, (False,))):
+                                     (1, 2304, (True, False))):
             for fp4 in formats:
                 sweeps = (DECODE_GATE_UP, DECODE_DOWN) if args.decode_sweep else ((), ())
                 piece_sweep(rows_out, rows, width, fp4, bandwidth, jax.random.key(3), *sweeps,
