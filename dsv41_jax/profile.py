@@ -261,18 +261,35 @@ def _params(model):
 
 
 def _check_fits(req: Request, device) -> None:
-    """Refuse (one line) a run whose planned weights + caches cannot fit the device's memory."""
+    """Refuse (one line) a run whose planned weights + caches cannot fit the device's memory, or on a CPU the
+    host's available memory, which its simulated devices share (the full-width model's two layers, ~57 GB, were
+    killed by the kernel's OOM killer with no message)."""
     if req.compile_only:
         return
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
-    if not limit:
-        return
     plan = planner_bytes(req, req.rows, max(req.positions))
     need = plan["weights"] + plan["cache"]
-    if need > limit:
+    if limit and need > limit:
         raise UsageError(f"weights + cache need {need / GiB:,.1f} GiB per device, {device.device_kind} has "
                          f"{limit / GiB:,.1f} GiB: use --layers K, a larger --world, or --compile-only")
+    host = available_host_bytes() if not limit and device.platform == "cpu" else None
+    if host and need * req.world > host:
+        raise UsageError(f"weights + cache need {need * req.world / GiB:,.2f} GiB of host memory ({req.world} "
+                         f"simulated CPU device{'s' if req.world > 1 else ''}), {host / GiB:,.2f} GiB is available: "
+                         "use --layers K, --experts E, a smaller config (tiny), or --compile-only")
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available to a new allocation (Linux's MemAvailable), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _header(req: Request, jax) -> dict:

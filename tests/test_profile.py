@@ -131,6 +131,19 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1
 
 
+def test_a_cpu_run_larger_than_the_host_s_memory_is_refused(capsys, monkeypatch):
+    """On a CPU the simulated devices share the host's memory: a run whose planned weights + caches exceed what
+    the host has available is one line and exit 2, not the OOM killer (as the full-width 2-layer cut was, ~54 GiB
+    on a 24 GiB host). Here the host is said to have 1 MiB, against tiny's 11 MiB at world 2 (two devices' share)."""
+    import dsv41_jax.profile as profile
+
+    monkeypatch.setattr(profile, "available_host_bytes", lambda: 1 << 20)
+    assert main(["--config", "tiny", "--world", "2", "--rows", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "0.01 GiB of host memory (2 simulated CPU devices), 0.00 GiB is available" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_cut_layers_keeps_roles():
     """Full config: K = 2 keeps layer 2 (ratio-2 full) and layer 20 (ratio-1 full, candidate source), MODEL.md §A.2."""
     full = load_named("dsv41_flash")
