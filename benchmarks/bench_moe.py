@@ -215,7 +215,7 @@ def piece_fns(cfg: KernelConfig):
     def gate_up(p, xx, ww):
         ww = ops._as_words(ww) if ww.is_fp4 else ww  # fp4 codes as the kernels read them (16-bit words)
         return kern.gate_up(p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width,
-                            permute_out=ww.is_fp4 and not cfg.fp4_join_planes, limit=LIMIT, cfg=cfg,
+                            permute_out=cfg.plane_order(ww.is_fp4), limit=LIMIT, cfg=cfg,
                             interpret=INTERPRET)
 
     def down(p, a, ww):
@@ -224,7 +224,7 @@ def piece_fns(cfg: KernelConfig):
 
     return dict(
         plan=jax.jit(lambda i: plan_tiles(i, E, cfg.block_m)),
-        x_in=lambda x, fp4: ops._plane_chunks(x, cfg.block_k) if fp4 and not cfg.fp4_join_planes else x,
+        x_in=lambda x, fp4: ops._plane_chunks(x, cfg.block_k) if cfg.plane_order(fp4) else x,
         gate_up=jax.jit(gate_up),
         down=jax.jit(down),
         gather_sum=jax.jit(ops._weighted_gather_sum))

@@ -20,7 +20,6 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dsv41_jax import with_flags
-
 from dsv41_jax.planner import WORLDS
 
 TP = "tp"

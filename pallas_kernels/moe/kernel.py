@@ -64,6 +64,11 @@ class KernelConfig:
     # sizes wait on"), but the joins are register shuffles.
     fp4_join_planes: bool = False
 
+    def plane_order(self, fp4: bool) -> bool:
+        """Whether x goes in, and act is stored, with every K chunk's columns in plane order (module docstring):
+        fp4 weights whose decoded planes are not joined."""
+        return fp4 and not self.fp4_join_planes
+
     @property
     def down_chunk(self) -> int:
         """The down GEMM's K chunk (F columns a step); with fp4 experts act is stored in plane order per chunk."""

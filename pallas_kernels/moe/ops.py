@@ -293,7 +293,7 @@ def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expe
     plan = plan_tiles(topk_ids, num_experts, cfg.block_m)
     plan = dataclasses.replace(plan, tile_expert=plan.tile_expert + first_expert)
     x = x.astype(jnp.bfloat16)
-    planes_in = weights.is_fp4 and not cfg.fp4_join_planes  # x and act in plane order per K chunk (`kernel`)
+    planes_in = cfg.plane_order(weights.is_fp4)
     if weights.is_fp4:
         weights = _as_words(weights)
     if planes_in:
