@@ -163,8 +163,7 @@ def rel_err(out, ref) -> float:
 
 
 def gpu_checks(key) -> list[str]:
-    """Every implementation, compiled, vs the f32 oracle on fresh inputs (bound 1e-2, NaN fails); fp4 cases also
-    with the decoded planes joined (``fp4_join_planes``, the variant the sweeps time)."""
+    """Every implementation, compiled, vs the f32 oracle on fresh inputs (bound 1e-2, NaN fails)."""
     cases = [  # name, rows, experts, width, dim, fp4, hot
         ("decode-1", 1, 64, 576, 1024, False, None),
         ("decode-64", 64, 64, 640, 1024, False, None),
@@ -191,11 +190,9 @@ def gpu_checks(key) -> list[str]:
         wts = make_weights(kw, width, fp4, experts, dim)
         deq = wts.dequantized()
         ref = ref_fn(x, ids, w, deq.w1, deq.w3, deq.w2, swiglu_limit=LIMIT)
-        for impl in (*IMPLEMENTATIONS, "joined") if fp4 else IMPLEMENTATIONS:  # joined: fp4_join_planes
-            fn = pallas_fn(dataclasses.replace(default_config(ids.size, wts), fp4_join_planes=True)) \
-                if impl == "joined" else runs[impl]
+        for impl in IMPLEMENTATIONS:
             try:
-                err = rel_err(fn(x, ids, w, wts), ref)
+                err = rel_err(runs[impl](x, ids, w, wts), ref)
             except Exception as exc:  # report and go on
                 print(f"check {name} {impl}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
                 err = float("nan")
@@ -214,9 +211,8 @@ def piece_fns(cfg: KernelConfig):
 
     def gate_up(p, xx, ww):
         ww = ops._as_words(ww) if ww.is_fp4 else ww  # fp4 codes as the kernels read them (16-bit words)
-        return kern.gate_up(p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width,
-                            permute_out=cfg.plane_order(ww.is_fp4), limit=LIMIT, cfg=cfg,
-                            interpret=INTERPRET)
+        return kern.gate_up(p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
+                            limit=LIMIT, cfg=cfg, interpret=INTERPRET)
 
     def down(p, a, ww):
         ww = ops._as_words(ww) if ww.is_fp4 else ww
@@ -224,7 +220,7 @@ def piece_fns(cfg: KernelConfig):
 
     return dict(
         plan=jax.jit(lambda i: plan_tiles(i, E, cfg.block_m)),
-        x_in=lambda x, fp4: ops._plane_chunks(x, cfg.block_k) if cfg.plane_order(fp4) else x,
+        x_in=lambda x, fp4: ops._plane_chunks(x, cfg.block_k) if fp4 else x,
         gate_up=jax.jit(gate_up),
         down=jax.jit(down),
         gather_sum=jax.jit(ops._weighted_gather_sum))
@@ -327,8 +323,7 @@ def main() -> int:
                                      (1, 2304, (True, False))):
             for fp4 in formats:
                 sweeps = (DECODE_GATE_UP, DECODE_DOWN) if args.decode_sweep else ((), ())
-                piece_sweep(rows_out, rows, width, fp4, bandwidth, jax.random.key(3), *sweeps,
-                            whole_sweep=DECODE_WHOLE_FP4 if fp4 else ())
+                piece_sweep(rows_out, rows, width, fp4, bandwidth, jax.random.key(3), *sweeps)
                 print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
         return _report(args, rows_out, checks, bandwidth)
     if args.prefill_sweep:
@@ -443,10 +438,7 @@ PREFILL_GATE_UP_FP4 = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 4, 8), (128, 6
 # the whole fp4 op: overrides of the default blocks (weights first, BK 128, down chunk 128 where it divides F):
 # BM 32 (2,048 rows give ~32 pairs an expert), a wider K chunk, and the blocks before the weights came first
 PREFILL_WHOLE_FP4 = [dict(block_m=32), dict(block_m=32, block_k=256), dict(block_k=256),
-                     dict(fp4_weights_first=False, block_k=64, gate_up_stages=4, down_block_k=0),
-                     dict(fp4_join_planes=True)]
-# fp4 cases of --decode and --decode-sweep: the whole op with the decoded planes joined into one dot a K step
-DECODE_WHOLE_FP4 = [dict(fp4_join_planes=True), dict(fp4_join_planes=True, fp4_weights_first=True)]
+                     dict(fp4_weights_first=False, block_k=64, gate_up_stages=4, down_block_k=0)]
 
 
 def _report(args, rows_out, checks, bandwidth) -> int:

@@ -5,7 +5,7 @@
 #       kernel.SCORE_PASS, the default): its tests compiled (the kernel bitwise against its reference; the op's
 #       picks equal the Triton pass's, incl. a candidate-masked layer), the op at 2,048 rows × 300 K with it;
 #       `bench_moe --decode` (issue 14: the routed experts at 1 and 8 rows, bf16 and fp4, after their GPU
-#       checks; fp4 also with the decoded planes joined, `fp4_join_planes`: one dot a K step, the A/B owed);
+#       checks);
 #       `bench_moe --prefill-sweep fp4` (the weights-first fp4 blocks checked against the f32 oracle
 #       at 700 rows, F = 512 and 576 — down chunks 128 and 64 —, then fp4 at 2,048 rows, F = 1,152 / 576, swept);
 #       the 2-layer prefill at 0 / 300,000 / ending at 1,048,576 (issues 15 and 22);

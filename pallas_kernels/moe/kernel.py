@@ -21,8 +21,7 @@ K chunk holds columns 4k..4k+3, and plane n pairs nibble n of every word with th
 that the GEMM inputs arrive with the columns of every K chunk reordered as [columns ≡ 0, ≡ 1, ≡ 2, ≡ 3 mod 4]:
 the caller does it for x, and ``gate_up`` does it for act when w2 is fp4 (per chunk of the down GEMM's K, its
 column block then holds w1/w3 rows in that order). Each plane's dot has K = BK/4 (the down chunk / 4 for down):
-fp4 K chunks are multiples of 64. With ``KernelConfig.fp4_join_planes`` the decoded planes are instead joined
-back into column order in registers (one dot a K step) and x and act stay in column order.
+fp4 K chunks are multiples of 64.
 """
 
 from __future__ import annotations
@@ -57,17 +56,6 @@ class KernelConfig:
     # from registers rather than through shared memory; the result is transposed once a program
     fp4_weights_first: bool = False
     down_block_k: int = 0
-    # fp4: the four decoded planes joined back into column order (``_joined``), so a K step is one dot over BK
-    # columns of x / act in column order instead of four chained plane dots, each with its own gathered load of an
-    # x / act plane (the op then neither reorders x nor stores act in plane order). Off until timed on the GPU:
-    # without the plane dots a decode-sized call was 45 % shorter (BENCHMARKS.md "What the fp4 kernels at decode
-    # sizes wait on"), but the joins are register shuffles.
-    fp4_join_planes: bool = False
-
-    def plane_order(self, fp4: bool) -> bool:
-        """Whether x goes in, and act is stored, with every K chunk's columns in plane order (module docstring):
-        fp4 weights whose decoded planes are not joined."""
-        return fp4 and not self.fp4_join_planes
 
     @property
     def down_chunk(self) -> int:
@@ -180,27 +168,6 @@ def _plane_columns(stored: jax.Array, n: int) -> jax.Array:
     return stored - p + 4 * (p % (n // 4)) + p // (n // 4)
 
 
-def _joined(planes) -> jax.Array:
-    """The four planes [R, Q] of a chunk (plane n holds columns 4k + n) as the chunk [R, 4Q] in column order.
-
-    Pallas' Triton lowering stacks two arrays along a new last axis (``tt.join``); a stack reshaped interleaves
-    them: (p0, p2) gives columns 2k + i, (p1, p3) likewise, and those two interleaved give 4k + 2i + j = plane
-    2i + j's column k."""
-    p0, p1, p2, p3 = planes
-    rows, quarter = p0.shape
-    even = jnp.stack([p0, p2], axis=-1).reshape(rows, 2 * quarter)
-    odd = jnp.stack([p1, p3], axis=-1).reshape(rows, 2 * quarter)
-    return jnp.stack([even, odd], axis=-1).reshape(rows, 4 * quarter)
-
-
-def _chunk_dot(acc, a_ref, a_rows, start, chunk_len, planes, cfg: KernelConfig) -> jax.Array:
-    """acc + a[:, chunk] · Wᵀ for one decoded chunk W of an fp4 matrix: [A, W]; [W, A] with weights first."""
-    if not cfg.fp4_join_planes:
-        return _plane_dots(acc, a_ref, a_rows, start, chunk_len, planes, cfg.fp4_weights_first)
-    w, a = _joined(planes), a_ref[a_rows, pl.ds(start, chunk_len)]
-    return acc + (_dot(w, a) if cfg.fp4_weights_first else _dot(a, w))
-
-
 def _plane_dots(acc, a_ref, a_rows, start, chunk_len, planes, weights_first: bool) -> jax.Array:
     """acc + Σ_n a[:, plane n of the chunk at ``start``] · planes[n]ᵀ (a's chunk columns in plane order): [A, W];
     with ``weights_first`` its transpose, acc + Σ_n planes[n] · a[:, plane n]ᵀ: [W, A].
@@ -252,8 +219,8 @@ def _gate_up_kernel(
             s3_next = _load_scales(w3s_ref, expert, rows, ahead, bk)
             planes1 = _fp4_planes(w1_ref, s1, expert, rows, kk, bk, use_asm)
             planes3 = _fp4_planes(w3_ref, s3, expert, rows, kk, bk, use_asm)
-            g = _chunk_dot(g, x_ref, tokens, kk * bk, bk, planes1, cfg)
-            u = _chunk_dot(u, x_ref, tokens, kk * bk, bk, planes3, cfg)
+            g = _plane_dots(g, x_ref, tokens, kk * bk, bk, planes1, cfg.fp4_weights_first)
+            u = _plane_dots(u, x_ref, tokens, kk * bk, bk, planes3, cfg.fp4_weights_first)
             return g, u, s1_next, s3_next
 
         zeros = jnp.zeros((bm, bf), jnp.float32)
@@ -300,7 +267,8 @@ def _down_kernel(
             acc, scales = carry
             scales_next = _load_scales(w2s_ref, expert, rows, jnp.minimum(kk + 1, n_steps - 1), bk)
             planes = _fp4_planes(w2_ref, scales, expert, rows, kk, bk, use_asm)
-            return _chunk_dot(acc, act_ref, pl.ds(first, bm), kk * bk, bk, planes, cfg), scales_next
+            return (_plane_dots(acc, act_ref, pl.ds(first, bm), kk * bk, bk, planes, cfg.fp4_weights_first),
+                    scales_next)
 
         zeros = jnp.zeros((bm, bn), jnp.float32)
         if fp4:

@@ -304,21 +304,17 @@ def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
 def test_fp4_weights_first_gives_the_same_sums(n, k, e, f, d):
     """``fp4_weights_first`` computes each tile's products transposed (outᵀ = W·xᵀ, then one transpose), a
     down K chunk wider than the gate/up programs' columns (``down_block_k``) has act stored in plane order per
-    chunk, and ``fp4_join_planes`` joins the decoded planes back into column order (one dot a K step, x and act in
-    column order): the same sums as the default, so the same output up to summation order, and the oracle's."""
+    chunk: the same sums as the default, so the same output up to summation order, and the oracle's."""
     rng = _rng()
     x = _x(rng, n, d)
     ids, w = _routing(rng, n, k, e, hot=1, empty=(6,))
     wts = _fp4_weights(rng, e, f, d)
     cfg = dataclasses.replace(default_config(n * k, wts), block_f=64)
     variants = {"second": dict(fp4_weights_first=False, down_block_k=0),  # the order and chunks before
-                "first": dict(fp4_weights_first=True, down_block_k=0),
-                "joined": dict(fp4_join_planes=True, fp4_weights_first=False, down_block_k=0),
-                "joined, first": dict(fp4_join_planes=True, fp4_weights_first=True, down_block_k=0)}
+                "first": dict(fp4_weights_first=True, down_block_k=0)}
     if f % 128 == 0:  # act in plane order per down chunk, written by gate/up programs narrower and wider than it
         variants["first, down chunk 128"] = dict(fp4_weights_first=True, down_block_k=128)
         variants["first, BF 128, down chunk 64"] = dict(fp4_weights_first=True, block_f=128, down_block_k=64)
-        variants["joined, down chunk 128"] = dict(fp4_join_planes=True, down_block_k=128)
     out = {name: routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", interpret=True,
                                 config=dataclasses.replace(cfg, **fields)) for name, fields in variants.items()}
     deq = wts.dequantized()
@@ -424,24 +420,6 @@ def test_layers_calling_the_op_alike_lower_its_kernels_once():
 
     text = jax.jit(two_layers).trace(_x(rng, 1, 128)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 2  # gate_up and down, once each
-
-
-@pytest.mark.parametrize("weights_first", [False, True])
-def test_joined_fp4_planes_lower_for_cuda(weights_first):
-    """``fp4_join_planes`` needs Pallas' Triton lowering to join two arrays along a new last axis and reshape the
-    result (the interleave): lowered here for CUDA without a GPU (``interpret=False``), both kernels, and the op
-    then reorders nothing (no plane-order transpose of x before ``gate_up``)."""
-    rng = _rng()
-    wts = _fp4_weights(rng, 16, 64, 256)
-    ids, w = _routing(rng, 1, 6, 16)
-    cfg = dataclasses.replace(default_config(6, wts), fp4_join_planes=True, fp4_weights_first=weights_first)
-
-    def layer(x):
-        return routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="pallas", interpret=False, config=cfg)
-
-    text = jax.jit(layer).trace(_x(rng, 1, 256)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call") == 2
-    assert "stablehlo.transpose" not in text
 
 
 def _stack(layers: list) -> ExpertWeights:
