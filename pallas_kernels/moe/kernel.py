@@ -267,8 +267,7 @@ def _down_kernel(
             acc, scales = carry
             scales_next = _load_scales(w2s_ref, expert, rows, jnp.minimum(kk + 1, n_steps - 1), bk)
             planes = _fp4_planes(w2_ref, scales, expert, rows, kk, bk, use_asm)
-            return (_plane_dots(acc, act_ref, pl.ds(first, bm), kk * bk, bk, planes, cfg.fp4_weights_first),
-                    scales_next)
+            return _plane_dots(acc, act_ref, pl.ds(first, bm), kk * bk, bk, planes, cfg.fp4_weights_first), scales_next
 
         zeros = jnp.zeros((bm, bn), jnp.float32)
         if fp4:

@@ -293,13 +293,11 @@ def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expe
     plan = plan_tiles(topk_ids, num_experts, cfg.block_m)
     plan = dataclasses.replace(plan, tile_expert=plan.tile_expert + first_expert)
     x = x.astype(jnp.bfloat16)
-    fp4 = weights.is_fp4
-    if fp4:  # codes as words; x goes in, and act is stored, with every K chunk in plane order (``kernel``)
-        weights = _as_words(weights)
-        x = _plane_chunks(x, cfg.block_k)
+    if weights.is_fp4:
+        x, weights = _plane_chunks(x, cfg.block_k), _as_words(weights)
     act = moe_kernel.gate_up(
         plan, x, weights.w1, weights.w3, weights.w1_scale, weights.w3_scale,
-        width=weights.width, permute_out=fp4, limit=swiglu_limit, cfg=cfg,
+        width=weights.width, permute_out=weights.is_fp4, limit=swiglu_limit, cfg=cfg,
         interpret=interpret)
     y_pairs = moe_kernel.down(
         plan, act, weights.w2, weights.w2_scale, dim=weights.dim, cfg=cfg, interpret=interpret)
