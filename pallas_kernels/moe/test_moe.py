@@ -302,7 +302,7 @@ def test_fp4_op_matches_oracle_on_dequantised(impl, n, k, e, f, d):
 @pytest.mark.parametrize("n,k,e,f,d", [(48, 3, 8, 128, 128), (2, 6, 16, 64, 512), (200, 6, 16, 256, 128)],
                          ids=["segment", "decode-wide", "segment-f256"])
 def test_fp4_weights_first_gives_the_same_sums(n, k, e, f, d):
-    """``fp4_weights_first`` computes each tile's products transposed (outᵀ = W·xᵀ, then one transpose), a
+    """``fp4_weights_first`` computes each tile's products transposed (outᵀ = W·xᵀ, then one transpose), and a
     down K chunk wider than the gate/up programs' columns (``down_block_k``) has act stored in plane order per
     chunk: the same sums as the default, so the same output up to summation order, and the oracle's."""
     rng = _rng()
