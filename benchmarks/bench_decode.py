@@ -5,6 +5,7 @@ filled to the position, for each world, expert format, batch and position.
     python benchmarks/bench_decode.py                          # H200: flash 2-layer cut, worlds 1/2(/4), the grid
     python benchmarks/bench_decode.py --quick                  # one world, batch 1, position 0, bf16, 32 tokens
     python benchmarks/bench_decode.py --config tiny --quick    # CPU smoke run (tests/test_bench_decode.py)
+    python benchmarks/bench_decode.py --worlds 1 --rank-of 2,4 # one H200: one rank's share of worlds 2 and 4
 
 Per case it prints:
 
@@ -20,6 +21,10 @@ Per case it prints:
 * ``gen tok/s``: ``Engine.decode_from`` over ``--tokens`` new tokens per sequence (the host loop included: token
   reads, queueing, stop bookkeeping), next to ``step tok/s`` = batch / step, and their quotient; one row per
   ``--decode-chunks`` value k (``Engine(decode_chunk=k)``: k steps per program call, ``chunk`` column).
+
+``--rank-of W``: also one rank's share of world W on one device (`dsv41_jax.profiling.cut.one_rank`: H/W heads,
+the widest rank's expert and vocabulary slices, the replicated parts whole), shown as world ``1/W``: a world-W
+step without its collectives, where fewer than W GPUs are at hand.
 
 With ``--trace DIR`` also ``kernels``: the share of the step inside the first device's kernels and copies, from a
 ``jax.profiler`` trace of a few chained steps per case (`dsv41_jax.profiling.trace.device_timeline`), with XLA's
@@ -45,9 +50,10 @@ import numpy as np
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.engine import Engine, Request
 from dsv41_jax.model import ModelOptions
+from dsv41_jax.planner import PlanRefused
 from dsv41_jax.profiling import build, trace
 from dsv41_jax.profiling.args import comma_ints
-from dsv41_jax.profiling.cut import cut_layers
+from dsv41_jax.profiling.cut import cut_layers, one_rank
 from dsv41_jax.profiling.floors import H200_BYTES_PER_S, cache_bytes, weight_bytes
 from dsv41_jax.sampling import SamplingParams
 
@@ -66,6 +72,8 @@ def parse_args(argv):
                         "H200 in bf16 with 24: its scanned units and their loops run as in the release, and at "
                         "batch 1 a step reads as many experts a layer as with 384")
     p.add_argument("--worlds", default=None, help="comma-separated worlds (default: 1, 2, 4 as devices allow)")
+    p.add_argument("--rank-of", default="", metavar="W[,W2]",
+                   help="also time one rank's share of these worlds on one device (world column 1/W; no collectives)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--positions", default="0,300000", help="comma-separated cache positions")
     p.add_argument("--formats", default="bf16,fp4", help="routed expert formats: bf16, fp4")
@@ -93,6 +101,9 @@ def parse_args(argv):
         a.worlds = comma_ints(a.worlds, "--worlds") if a.worlds else [w for w in (1, 2, 4) if w <= devices]
         if max(a.worlds) > devices:
             raise ValueError(f"--worlds {max(a.worlds)} needs {max(a.worlds)} devices, {devices} present")
+        a.rank_of = comma_ints(a.rank_of, "--rank-of") if a.rank_of.strip() else []
+        if any(w not in (1, 2, 4, 8) for w in a.rank_of):
+            raise ValueError(f"--rank-of takes 1, 2, 4 or 8, got {a.rank_of}")
         if a.tokens < 1 or a.steps < 1 or a.layers < 1:
             raise ValueError("--tokens, --steps and --layers must be at least 1")
         if a.experts is not None and a.experts < 1:
@@ -165,8 +176,13 @@ HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'chunk':>5
           f"{'exp/layer':>9} {'step tok/s':>10} {'gen tok/s':>10} {'gen/step':>8} {'kernels':>7}")
 
 
+def _world(r: dict) -> str:
+    """The world column: W, or 1/W for one rank's share of world W on one device (``--rank-of``)."""
+    return f"1/{r['rank_of']}" if r.get("rank_of") else str(r["world"])
+
+
 def fmt_row(r: dict) -> str:
-    return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['chunk']:>5} "
+    return (f"{_world(r):>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['chunk']:>5} "
             f"{r['step_ms']:>8.4g} {r['sampled_ms']:>8.4g} "
             f"{r['floor_ms']:>8.4g} {r['ratio']:>6.3g} {r['experts_per_layer']:>9.1f} {r['step_tok_s']:>10.1f} "
             f"{r['gen_tok_s']:>10.1f} {r['gen_over_step']:>8.1%} "
@@ -182,7 +198,7 @@ def fmt_timeline(r: dict) -> str:
     (the host's lateness, a profiler's cost included), copies, activities."""
     t = r["timeline"]
     ms = lambda key: f"{t.get(key, 0.0) * 1e3:>8.3f}"
-    return (f"{r['world']:>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "
+    return (f"{_world(r):>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "
             f"{ms('busy_s')} {ms('gap_s')} {ms('long_gap_s')} {ms('between_s')} {ms('copy_s')} {t['activities']:>5}")
 
 
@@ -190,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         cfg = cut_layers(load_named(a.config), a.layers, routed_experts=a.experts)
-    except (ConfigError, OSError, ValueError) as e:
+        cases = [(w, 0, cfg) for w in a.worlds] + [(1, w, one_rank(cfg, w)) for w in a.rank_of if w > 1]
+    except (ConfigError, PlanRefused, OSError, ValueError) as e:
         print(f"bench_decode: {e}", file=sys.stderr)
         return 2
     dev = jax.devices()[0]
@@ -199,25 +216,27 @@ def main(argv: list[str] | None = None) -> int:
           f"routed experts a layer · impl {a.impl} · "
           f"{a.tokens} tokens, {a.steps} chained steps · floor at {a.bandwidth / 1e12:.1f} TB/s", flush=True)
     rows = []
-    for world in a.worlds:
+    for world, rank_of, case_cfg in cases:
+        name = f"world {world}" if not rank_of else f"one rank of world {rank_of}"
         for fmt in a.formats:
             options = ModelOptions(dtype="bfloat16", attention_impl=a.impl, moe_impl=a.impl, indexer_impl=a.impl,
                                    hc_impl=a.impl, expert_format=FORMATS[fmt])
             t0 = time.perf_counter()
-            model, mesh = build.build_model(cfg, world, options)
-            print(f"world {world} {fmt}: model drawn in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+            model, mesh = build.build_model(case_cfg, world, options)
+            print(f"{name} {fmt}: model drawn in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
                   flush=True)
             for batch in a.batches:
                 for position in a.positions:
-                    r = {"world": world, "experts": fmt}
+                    r = {"world": world, "rank_of": rank_of, "experts": fmt}
                     try:
-                        folder = Path(a.trace) / f"w{world}_{fmt}_b{batch}_p{position}" if a.trace else None
-                        case = run_case(model, mesh, cfg, batch=batch, position=position, tokens=a.tokens,
+                        folder = (Path(a.trace) / f"{'w' if not rank_of else 'rank_of'}{rank_of or world}_{fmt}"
+                                  f"_b{batch}_p{position}" if a.trace else None)
+                        case = run_case(model, mesh, case_cfg, batch=batch, position=position, tokens=a.tokens,
                                         steps=a.steps, bandwidth=a.bandwidth, trace_dir=folder,
                                         chunks=tuple(a.decode_chunks))
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported, the grid goes on
                         r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                        print(f"world {world} {fmt} batch {batch} position {position}: {r['error']}",
+                        print(f"{name} {fmt} batch {batch} position {position}: {r['error']}",
                               file=sys.stderr, flush=True)
                         rows.append(r)
                         continue
@@ -227,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             del model, mesh
     print(HEADER)
     for r in rows:
-        print(fmt_row(r) if "error" not in r else f"{r['world']:>5} {r['experts']:>7}  {r['error']}")
+        print(fmt_row(r) if "error" not in r else f"{_world(r):>5} {r['experts']:>7}  {r['error']}")
     traced = [r for r in rows if r.get("timeline") and r["chunk"] == a.decode_chunks[0]]  # once a case
     if traced:  # --trace on a device: where each step's time went, command buffers on (``trace.device_timeline``)
         print(TIMELINE_HEADER)

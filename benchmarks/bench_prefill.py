@@ -4,6 +4,7 @@ of the model with random weights made on the devices, for each world, cut, segme
 
     python benchmarks/bench_prefill.py                            # H200s: flash cuts 2/16/40, worlds 1/2/4, 2K/4K rows
     python benchmarks/bench_prefill.py --worlds 1 --layers 2 --rows 2048 --formats bf16
+    python benchmarks/bench_prefill.py --worlds 1 --rank-of 2,4 --layers 2 --rows 2048   # one H200: worlds 2, 4 per rank
     python benchmarks/bench_prefill.py --config tiny --quick      # CPU smoke run (tests/test_bench_prefill.py)
 
 Per case it prints:
@@ -17,6 +18,9 @@ Per case it prints:
 * with ``--trace DIR`` (the default: a directory under /tmp) ``kernels``, the share of the step inside kernels,
   and the step split by model part (moe, attention, indexer, hc, compressor, head, ...) from the trace.
   XLA's command buffers are then off for the whole run, as in ``profile --trace``.
+
+``--rank-of W``: also one rank's share of world W on one device (``profile --rank-of``, `profiling/cut.one_rank`),
+shown as world ``1/W``: a world-W step without its collectives, where fewer than W GPUs are at hand.
 
 A case that does not fit the devices (e.g. the 40-layer model in bf16 on one H200) is reported and skipped.
 """
@@ -48,6 +52,8 @@ def parse_args(argv):
     p.add_argument("--row-parallel-rows", default="0", metavar="N[,N2]",
                    help="comma-separated: segments of >= N rows run the HC mixes and norms row-parallel at world > 1 "
                         "(the planner's row_parallel_rows; 0 = off), one row per value (issue #22: A/B it)")
+    p.add_argument("--rank-of", default="", metavar="W[,W2]",
+                   help="also time one rank's share of these worlds on one device (world column 1/W; no collectives)")
     p.add_argument("--impl", choices=("xla", "pallas"), default=None,
                    help="kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case (median reported)")
@@ -63,13 +69,14 @@ def parse_args(argv):
         a.worlds = comma_ints(a.worlds, "--worlds")
         a.rows = comma_ints(a.rows, "--rows")
         a.row_parallel_rows = comma_ints(a.row_parallel_rows, "--row-parallel-rows", minimum=0)
+        a.rank_of = comma_ints(a.rank_of, "--rank-of") if a.rank_of.strip() else []
         a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         bad = [f for f in a.formats if f not in FORMATS]
         if bad or not a.formats:
             raise ValueError(f"--formats takes bf16 and/or fp4, got {a.formats}")
-        bad = [w for w in a.worlds if w not in (1, 2, 4, 8)]
+        bad = [w for w in a.worlds + a.rank_of if w not in (1, 2, 4, 8)]
         if bad:
-            raise ValueError(f"--worlds takes 1, 2, 4 or 8, got {bad}")
+            raise ValueError(f"--worlds and --rank-of take 1, 2, 4 or 8, got {bad}")
         if a.position < 0 or a.repeats < 1:
             raise ValueError("--position must be >= 0 and --repeats >= 1")
     except ValueError as e:
@@ -80,14 +87,15 @@ def parse_args(argv):
 
 
 def run_case(a, *, world: int, layers: int, rows: int, fmt: str, trace_dir: Path | None,
-             row_parallel_rows: int = 0) -> dict:
+             row_parallel_rows: int = 0, rank_of: int = 0) -> dict:
     """One prefill case through ``profile``: its step's time, floors (``profile``'s ``floor``) and trace split."""
     from dsv41_jax import profile
     from dsv41_jax.profiling import floors
 
     argv = ["--config", a.config, "--world", str(world), "--layers", str(layers), "--rows", str(rows),
             "--position", str(a.position), "--impl", a.impl, "--repeats", str(a.repeats),
-            "--expert-format", FORMATS[fmt], "--compile-cache", "off", "--row-parallel-rows", str(row_parallel_rows)]
+            "--expert-format", FORMATS[fmt], "--compile-cache", "off", "--row-parallel-rows", str(row_parallel_rows),
+            "--rank-of", str(rank_of)]
     if trace_dir is not None:
         argv += ["--trace", str(trace_dir)]
     step = profile.run(profile.parse_args(argv))["steps"][0]
@@ -112,7 +120,8 @@ HEADER = (f"{'world':>5} {'layers':>6} {'rows':>5} {'experts':>7} {'rp':>5} {'st
 
 
 def fmt_row(r: dict) -> str:
-    head = f"{r['world']:>5} {r['layers']:>6} {r['rows']:>5} {r['experts']:>7} {r['row_parallel_rows']:>5}"
+    world = f"1/{r['rank_of']}" if r.get("rank_of") else r["world"]
+    head = f"{world:>5} {r['layers']:>6} {r['rows']:>5} {r['experts']:>7} {r['row_parallel_rows']:>5}"
     if "error" in r:
         return f"{head}  {r['error']}"
     share = "-" if r["kernel_share"] is None else format(r["kernel_share"], ".0%")
@@ -143,15 +152,18 @@ def main(argv: list[str] | None = None) -> int:
           f"jax {jax.__version__} · {a.config} · position {a.position:,} · impl {a.impl} · "
           f"median of {a.repeats}", flush=True)
     rows = []
-    for world in [w for w in a.worlds if w <= devices]:
+    cases = [(w, 0) for w in a.worlds if w <= devices] + [(1, w) for w in a.rank_of if w > 1]
+    for world, rank_of in cases:
         for layers in a.layers:
             for n in a.rows:
                 for fmt, rp in [(f, rp) for f in a.formats for rp in a.row_parallel_rows if world > 1 or rp == 0]:
-                    r = {"world": world, "layers": layers, "rows": n, "experts": fmt, "row_parallel_rows": rp}
-                    folder = trace_root / f"w{world}_l{layers}_r{n}_{fmt}_rp{rp}" if trace_root else None
+                    r = {"world": world, "rank_of": rank_of, "layers": layers, "rows": n, "experts": fmt,
+                         "row_parallel_rows": rp}
+                    name = f"w{world}" if not rank_of else f"rank_of{rank_of}"
+                    folder = trace_root / f"{name}_l{layers}_r{n}_{fmt}_rp{rp}" if trace_root else None
                     try:
                         r.update(run_case(a, world=world, layers=layers, rows=n, fmt=fmt, trace_dir=folder,
-                                          row_parallel_rows=rp))
+                                          row_parallel_rows=rp, rank_of=rank_of))
                     except (UsageError, ConfigError, PlanRefused) as e:  # e.g. does not fit: said, skipped
                         r["error"] = str(e).splitlines()[0][:200]
                     except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported, the grid goes on

@@ -3,7 +3,7 @@
     python -m dsv41_jax.profile --config tiny|dsv41_flash|FILE --world N --rows N --position P[,P2,...]
         [--layers K] [--experts E] [--engram [--engram-table-rows N]] [--decode] [--impl xla|pallas]
         [--dtype bfloat16|float32] [--batch B] [--repeats R] [--trace DIR] [--json] [--compile-only]
-        [--fast-compile]
+        [--fast-compile] [--rank-of W]
 
 For every position: the model's step over ``rows`` rows at that position (prefill) and, with ``--decode``, one
 row (decode), each compiled with its shardings on ``world`` devices. Per device it reports compile seconds;
@@ -18,6 +18,8 @@ layers (the first one in any cut), their tables on the devices (``--engram-table
 every step the rows the engine's host hash gives its random ids (the tokenizer package supplies the token
 map). The cache holds random entries with its offset at the position, sized position + rows. On CPU, ``--world N`` simulated devices are requested before JAX
 starts. ``--compile-only`` allocates nothing (abstract weights): analyses of models too big to run.
+``--rank-of W`` times one rank's share of world W on one device (``profiling/cut.one_rank``): a world-W step
+without its collectives, where fewer than W GPUs are at hand.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dsv41_jax import with_flags
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
 from dsv41_jax.planner import (WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, admit, cache_pool_bytes,
                                engram_bytes_per_rank, kernel_tiles, param_bytes_per_rank, plan_segment)
-from dsv41_jax.profiling.cut import cut_layers, kept_layers
+from dsv41_jax.profiling.cut import cut_layers, kept_layers, one_rank
 from dsv41_jax.profiling.flops import step_flops
 
 
@@ -67,6 +69,7 @@ class Request:
     engram: bool = False
     unrolled: bool = False
     row_parallel_rows: int = 0  # PlanOptions.row_parallel_rows (issue #22); 0: the planner's default
+    rank_of: int = 0  # > 1: the model is one rank's share of this world (profiling/cut.one_rank), run at world 1
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -103,6 +106,10 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--row-parallel-rows", type=int, default=0, metavar="N",
                    help="world > 1: segments of >= N rows run the HC mixes and norms row-parallel (the planner's "
                         "row_parallel_rows; 0 = its default, off)")
+    p.add_argument("--rank-of", type=int, default=0, metavar="W",
+                   help="time one rank's share of world W on one device: H/W heads, the widest rank's expert and "
+                        "vocabulary slices, the replicated parts whole; no collectives (a world-W step without "
+                        "W GPUs; profiling/cut.one_rank)")
     p.add_argument("--unrolled", action="store_true",
                    help="run stacked runs of layers unrolled instead of scanned (same weights; to compare compile "
                         "and step times, docs/DESIGN.md 'Scanned layers')")
@@ -120,6 +127,10 @@ def parse_args(argv: list[str] | None) -> Request:
               (a.batch >= 1, f"--batch must be at least 1, got {a.batch}"),
               (a.repeats >= 1, f"--repeats must be at least 1, got {a.repeats}"),
               (a.row_parallel_rows >= 0, f"--row-parallel-rows must be >= 0, got {a.row_parallel_rows}"),
+              (not a.rank_of or a.rank_of in WORLDS,
+               f"--rank-of must be one of {', '.join(map(str, WORLDS))}, got {a.rank_of}"),
+              (not a.rank_of or a.world == 1, f"--rank-of runs one rank on one device: drop --world {a.world}"),
+              (not a.rank_of or not a.engram, "--rank-of models the text layers only: drop --engram"),
               (a.layers is None or a.layers >= 1, f"--layers must be at least 1, got {a.layers}"),
               (a.experts is None or a.experts >= 1, f"--experts must be at least 1, got {a.experts}"),
               (a.engram_table_rows is None or a.engram, "--engram-table-rows goes with --engram"),
@@ -134,6 +145,8 @@ def parse_args(argv: list[str] | None) -> Request:
     k = a.layers or cfg.num_hidden_layers
     layers = tuple(kept_layers(cfg, k, engram=a.engram))
     cfg = cut_layers(cfg, k, engram=a.engram, engram_table_rows=a.engram_table_rows, routed_experts=a.experts)
+    if a.rank_of > 1:
+        cfg = one_rank(cfg, a.rank_of)  # PlanRefused (R4) for a world that cannot split the heads
     last = max(positions) + a.rows
     if last > cfg.max_position_embeddings:
         raise UsageError(f"position {max(positions):,} + {a.rows:,} rows passes the model's "
@@ -144,7 +157,7 @@ def parse_args(argv: list[str] | None) -> Request:
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
                    Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache, a.engram,
-                   a.unrolled, a.row_parallel_rows)
+                   a.unrolled, a.row_parallel_rows, a.rank_of)
 
 
 def _check_writable(path: Path) -> None:
@@ -302,7 +315,7 @@ def _header(req: Request, jax) -> dict:
                        for i, n in zip(req.cfg.engram_layer_ids, req.cfg.engram_num_embeddings)],
             "compile_only": req.compile_only, "fast_compile": req.fast_compile,
             "units": [list(u) for u in req.cfg.layer_units()], "scanned": not req.unrolled,
-            "row_parallel_rows": req.row_parallel_rows,
+            "row_parallel_rows": req.row_parallel_rows, "rank_of": req.rank_of,
             "platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "steps": []}
@@ -394,8 +407,10 @@ def _fmt_pct(x) -> str:
 
 
 def print_header(report: dict, out=sys.stdout) -> None:
-    out.write(f"{report['config']} layers {report['layers']} ({', '.join(report['roles'])}) · world "
-              f"{report['world']} · batch {report['batch']} · {report['dtype']} · experts "
+    world = (f"one rank of world {report['rank_of']} on one device (no collectives)" if report.get("rank_of", 0) > 1
+             else f"world {report['world']}")
+    out.write(f"{report['config']} layers {report['layers']} ({', '.join(report['roles'])}) · {world}"
+              f" · batch {report['batch']} · {report['dtype']} · experts "
               f"{report.get('expert_format', 'dequantized')} · impl {report['impl']}\n")
     for e in report.get("engram", []):
         out.write(f"engram layer {e['layer']}: table {e['table_rows']:,} rows on the devices, rows hashed on the "

@@ -71,19 +71,25 @@ def test_timeline_table_row():
     assert bench.fmt_timeline(older).split()[8] == "0.000"
 
 
-def test_whole_depth_with_fewer_experts(tmp_path):
+def test_whole_depth_with_fewer_experts_and_one_rank(tmp_path):
     """``--experts``: the layers as configured (scanned units included) with fewer routed experts a layer (the
-    40-layer model on one H200); fewer than a token picks is refused."""
+    40-layer model on one H200); fewer than a token picks is refused. ``--rank-of``: one rank of a world too."""
     out = tmp_path / "decode.json"
     assert bench.main(["--config", "tiny", "--layers", "99", "--experts", "4", "--quick", "--tokens", "2",
-                       "--steps", "1", "--json-out", str(out)]) == 0
+                       "--steps", "1", "--rank-of", "2", "--json-out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["routed_experts"] == 4 and report["rows"][0]["step_ms"] > 0
+    whole, rank = report["rows"]
+    assert report["routed_experts"] == 4 and whole["step_ms"] > 0 and rank["step_ms"] > 0
+    # ``--rank-of 2``: one rank's share of world 2 reads less than the whole model (half the heads, expert
+    # columns and vocabulary rows), labelled 1/2.
+    assert (whole["rank_of"], rank["rank_of"], rank["world"]) == (0, 2, 1) and rank["floor_ms"] < whole["floor_ms"]
+    assert bench._world(rank) == "1/2" and bench._world(whole) == "1"
     assert bench.main(["--config", "tiny", "--experts", "1", "--quick"]) == 2
 
 
 @pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--batches", "0"], ["--worlds", "64"],
-                                  ["--positions", "x"], ["--decode-chunks", "0"], ["--experts", "0"]])
+                                  ["--positions", "x"], ["--decode-chunks", "0"], ["--experts", "0"],
+                                  ["--rank-of", "3"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)

@@ -60,7 +60,7 @@ def test_ops_are_attributed_to_their_part(label, part):
 
 
 @pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--rows", "0"], ["--worlds", "3"], ["--layers", "x"],
-                                  ["--row-parallel-rows", "-1"]])
+                                  ["--row-parallel-rows", "-1"], ["--rank-of", "6"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)

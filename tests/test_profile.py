@@ -10,7 +10,7 @@ import pytest
 from dsv41_jax.config import load_named
 from dsv41_jax.planner import param_bytes_per_rank
 from dsv41_jax.profile import main
-from dsv41_jax.profiling.cut import cut_layers, kept_layers
+from dsv41_jax.profiling.cut import cut_layers, kept_layers, one_rank
 from dsv41_jax.profiling.flops import step_flops
 
 
@@ -124,6 +124,9 @@ def test_fewer_experts_cut_the_expert_weights(capsys):
     (["--config", "tiny_engram", "--engram", "--engram-table-rows", "10"], "at least 1024"),
     (["--experts", "0"], "--experts must be at least 1"),
     (["--experts", "1"], "fewer than the 2 a token picks"),
+    (["--rank-of", "3"], "--rank-of must be one of 1, 2, 4, 8"),
+    (["--rank-of", "2", "--world", "2"], "drop --world 2"),
+    (["--config", "tiny_engram", "--engram", "--rank-of", "2"], "drop --engram"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     assert main(["--config", "tiny", *argv] if "--config" not in argv else argv) == 2
@@ -154,6 +157,23 @@ def test_cut_layers_keeps_roles():
     assert kept_layers(full, 4) == [0, 2, 20, 24]
     assert [cut_layers(full, 4).role(i) for i in range(4)] == ["window", "full", "full", "reindex"]
     assert cut_layers(full, 4).uses_candidates(3)  # layer 24 stays candidate-masked
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_one_rank_holds_a_rank_s_shards(world):
+    """``one_rank`` (``--rank-of``): the one-device model of one rank of ``world`` has exactly the per-rank shapes
+    the planner gives the widest rank's shards (``tensor_rank_shape``, MODEL.md §F.1: split heads, groups, expert
+    width and vocabulary rows, at their padded widths) and every replicated tensor whole."""
+    from dsv41_jax.param_specs import model_tensors
+    from dsv41_jax.planner import admit, tensor_rank_shape
+
+    full = cut_layers(load_named("dsv41_flash"), 2)
+    adm = admit(full, world)
+    rank = model_tensors(one_rank(full, world), engram=False, dspark=False)
+    whole = model_tensors(full, engram=False, dspark=False)
+    assert rank.keys() == whole.keys()
+    assert {n: rank[n] for n in rank} == {n: tensor_rank_shape(n, s, adm, adm.widest_rank) for n, s in whole.items()}
+    assert sum(rank[n] != whole[n] for n in rank) >= 9  # embed, head, and 2 layers' heads, groups and experts
 
 
 def test_cut_keeps_the_first_engram_layer_when_asked():

@@ -16,11 +16,15 @@ its sources and no other source lies between a layer and its source, every kept 
 dropped. Engram is dropped unless ``engram=True``: then the config's first engram layer comes first in the
 priority order, and every kept engram layer keeps its table (``engram_table_rows`` rows each when given: the
 release's 98 GB tables do not fit one device beside the other weights).
+
+``one_rank`` is a different cut: the work one rank of a world-W tensor-parallel run does, as a model of one
+device (the ``--rank-of`` option of ``profile``, ``bench_prefill`` and ``bench_decode``).
 """
 
 from __future__ import annotations
 
 from dsv41_jax.config import ConfigError, ModelConfig
+from dsv41_jax.planner import admit
 
 
 def cut_layers(cfg: ModelConfig, k: int, *, engram: bool = False, engram_table_rows: int | None = None,
@@ -35,6 +39,23 @@ def cut_layers(cfg: ModelConfig, k: int, *, engram: bool = False, engram_table_r
         raise ConfigError(f"--experts {routed_experts} is fewer than the {cfg.num_experts_per_tok} a token picks")
     cut = _renumber(cfg, kept_layers(cfg, k, engram=engram), engram, engram_table_rows)
     return cut if routed_experts is None else cut.replace(n_routed_experts=routed_experts)
+
+
+def one_rank(cfg: ModelConfig, world: int) -> ModelConfig:
+    """One rank's share of ``world``'s tensor-parallel work as a one-device config: the dimensions the rule table
+    splits cut as the planner's admission cuts them (``sharding/rules.py``, PLANNER.md §C) — H/W query heads,
+    G/W output groups, the widest rank's expert width (routed and shared experts, 128-blocks, padded) and its
+    vocabulary rows — and everything the table replicates (HC mixes, norms, ``wq_a``/``wkv``, compressor,
+    indexer, router) whole. Timing it on one GPU gives a world-W step without its collectives (and without the
+    row-parallel split of the per-row work): what W GPUs cannot beat unless those parts shrink. Text only (the
+    image path is dropped: its token ids may fall outside one rank's vocabulary rows); engram tables, split by
+    hash column, are not modelled (refused)."""
+    if cfg.engram_layer_ids:
+        raise ConfigError("one rank's share of a world is modelled for the text layers only: drop the engram layers")
+    adm = admit(cfg, world)  # PlanRefused when the world cannot split the heads in whole groups
+    return cfg.replace(num_attention_heads=adm.heads_per_rank, o_groups=adm.groups_per_rank,
+                       moe_intermediate_size=adm.expert_width_padded, vocab_size=adm.vocab_padded, vision=None,
+                       image_token_id=None, image_pad_token_id=None)
 
 
 def kept_layers(cfg: ModelConfig, k: int, *, engram: bool = False) -> list[int]:
