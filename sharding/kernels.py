@@ -7,9 +7,15 @@ The partitioner cannot split a Pallas call, so under a mesh the kernels run per 
 * ``routed_experts``: x, top-k ids and weights replicated (every rank routes identically); layout "tp": each
   device's expert weights hold its F columns (padding columns are zero); layout "ep": its whole experts, the
   other ranks' picks passed as id -1 (outside [0, E): no work, no contribution) with weight 0.
-  Each device's y is a partial sum; one ``psum`` in f32 (§F.4).
+  Each device's y is a partial sum; one ``psum`` in f32 (§F.4). The shared expert, when given, is split on the
+  same F ("tp"): each rank adds its unrounded partial sum before that psum, so the MoE moves one [N, D] f32
+  all-reduce, not two (XLA combined the shared expert's own into a tuple with the routed one: twice the bytes,
+  42 MB more a layer at 2,048 rows). Replicated ("ep"), it is added after the psum.
 * ``engram_gather``: the engram tables split by hash column (``rules`` "engram_rows"): each rank gathers its own
   columns' rows from its slab and one ``all_gather`` (the stored bytes, e4m3 + ue8m0) gives every rank all rows.
+* ``hc_comb``: in a row-parallel segment (issue #22) the HC mix's comb kernel on each device's rows of the
+  segment (activation rule "stream_rows"); a Pallas call cannot be partitioned, so XLA would otherwise gather
+  every row's logits to each device, run the whole kernel there and slice. No collective.
 * ``index_topk``: every input and output replicated (``rules``: the indexer's top-k is one selection for
   all heads, computed redundantly); the shard_map only lets each device run the whole kernel. No collective.
 
@@ -30,11 +36,12 @@ from jax.sharding import AbstractMesh, Mesh
 
 from sharding.context import active_mesh
 from sharding.mesh import TP
-from sharding.rules import EXPERTS, activation_spec, active_layout, mesh_axes, param_spec
+from sharding.rules import EXPERTS, SHARED_MLP, activation_spec, active_layout, mesh_axes, param_spec
 
 _ATTENTION = "layers.0.attn."        # any layer: every layer's tensors match the same rules
 _EXPERTS = "layers.0.ffn.experts."
 _STACKED_EXPERTS = "layers.0-1.ffn.experts."   # any stacked unit's: its layers' rule after the layer axis
+_SHARED = "layers.0.ffn.shared_experts."  # the loop slices a unit's shared expert a layer: a layer's rule
 # The kernel's ExpertWeights fields (pallas_kernels/moe/ops.py) → the parameter each one is a view of.
 _EXPERT_FIELDS = {"w1": "w1", "w3": "w3", "w2": "w2", "w1_scale": "w1.scales", "w3_scale": "w3.scales",
                   "w2_scale": "w2.scales"}
@@ -69,6 +76,19 @@ def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, me
     return run(q, kv_pool, topk, window, window_start, q_pos, sinks)
 
 
+def hc_comb(logits, *, mesh: Mesh | None = None, op: Callable | None = None, **kwargs):
+    """comb [B,T,S,S] = op(logits [B,T,S,S]) with the token axis split over ``tp`` (a row-parallel segment's
+    rows, rule "stream_rows"): each device runs the kernel on its own rows."""
+    if op is None:
+        from pallas_kernels.hc_mix.ops import comb as op
+    mesh = _mesh(mesh)
+    if mesh is None:
+        return op(logits, **kwargs)
+    rows = activation_spec("stream_rows", logits.ndim)
+    run = jax.shard_map(lambda c: op(c, **kwargs), mesh=mesh, in_specs=rows, out_specs=rows, check_vma=False)
+    return run(logits)
+
+
 def index_topk(q, w, keys, positions, kept_blocks=None, *, mesh: Mesh | None = None, op: Callable | None = None,
                **kwargs):
     """(topk [B,T,K], kept | None) = op(...), every array replicated: each device runs the whole selection."""
@@ -84,40 +104,51 @@ def index_topk(q, w, keys, positions, kept_blocks=None, *, mesh: Mesh | None = N
 
 
 def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, mesh: Mesh | None = None,
-                   layout: str | None = None, op: Callable | None = None, row=None, **kwargs):
-    """y [N,D] f32 = op(...) with the expert weights split by ``layout`` and the partial sums all-reduced.
+                   layout: str | None = None, op: Callable | None = None, row=None, shared=None, **kwargs):
+    """y [N,D] f32 = op(...) (+ the shared expert) with the expert weights split by ``layout`` and the partial
+    sums all-reduced.
 
     ``weights``: a pytree of stacked expert arrays, ``ExpertWeights`` or a dict with its field names (w1/w3
     ``[E, F, ·]``, w2 ``[E, D, ·]``; packed fp4 codes and their scales follow the same axes); each leaf takes the
     rule of the expert parameter it is a view of (``_EXPERT_FIELDS``). With ``row`` (the op's: an int32 scalar),
     the experts of a stack of layers ``[L, E, ...]`` (a scanned unit's parameters: their rule after the unsplit
     layer axis) and this call's layer in it; ids stay the layer's own.
+    ``shared``: ``(output, shared_weights)``, the shared expert (``model.moe.SharedExpert``: ``output(x, w,
+    partial=...)`` f32 [N, D], ``shared_weights`` its ``{"w1", "w3", "w2"}``), added to y: as a rank's partial
+    sum before the psum when ``layout`` splits its width, whole otherwise.
     """
     if op is None:
         from pallas_kernels.moe.ops import routed_experts as op
     row_kwargs = {} if row is None else {"row": row}   # a shard_map operand (replicated) when there is a mesh
     mesh = _mesh(mesh)
     if mesh is None:
-        return op(x, topk_ids, topk_weights, weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs)
+        y = op(x, topk_ids, topk_weights, weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs)
+        return y if shared is None else y + shared[0](x, shared[1], partial=False)
     layout = active_layout() if layout is None else layout
+    split_shared = shared is not None and mesh_axes((SHARED_MLP,), layout)[0] is not None
+    output, shared_weights = shared if split_shared else (None, {})
     stacked = row is not None
     weight_specs = jax.tree_util.tree_map_with_path(lambda path, a: _expert_spec(path, a, layout, stacked),
                                                     weights)
     whole_experts = mesh_axes((EXPERTS,), layout)[0] is not None
     y_spec = activation_spec("replicated", x.ndim)
 
-    def local(x, ids, w, local_weights, row_kwargs):
+    def local(x, ids, w, local_weights, row_kwargs, local_shared):
         if whole_experts:
             experts_here = jax.tree.leaves(local_weights)[0].shape[1 if stacked else 0]
             ids, w = _local_experts(ids, w, experts_here)
-        y = op(x, ids, w, local_weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs)
-        return jax.lax.psum(y.astype(jnp.float32), TP)
+        y = op(x, ids, w, local_weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs).astype(jnp.float32)
+        if output is not None:
+            y = y + output(x, local_shared, partial=True)
+        return jax.lax.psum(y, TP)
 
     row_specs = {k: activation_spec("replicated", 0) for k in row_kwargs}
+    shared_specs = {k: param_spec(f"{_SHARED}{k}.weight", a.ndim, layout) for k, a in shared_weights.items()}
     run = jax.shard_map(local, mesh=mesh,
-                        in_specs=(*_replicated(x, topk_ids, topk_weights), weight_specs, row_specs),
+                        in_specs=(*_replicated(x, topk_ids, topk_weights), weight_specs, row_specs, shared_specs),
                         out_specs=y_spec, check_vma=False)
-    return run(x, topk_ids, topk_weights, weights, row_kwargs)
+    y = run(x, topk_ids, topk_weights, weights, row_kwargs, shared_weights)
+    return y if shared is None or split_shared else y + shared[0](x, shared[1], partial=False)
 
 
 def _expert_spec(path, leaf, layout: str, stacked: bool = False):

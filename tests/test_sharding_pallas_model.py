@@ -10,12 +10,15 @@ Reference: the same options on one device (plain ``Transformer``, no sharding co
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 import sharding
+from dsv41_jax import planner
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model.cache import init_cache
@@ -58,14 +61,19 @@ def prefill(model, cfg, ids, mesh):
     return np.asarray(compiled(state, ids, cache)), compiled.as_text()
 
 
+def one_device(cfg, seed: int):
+    """(random weights, prompt ids [B, T], the reference logits [B, T, V] of one device) for ``cfg``."""
+    flat = random_weights(cfg, seed=seed)
+    ids = np.random.default_rng(seed + 1).integers(3, cfg.vocab_size, (BATCH, ROWS)).astype(np.int32)
+    single = Transformer(cfg, OPTIONS)
+    load_weights(single, flat)
+    return flat, ids, prefill(single, cfg, ids, None)[0]
+
+
 @pytest.mark.devices(4)
 def test_sharded_pallas_model_matches_one_device_with_one_all_reduce_per_moe():
     cfg = small_config()
-    flat = random_weights(cfg, seed=0)
-    ids = np.random.default_rng(1).integers(3, cfg.vocab_size, (BATCH, ROWS)).astype(np.int32)
-    single = Transformer(cfg, OPTIONS)
-    load_weights(single, flat)
-    ref, _ = prefill(single, cfg, ids, None)
+    flat, ids, ref = one_device(cfg, seed=0)
     moe_out = f"f32[{BATCH * ROWS},{cfg.hidden_size}]"
     for layout in ("tp", "ep"):
         model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout=layout)
@@ -73,10 +81,13 @@ def test_sharded_pallas_model_matches_one_device_with_one_all_reduce_per_moe():
         np.testing.assert_allclose(logits, ref, rtol=0, atol=LOGITS_ATOL, err_msg=layout)
         found = collectives(hlo)
         reduces = [shape for op, shape in found if op == "all-reduce"]
-        # §F.4: per layer one all-reduce after wo_b and one after the MoE (XLA may combine the routed and the
-        # shared expert's partial sums into one tuple all-reduce), plus the vocabulary-parallel embedding.
+        # §F.4: per layer one all-reduce after wo_b and one after the MoE, plus the vocabulary-parallel embedding.
         assert len(reduces) == 2 * cfg.num_hidden_layers + 1, (layout, found)
         assert sum(moe_out in shape for shape in reduces) == cfg.num_hidden_layers, (layout, found)
+        # The MoE's carries y [N, D] once: in "tp" the shared expert's partial sum joins the routed one before
+        # the psum (sharding/kernels.routed_experts), in "ep" it is replicated. Its own all-reduce, combined by
+        # XLA into a tuple with the routed one, doubled the bytes (42 MB a layer at 2,048 full-width rows).
+        assert all(shape.count(moe_out) == 1 for shape in reduces if moe_out in shape), (layout, found)
         # Nothing else moves but the logits' gather: no [N·k, F] intermediate, no weight.
         moved = [shape for op, shape in found if op != "all-reduce"]
         assert all(shape.startswith(f"f32[{BATCH},{ROWS},") for shape in moved), (layout, found)
@@ -97,11 +108,7 @@ def test_sharded_scanned_unit_reads_its_expert_stack_per_rank():
     experts in "ep", where ids are made local before the row's offset) equals one device; no weight moves."""
     cfg = run_config()
     assert cfg.layer_units() == ((0,), (1,), (2,), (3, 4, 5)) and cfg.n_routed_experts == 8
-    flat = random_weights(cfg, seed=2)
-    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, (BATCH, ROWS)).astype(np.int32)
-    single = Transformer(cfg, OPTIONS)
-    load_weights(single, flat)
-    ref, _ = prefill(single, cfg, ids, None)
+    flat, ids, ref = one_device(cfg, seed=2)
     for layout in ("tp", "ep"):
         model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout=layout)
         logits, hlo = prefill(model, cfg, ids, mesh)
@@ -111,3 +118,24 @@ def test_sharded_scanned_unit_reads_its_expert_stack_per_rank():
         assert rel <= 5e-3, (layout, rel)
         moved = [shape for op, shape in collectives(hlo) if op != "all-reduce"]
         assert all(shape.startswith(f"f32[{BATCH},{ROWS},") for shape in moved), (layout, moved)
+
+
+@pytest.mark.devices(4)
+def test_row_parallel_segment_runs_the_comb_kernel_on_each_rank_s_rows():
+    """A row-parallel segment (issue #22) with the HC comb kernel: each rank runs it on its own rows inside
+    ``shard_map`` (``sharding.kernels.hc_comb``) and the result is one device's. Called on the row-split logits
+    directly, the Pallas call (unpartitionable on a GPU) had XLA move comb rows between ranks: collective-permutes
+    of its padded tiles here, in interpret mode. Now nothing moves but the sublayer inputs' all-gathers, §F.4's
+    all-reduces, the ids' and the logits' gathers."""
+    cfg = small_config()
+    flat, ids, ref = one_device(cfg, seed=0)
+    tiles = planner.kernel_tiles(cfg, 4, planner.PlanOptions(row_parallel_rows=ROWS))
+    model, mesh = sharding.prepare(cfg, flat, 4, dataclasses.replace(OPTIONS, tiles=tiles))
+    logits, hlo = prefill(model, cfg, ids, mesh)
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=LOGITS_ATOL)
+    found = collectives(hlo)
+    assert not [shape for op, shape in found if op == "collective-permute"], found
+    gathers = [shape.split("{")[0] for op, shape in found if op == "all-gather"]
+    inputs = f"f32[{BATCH},{ROWS},{cfg.hidden_size}]"  # a sublayer's input (and the head's): the split happened
+    assert gathers.count(inputs) == 2 * cfg.num_hidden_layers + 1, found
+    assert set(gathers) <= {inputs, f"s32[{BATCH},{ROWS},1]", f"f32[{BATCH},{ROWS},{cfg.vocab_size}]"}, found

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.hc_mix.ops import comb as comb_op
+from sharding.kernels import hc_comb
 
 from .norms import f32_matmul, random_normal, rms_scale
 
@@ -31,14 +32,16 @@ def mix_kwargs(cfg, impl: str) -> dict:
 
 
 # jitted: every sublayer mixes alike, so a program traces and lowers the mix once a shape (24 traced calls, 40 layers)
-@functools.partial(jax.jit, static_argnames=("hc_eps", "norm_eps", "sinkhorn_iters", "impl"))
+@functools.partial(jax.jit, static_argnames=("hc_eps", "norm_eps", "sinkhorn_iters", "impl", "split_rows"))
 def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn_iters: int,
-           impl: str = "xla"):
+           impl: str = "xla", split_rows: bool = False):
     """The mix of one sublayer.
 
     streams [B,T,S,D]; fn f32 [(2+S)·S, S·D]; base f32 [(2+S)·S]; scale f32 [3].
     Returns pre f32 [B,T,S], post f32 [B,T,S], comb f32 [B,T,S,S] (comb[i, j]: source i → destination j).
     ``impl``: the comb's softmax + Sinkhorn (`pallas_kernels/hc_mix`): "pallas" (one kernel) or "xla".
+    ``split_rows``: a row-parallel segment under a mesh: the comb op runs on each rank's rows
+    (``sharding.kernels.hc_comb``).
     """
     s = streams.shape[-2]
     flat = streams.reshape(*streams.shape[:-2], -1)
@@ -48,7 +51,8 @@ def hc_mix(streams, fn, base, scale, *, hc_eps: float, norm_eps: float, sinkhorn
     pre = jax.nn.sigmoid(mix[..., :s]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., s : 2 * s])
     comb = mix[..., 2 * s :].reshape(*mix.shape[:-1], s, s)
-    return pre, post, comb_op(comb, iters=sinkhorn_iters, eps=hc_eps, impl=impl)
+    op = hc_comb if split_rows else comb_op
+    return pre, post, op(comb, iters=sinkhorn_iters, eps=hc_eps, impl=impl)
 
 
 def collapse(streams: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:

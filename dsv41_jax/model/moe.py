@@ -13,7 +13,7 @@ from sharding.kernels import routed_experts as sharded_experts
 
 from ..config import ModelConfig
 from ..planner import KernelTiles
-from .norms import HIGHEST, Linear, random_normal
+from .norms import HIGHEST, Linear, linear, linear_f32, random_normal
 
 
 class Router(nnx.Module):
@@ -118,6 +118,19 @@ class SharedExpert(nnx.Module):
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
 
+    def weights(self) -> dict:
+        """``{"w1", "w3", "w2"}``: the weight arrays ``output`` takes (a rank's slices of them under a mesh)."""
+        return {"w1": self.w1.weight[...], "w3": self.w3.weight[...], "w2": self.w2.weight[...]}
+
+    def output(self, x: jnp.ndarray, weights: dict, *, partial: bool) -> jnp.ndarray:
+        """f32 [N, D] from ``weights`` (``weights()``, or one rank's F slices of them). ``partial=False``: this
+        module's output (rounded to the model dtype as ``__call__`` rounds it); ``partial=True``: w2's f32 sum
+        over the given columns before any rounding, the partial sum a rank adds to the routed experts' before
+        their one all-reduce (``sharding.kernels.routed_experts``)."""
+        h = clamped_swiglu(linear(x, weights["w1"]), linear(x, weights["w3"]), self.limit)
+        y = linear_f32(h, weights["w2"])
+        return y if partial else y.astype(jnp.promote_types(h.dtype, weights["w2"].dtype)).astype(jnp.float32)
+
 
 class MoE(nnx.Module):
     """``ffn.{gate, experts, shared_experts}``: out = bf16(Σ routed + shared)."""
@@ -142,15 +155,16 @@ class MoE(nnx.Module):
         layer's row, read in place by the op."""
         flat = u.reshape(-1, u.shape[-1])
         ids, w = self.gate(flat, None if is_image is None else is_image.reshape(-1))
-        out = self._routed(flat, ids, w, row)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat).astype(jnp.float32)
-        return out.reshape(u.shape).astype(u.dtype)
-
-    def _routed(self, x, ids, w, row) -> jnp.ndarray:
         if self.moe_impl == "pallas":
-            # The sharding wrapper: inside shard_map under a sharded model (one f32 psum of y [N, D]),
-            # the plain kernel op otherwise.
-            return sharded_experts(x, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit, impl="pallas",
-                                   block_m=self.block_m, row=row)
-        return routed_experts(x, ids, w, self.experts.op_weights(), swiglu_limit=self.limit, impl="xla", row=row)
+            # The sharding wrapper: inside shard_map under a sharded model, each rank's shared-expert partial sum
+            # joining its routed one before the one f32 psum of y [N, D] (§F.4); the plain kernel op otherwise.
+            shared = None if self.shared_experts is None else (self.shared_experts.output,
+                                                               self.shared_experts.weights())
+            out = sharded_experts(flat, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit,
+                                  impl="pallas", block_m=self.block_m, row=row, shared=shared)
+        else:
+            out = routed_experts(flat, ids, w, self.experts.op_weights(), swiglu_limit=self.limit, impl="xla",
+                                 row=row)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(flat).astype(jnp.float32)
+        return out.reshape(u.shape).astype(u.dtype)

@@ -23,11 +23,14 @@ SPLIT_MIN_ROWS = 2
 
 def linear(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
     """y = x · weightᵀ, weight [out, in]; f32 accumulation, result in the promoted dtype of x and weight."""
-    out_dtype = jnp.promote_types(x.dtype, weight.dtype)
-    if out_dtype == jnp.float32:
+    return linear_f32(x, weight).astype(jnp.promote_types(x.dtype, weight.dtype))
+
+
+def linear_f32(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
+    """``linear``'s f32 accumulation before its rounding to the promoted dtype: f32 [..., out]."""
+    if jnp.promote_types(x.dtype, weight.dtype) == jnp.float32:
         return f32_matmul(x, weight)
-    y = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32, precision=HIGHEST)
-    return y.astype(out_dtype)
+    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
 def f32_matmul(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:

@@ -161,7 +161,7 @@ class Block(nnx.Module):
         streams = rows(streams)
         with jax.named_scope("attn"):
             pre_a, post_a, comb_a = hc_mix(streams, self.hc_attn_fn[...], self.hc_attn_base[...],
-                                           self.hc_attn_scale[...], **self.hc_kwargs)
+                                           self.hc_attn_scale[...], split_rows=split, **self.hc_kwargs)
             u = whole(self.attn_norm(collapse(streams, pre_prev)))
             if taps is not None:
                 taps["u"] = u
@@ -169,7 +169,7 @@ class Block(nnx.Module):
             streams = rows(expand(y, streams, post_a, comb_a))
         with jax.named_scope("moe"):
             pre_f, post_f, comb_f = hc_mix(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...],
-                                           self.hc_ffn_scale[...], **self.hc_kwargs)
+                                           self.hc_ffn_scale[...], split_rows=split, **self.hc_kwargs)
             y = self.ffn(whole(self.ffn_norm(collapse(streams, pre_a))), is_image, expert_row)
             return rows(expand(y, streams, post_f, comb_f)), pre_f, cache, csa
 
