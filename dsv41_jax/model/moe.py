@@ -116,7 +116,9 @@ class SharedExpert(nnx.Module):
         self.w2 = Linear(width, dim, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+        """x [N, D] -> [N, D] in the model dtype (the promoted dtype of x and the weights)."""
+        w = self.weights()
+        return self.output(x, w, partial=False).astype(jnp.promote_types(x.dtype, w["w2"].dtype))
 
     def weights(self) -> dict:
         """``{"w1", "w3", "w2"}``: the weight arrays ``output`` takes (a rank's slices of them under a mesh)."""
@@ -149,12 +151,17 @@ class MoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, u: jnp.ndarray, is_image: jnp.ndarray | None = None, row=None) -> jnp.ndarray:
+    def __call__(self, u: jnp.ndarray, is_image: jnp.ndarray | None = None, row=None,
+                 valid: jnp.ndarray | None = None) -> jnp.ndarray:
         """u [B,T,D], is_image bool [B,T] or None -> [B,T,D] in u's dtype. ``row``: int32 scalar when the
         routed experts hold a scanned unit's whole stack [L, E, ...] (``transformer._scan_run``): this
-        layer's row, read in place by the op."""
+        layer's row, read in place by the op. ``valid`` bool [B,T] or None (all): rows outside it (padding, a
+        finished or empty slot's row) route to no expert (id -1: no work in either op), so they cost no expert
+        reads; their output, which nothing reads, is the shared expert's alone."""
         flat = u.reshape(-1, u.shape[-1])
         ids, w = self.gate(flat, None if is_image is None else is_image.reshape(-1))
+        if valid is not None:
+            ids = jnp.where(valid.reshape(-1, 1), ids, -1)
         if self.moe_impl == "pallas":
             # The sharding wrapper: inside shard_map under a sharded model, each rank's shared-expert partial sum
             # joining its routed one before the one f32 psum of y [N, D] (§F.4); the plain kernel op otherwise.

@@ -170,7 +170,7 @@ class Block(nnx.Module):
         with jax.named_scope("moe"):
             pre_f, post_f, comb_f = hc_mix(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...],
                                            self.hc_ffn_scale[...], split_rows=split, **self.hc_kwargs)
-            y = self.ffn(whole(self.ffn_norm(collapse(streams, pre_a))), is_image, expert_row)
+            y = self.ffn(whole(self.ffn_norm(collapse(streams, pre_a))), is_image, expert_row, seg.valid)
             return rows(expand(y, streams, post_f, comb_f)), pre_f, cache, csa
 
 

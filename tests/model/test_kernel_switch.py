@@ -47,6 +47,24 @@ def test_pallas_moe_matches_the_xla_path():
     assert np.abs(out["pallas"] - out["xla"]).max() <= scale * 2.0**-6
 
 
+def test_rows_outside_valid_route_to_no_expert():
+    """``MoE(valid=...)``: a padding row or an empty slot's row (``Segment.valid`` false) routes to no expert (id
+    -1: no work, so no expert reads), in both implementations: the valid rows' outputs are bitwise the unmasked
+    call's, and an invalid row's output is the shared expert's alone."""
+    cfg = load_named("tiny")
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 12, cfg.hidden_size)), jnp.bfloat16)
+    valid = jnp.asarray(np.arange(12)[None, :] < np.array([[12], [5]]))
+    for impl in ("xla", "pallas"):
+        moe = MoE(cfg, dtype=jnp.bfloat16, moe_impl=impl, rngs=nnx.Rngs(5))
+        whole = np.asarray(jax.jit(lambda m, v: m(v))(moe, x).astype(jnp.float32))
+        masked = np.asarray(jax.jit(lambda m, v, ok: m(v, valid=ok))(moe, x, valid).astype(jnp.float32))
+        shared = np.asarray(jax.jit(lambda m, v: m.shared_experts(v))(moe, x).astype(jnp.float32))
+        ok = np.asarray(valid)
+        np.testing.assert_array_equal(masked[ok], whole[ok], err_msg=impl)
+        np.testing.assert_array_equal(masked[~ok], shared[~ok], err_msg=impl)
+        assert np.abs(whole[~ok] - shared[~ok]).max() > 0, impl  # the routed experts did add to those rows
+
+
 def test_model_options_take_the_registry_names():
     """``*_impl`` is one of ``pallas_kernels.registry.IMPLEMENTATIONS``; "reference" (the old name of the XLA path)
     is stored as "xla"; anything else is a ValueError naming the field and the choices."""
