@@ -52,7 +52,7 @@ from dsv41_jax.engine import Engine, Request
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.planner import PlanRefused
 from dsv41_jax.profiling import build, trace
-from dsv41_jax.profiling.args import comma_ints
+from dsv41_jax.profiling.args import comma_ints, rank_of_worlds, world_label
 from dsv41_jax.profiling.cut import cut_layers, one_rank
 from dsv41_jax.profiling.floors import H200_BYTES_PER_S, cache_bytes, weight_bytes
 from dsv41_jax.sampling import SamplingParams
@@ -101,9 +101,7 @@ def parse_args(argv):
         a.worlds = comma_ints(a.worlds, "--worlds") if a.worlds else [w for w in (1, 2, 4) if w <= devices]
         if max(a.worlds) > devices:
             raise ValueError(f"--worlds {max(a.worlds)} needs {max(a.worlds)} devices, {devices} present")
-        a.rank_of = comma_ints(a.rank_of, "--rank-of") if a.rank_of.strip() else []
-        if any(w not in (1, 2, 4, 8) for w in a.rank_of):
-            raise ValueError(f"--rank-of takes 1, 2, 4 or 8, got {a.rank_of}")
+        a.rank_of = rank_of_worlds(a.rank_of)
         if a.tokens < 1 or a.steps < 1 or a.layers < 1:
             raise ValueError("--tokens, --steps and --layers must be at least 1")
         if a.experts is not None and a.experts < 1:
@@ -176,13 +174,8 @@ HEADER = (f"{'world':>5} {'experts':>7} {'batch':>5} {'position':>8} {'chunk':>5
           f"{'exp/layer':>9} {'step tok/s':>10} {'gen tok/s':>10} {'gen/step':>8} {'kernels':>7}")
 
 
-def _world(r: dict) -> str:
-    """The world column: W, or 1/W for one rank's share of world W on one device (``--rank-of``)."""
-    return f"1/{r['rank_of']}" if r.get("rank_of") else str(r["world"])
-
-
 def fmt_row(r: dict) -> str:
-    return (f"{_world(r):>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['chunk']:>5} "
+    return (f"{world_label(r):>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['chunk']:>5} "
             f"{r['step_ms']:>8.4g} {r['sampled_ms']:>8.4g} "
             f"{r['floor_ms']:>8.4g} {r['ratio']:>6.3g} {r['experts_per_layer']:>9.1f} {r['step_tok_s']:>10.1f} "
             f"{r['gen_tok_s']:>10.1f} {r['gen_over_step']:>8.1%} "
@@ -198,7 +191,7 @@ def fmt_timeline(r: dict) -> str:
     (the host's lateness, a profiler's cost included), copies, activities."""
     t = r["timeline"]
     ms = lambda key: f"{t.get(key, 0.0) * 1e3:>8.3f}"
-    return (f"{_world(r):>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "
+    return (f"{world_label(r):>5} {r['experts']:>7} {r['batch']:>5} {r['position']:>8} {r['step_ms']:>8.4g} "
             f"{ms('busy_s')} {ms('gap_s')} {ms('long_gap_s')} {ms('between_s')} {ms('copy_s')} {t['activities']:>5}")
 
 
@@ -246,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             del model, mesh
     print(HEADER)
     for r in rows:
-        print(fmt_row(r) if "error" not in r else f"{_world(r):>5} {r['experts']:>7}  {r['error']}")
+        print(fmt_row(r) if "error" not in r else f"{world_label(r):>5} {r['experts']:>7}  {r['error']}")
     traced = [r for r in rows if r.get("timeline") and r["chunk"] == a.decode_chunks[0]]  # once a case
     if traced:  # --trace on a device: where each step's time went, command buffers on (``trace.device_timeline``)
         print(TIMELINE_HEADER)

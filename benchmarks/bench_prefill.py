@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsv41_jax.profiling.args import comma_ints
+from dsv41_jax.profiling.args import comma_ints, rank_of_worlds, world_label
 
 FORMATS = {"bf16": "dequantized", "fp4": "fp4"}
 
@@ -69,14 +69,14 @@ def parse_args(argv):
         a.worlds = comma_ints(a.worlds, "--worlds")
         a.rows = comma_ints(a.rows, "--rows")
         a.row_parallel_rows = comma_ints(a.row_parallel_rows, "--row-parallel-rows", minimum=0)
-        a.rank_of = comma_ints(a.rank_of, "--rank-of") if a.rank_of.strip() else []
+        a.rank_of = rank_of_worlds(a.rank_of)
         a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
         bad = [f for f in a.formats if f not in FORMATS]
         if bad or not a.formats:
             raise ValueError(f"--formats takes bf16 and/or fp4, got {a.formats}")
-        bad = [w for w in a.worlds + a.rank_of if w not in (1, 2, 4, 8)]
+        bad = [w for w in a.worlds if w not in (1, 2, 4, 8)]
         if bad:
-            raise ValueError(f"--worlds and --rank-of take 1, 2, 4 or 8, got {bad}")
+            raise ValueError(f"--worlds takes 1, 2, 4 or 8, got {bad}")
         if a.position < 0 or a.repeats < 1:
             raise ValueError("--position must be >= 0 and --repeats >= 1")
     except ValueError as e:
@@ -120,8 +120,7 @@ HEADER = (f"{'world':>5} {'layers':>6} {'rows':>5} {'experts':>7} {'rp':>5} {'st
 
 
 def fmt_row(r: dict) -> str:
-    world = f"1/{r['rank_of']}" if r.get("rank_of") else r["world"]
-    head = f"{world:>5} {r['layers']:>6} {r['rows']:>5} {r['experts']:>7} {r['row_parallel_rows']:>5}"
+    head = f"{world_label(r):>5} {r['layers']:>6} {r['rows']:>5} {r['experts']:>7} {r['row_parallel_rows']:>5}"
     if "error" in r:
         return f"{head}  {r['error']}"
     share = "-" if r["kernel_share"] is None else format(r["kernel_share"], ".0%")

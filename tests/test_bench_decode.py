@@ -12,6 +12,7 @@ import pytest
 
 from dsv41_jax.config import load_named
 from dsv41_jax.profiling import floors
+from dsv41_jax.profiling.args import world_label
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
 _spec = importlib.util.spec_from_file_location("bench_decode", _PATH)
@@ -103,7 +104,7 @@ def test_rank_of_runs_one_rank_s_model_on_one_device(tmp_path, monkeypatch, caps
                      (1, cfg.num_attention_heads // 2, cfg.moe_intermediate_size // 2, cfg.vocab_size // 2)]
     whole, rank = json.loads(out.read_text())["rows"]
     assert (whole["rank_of"], rank["rank_of"], rank["world"]) == (0, 2, 1)
-    assert bench._world(rank) == "1/2" and "  1/2 " in capsys.readouterr().out
+    assert world_label(rank) == "1/2" and "  1/2 " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [["--formats", "fp8"], ["--batches", "0"], ["--worlds", "64"],

@@ -12,3 +12,16 @@ def comma_ints(text: str, flag: str, minimum: int = 1) -> list[int]:
     if not values or min(values) < minimum:
         raise ValueError(f"{flag} values must be at least {minimum}, got {text!r}")
     return values
+
+
+def rank_of_worlds(text: str) -> list[int]:
+    """``--rank-of "2,4"`` → [2, 4] (empty text: none); ValueError unless each is a world 1, 2, 4 or 8."""
+    worlds = comma_ints(text, "--rank-of") if text.strip() else []
+    if any(w not in (1, 2, 4, 8) for w in worlds):
+        raise ValueError(f"--rank-of takes 1, 2, 4 or 8, got {worlds}")
+    return worlds
+
+
+def world_label(row: dict) -> str:
+    """A result row's world column: W, or 1/W for one rank's share of world W on one device (``--rank-of``)."""
+    return f"1/{row['rank_of']}" if row.get("rank_of") else str(row["world"])
