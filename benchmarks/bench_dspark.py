@@ -43,7 +43,6 @@ from dsv41_jax.engine import STEP, Engine, Request, merge
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.profiling import build
 from dsv41_jax.profiling.cut import cut_layers
-from dsv41_jax.sampling import SamplingParams, sampling_arrays
 from dsv41_jax.speculative import SpecState, _draft, _round, _unwrap, empty_rings
 
 ACCEPTANCE = (1.5, 2.5, 3.5)
@@ -120,7 +119,7 @@ def measure(cfg, full_layers: int, world: int, args) -> dict:
                                              o.next_step, *stop, None, None), steps)
 
     graphdef, state = engine._programs.graphdef, engine.state
-    sampling = jax.device_put(sampling_arrays([SamplingParams()] * b), engine._replicated)
+    sampling = None  # greedy drafts: the argmax-only picker, as `Speculator.generate` runs a greedy batch
     rings = jax.device_put(empty_rings(cfg, b, jnp.bfloat16), engine._replicated)
     bonus = jax.device_put(last, engine._replicated)
     offset = jax.device_put(np.full(b, args.position, np.int32), engine._replicated)

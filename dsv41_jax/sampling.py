@@ -3,8 +3,11 @@
 All settings are per-sequence *arrays*, not static arguments, so one compiled decode step serves every
 sampled setting (changing ``--temperature``, ``--top-k`` or ``--top-p`` never recompiles). A batch whose requests
 are all greedy passes no arrays (``sample(logits, None, step)``): its step is a program of its own that takes
-the argmax and skips the filters' sort of the vocabulary. Each sequence draws from its own key stream
-``fold_in(key(seed_b), step)``: its samples do not depend on which other sequences share the batch.
+the argmax and skips the filters' sort of the vocabulary (0.87 ms for 32 rows of 129,280 on the H200). The host
+makes that choice, knowing the settings: a ``lax.cond`` on the arrays inside the step would make the GPU program
+wait on the host for its predicate, and chained steps would no longer queue ahead (docs/BENCHMARKS.md "Sampling
+in the server's step"). Each sequence draws from its own key stream ``fold_in(key(seed_b), step)``: its samples
+do not depend on which other sequences share the batch.
 """
 
 from __future__ import annotations
@@ -93,7 +96,8 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
     ranked_probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(ranked_probs, axis=-1) - ranked_probs
-    kept = in_top_k & (mass_before < top_p[:, None])  # always keeps rank 0
+    # Always keeps rank 0; top_p 1 keeps the whole top-k (a float32 cumsum can reach 1 before the tail).
+    kept = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))
     n_kept = jnp.sum(kept, axis=-1)
     p_value = jnp.take_along_axis(ranked, (n_kept - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth_value, p_value)

@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx, struct
 
 from .engine import (Engine, EngineInputError, GenerateResult, Generation, Program, Request, Timings,
-                     bucket_rows, image_rows, keeps_going, merge, segment_images)
+                     all_greedy, bucket_rows, image_rows, keeps_going, merge, segment_images)
 from .model.attention import updated_ring, window_in_order
 from .model.cache import Cache
 from .model.dspark import Draft, context_rows, draft
@@ -118,38 +118,36 @@ def _probs(logits, sampling: SamplingArrays):
     return jax.nn.softmax(f, axis=-1).reshape(shape)
 
 
-def _pick(sampling: SamplingArrays, produced):
-    """The draft's token picker: argmax for greedy sequences, a draw from the filtered distribution otherwise."""
+def _pick(sampling: SamplingArrays | None, produced):
+    """The draft's token picker: argmax for greedy sequences, a draw from the filtered distribution otherwise
+    (``sampling`` None: every sequence greedy, the argmax only)."""
     def pick(j, row):
         greedy = jnp.argmax(row, axis=-1).astype(jnp.int32)
-
-        def drawn():  # the filters sort the vocabulary: skipped when every sequence is greedy
-            keys = _keys(sampling, produced, _DRAFT_TAG + j)
-            masked = filtered_logits(row, sampling.temperature, sampling.top_k, sampling.top_p)
-            return jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, masked).astype(jnp.int32)
-
-        tokens = jax.lax.cond(jnp.any(sampling.temperature > 0), drawn, lambda: greedy)
-        return jnp.where(sampling.temperature > 0, tokens, greedy)
+        if sampling is None:
+            return greedy
+        keys = _keys(sampling, produced, _DRAFT_TAG + j)
+        masked = filtered_logits(row, sampling.temperature, sampling.top_k, sampling.top_p)
+        drawn = jax.vmap(lambda k, r: jax.random.categorical(k, r))(keys, masked).astype(jnp.int32)
+        return jnp.where(sampling.temperature > 0, drawn, greedy)
     return pick
 
 
-def accept(logits, drafts, draft_logits, sampling: SamplingArrays, produced):
+def accept(logits, drafts, draft_logits, sampling: SamplingArrays | None, produced):
     """(n [B] accepted drafts, the token after them [B]).
 
     logits f32 [B,K+1,V] (target rows P … P+K); drafts [B,K]; draft_logits f32 [B,K,V]. Greedy sequences
     (temperature 0): longest agreeing prefix, then the target's argmax. Sampled: rejection sampling (module
-    docstring)."""
+    docstring). ``sampling`` None: every sequence is greedy, and the round has no filters, softmaxes or draws (the
+    host chooses, as for the engine's step: a device-side branch would wait on the host, `sampling`)."""
     b, k1, _ = logits.shape
     k = k1 - 1
     target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,K+1]
     agree = jnp.cumprod((drafts == target[:, :k]).astype(jnp.int32), axis=1)
     n_greedy = jnp.sum(agree, axis=1)
     tok_greedy = jnp.take_along_axis(target, n_greedy[:, None], axis=1)[:, 0]
-
-    def sampled():  # rejection sampling; skipped (its filters sort the vocabulary) when every sequence is greedy
-        return _rejection(logits, drafts, draft_logits, sampling, produced)
-
-    n_s, tok_s = jax.lax.cond(jnp.any(sampling.temperature > 0), sampled, lambda: (n_greedy, tok_greedy))
+    if sampling is None:
+        return n_greedy, tok_greedy
+    n_s, tok_s = _rejection(logits, drafts, draft_logits, sampling, produced)
     is_sampled = sampling.temperature > 0
     return jnp.where(is_sampled, n_s, n_greedy), jnp.where(is_sampled, tok_s, tok_greedy)
 
@@ -376,7 +374,7 @@ class Speculator:
         timings = SpecTimings(prompt_tokens=sum(len(r.prompt_ids) for r in requests))
         sizes, _ = eng._plan(requests)
         timings.segments = tuple(sizes)
-        eos, max_new, sampling = eng._stop_inputs(requests)
+        eos, max_new, sampling = eng._stop_inputs(requests, all_greedy(requests))
         cache, rings = self._empty(batch, k)
         compile_before, count_before, loaded_before = eng._programs.compile_s, eng.compile_count, eng.programs_loaded
         t0 = time.perf_counter()

@@ -5,7 +5,8 @@ Model: tests/test_engine.py's 5-layer cut of the tiny config (every layer role),
 16-row segments and ``short_rows`` 8: prompts of at most 8 tokens feed row by row in the decode steps, longer
 ones prefill into a one-row cache (bucket 16) and are copied into their slot — both paths run here, mixed, with
 greedy and seeded sampling; sampled tokens must be equal too, which holds only if each slot draws from its own
-key with its own step count.
+key with its own step count, whichever step variant (with the sampling arrays, or argmax-only while every slot is
+greedy) runs.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def test_slots_equal_alone_reuse_slots_and_compile_nothing(engine):
                 slots.add(Job(i, requests[i], sink(i)))
             slots.step()
     assert compiles == []
+    assert 0 < slots.greedy_steps < slots.decode_steps  # both step variants ran, switching as slots changed
+    # No program branches on device values: XLA:GPU reads a conditional's predicate on the host, so the step
+    # would wait for it and chained steps stop queueing ahead (`sampling` module docstring).
+    branching = [key[0] for key, exe in engine._programs.compiled.items() if " conditional(" in exe.as_text()]
+    assert branching == []
     assert slots.prefill_calls == 2 + 2 + 3 + 1  # the 17-, 30-, 40- and 16-token prompts, 16-row segments
     for i, r in enumerate(requests):
         alone = engine.generate([r]).generations[0]

@@ -200,6 +200,9 @@ def test_speculative_sampling_matches_the_target_end_to_end(setup, monkeypatch):
     monkeypatch.setattr(speculative, "ROUNDS_AHEAD", 1)
     out = spec.generate(reqs, 5)
     pairs = np.array([g.token_ids[:2] for g in out.generations])
+    # The sampled round runs filters, draws and rejection sampling unconditionally: a device-side branch would
+    # make each round wait on the host for its predicate (greedy batches take the argmax-only programs instead).
+    assert not [key[0] for key, exe in engine._programs.compiled.items() if " conditional(" in exe.as_text()]
     graphdef, state = nnx.split(engine_model(engine))
 
     @jax.jit
