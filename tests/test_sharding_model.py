@@ -105,6 +105,16 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
     return [(op, shape) for shape, op in re.findall(pattern, hlo)]
 
 
+def assert_token_rows_reduced(found: list[tuple[str, str]], cfg) -> None:
+    """Each all-reduce is one f32 array of the tokens' rows, [B, T, D] or [B·T, D]: the MoE's too (the XLA
+    implementation runs inside the sharding wrapper's shard_map, as the kernel does; split by the partitioner it
+    all-reduced a tuple of the routed pairs' [N·k, D] products and the shared expert's [N, D], and in the "ep"
+    layout also the pairs' [N·k, F] gate and up halves)."""
+    rows, d = BATCH * (PROMPT + NEW), cfg.hidden_size
+    reduced = {shape.split("{")[0] for op, shape in found if op == "all-reduce"}
+    assert reduced <= {f"f32[{BATCH},{PROMPT + NEW},{d}]", f"f32[{rows},{d}]"}, found
+
+
 @pytest.mark.parametrize("name,world", [("mini", 2), ("mini", 4), ("mini", 8),
                                         ("mirror", 1), ("mirror", 2), ("mirror", 4), ("mirror", 8)])
 @pytest.mark.devices
@@ -122,6 +132,7 @@ def test_sharded_prefill_and_greedy_match_one_device(name, world):
         assert not found, found
         return
     assert Counter(op for op, _ in found)["all-reduce"] == 2 * cfg.num_hidden_layers + 1, found
+    assert_token_rows_reduced(found, cfg)
     moved = [shape for op, shape in found if op != "all-reduce"]
     assert moved and all(shape.startswith(f"f32[{BATCH},{PROMPT + NEW},") for shape in moved), found
 
@@ -150,9 +161,10 @@ def test_expert_parallel_layout_matches_one_device():
     assert model.run_cfg.moe_intermediate_size == cfg.moe_intermediate_size  # whole experts: no F padding
     w1 = model.inner.layers[0].ffn.experts.w1.weight[...]
     assert {s.data.shape for s in w1.addressable_shards} == {(4, 1152, cfg.hidden_size)}  # 16 experts / 4
-    logits, tokens, _ = greedy(model, cfg, prompt, mesh)
+    logits, tokens, hlo = greedy(model, cfg, prompt, mesh)
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
     np.testing.assert_array_equal(tokens, ref_tokens)
+    assert_token_rows_reduced(collectives(hlo), cfg)
 
 
 @pytest.mark.devices

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.moe.ops import ExpertWeights, clamped_swiglu, routed_experts
+from pallas_kernels.moe.ops import ExpertWeights, clamped_swiglu
 from sharding.kernels import routed_experts as sharded_experts
 
 from ..config import ModelConfig
@@ -162,16 +162,15 @@ class MoE(nnx.Module):
         ids, w = self.gate(flat, None if is_image is None else is_image.reshape(-1))
         if valid is not None:
             ids = jnp.where(valid.reshape(-1, 1), ids, -1)
+        # The sharding wrapper, for either implementation: inside shard_map under a sharded model, each rank's
+        # routed and shared-expert partial sums join before the one f32 psum of y [N, D] (§F.4; the
+        # partitioner's own split of the XLA implementation all-reduced the pairs' products [N·k, D]); the plain
+        # op otherwise.
+        shared = None if self.shared_experts is None else (self.shared_experts.output, self.shared_experts.weights())
         if self.moe_impl == "pallas":
-            # The sharding wrapper: inside shard_map under a sharded model, each rank's shared-expert partial sum
-            # joining its routed one before the one f32 psum of y [N, D] (§F.4); the plain kernel op otherwise.
-            shared = None if self.shared_experts is None else (self.shared_experts.output,
-                                                               self.shared_experts.weights())
-            out = sharded_experts(flat, ids, w, self.experts.kernel_weights(), swiglu_limit=self.limit,
-                                  impl="pallas", block_m=self.block_m, row=row, shared=shared)
+            weights, tiles = self.experts.kernel_weights(), {"block_m": self.block_m}
         else:
-            out = routed_experts(flat, ids, w, self.experts.op_weights(), swiglu_limit=self.limit, impl="xla",
-                                 row=row)
-            if self.shared_experts is not None:
-                out = out + self.shared_experts(flat).astype(jnp.float32)
+            weights, tiles = self.experts.op_weights(), {}
+        out = sharded_experts(flat, ids, w, weights, swiglu_limit=self.limit, impl=self.moe_impl, row=row,
+                              shared=shared, **tiles)
         return out.reshape(u.shape).astype(u.dtype)
