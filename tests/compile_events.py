@@ -1,4 +1,5 @@
-"""Count XLA backend compiles, as JAX reports them (not an engine's own table): for no-recompile tests."""
+"""Count XLA backend compiles, as JAX reports them (not an engine's own table): for no-recompile tests; and name
+the programs of an engine's table that branch on device values."""
 
 from __future__ import annotations
 
@@ -23,3 +24,9 @@ def backend_compiles():
         yield compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def branching_programs(engine) -> list[str]:
+    """Names of the programs in ``engine``'s table whose HLO has a ``conditional``: XLA:GPU reads its predicate on
+    the host, so such a step waits for it and chained steps stop queueing ahead (`sampling` module docstring)."""
+    return [key[0] for key, exe in engine._programs.compiled.items() if " conditional(" in exe.as_text()]

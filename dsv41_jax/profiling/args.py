@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dsv41_jax.planner.options import WORLDS
+
 
 def comma_ints(text: str, flag: str, minimum: int = 1) -> list[int]:
     """``"1,8,32"`` → [1, 8, 32]; ValueError naming ``flag`` for a non-integer, none, or one below ``minimum``."""
@@ -15,10 +17,10 @@ def comma_ints(text: str, flag: str, minimum: int = 1) -> list[int]:
 
 
 def rank_of_worlds(text: str) -> list[int]:
-    """``--rank-of "2,4"`` → [2, 4] (empty text: none); ValueError unless each is a world 1, 2, 4 or 8."""
+    """``--rank-of "2,4"`` → [2, 4] (empty text: none); ValueError unless each is one of the planner's WORLDS."""
     worlds = comma_ints(text, "--rank-of") if text.strip() else []
-    if any(w not in (1, 2, 4, 8) for w in worlds):
-        raise ValueError(f"--rank-of takes 1, 2, 4 or 8, got {worlds}")
+    if any(w not in WORLDS for w in worlds):
+        raise ValueError(f"--rank-of takes {', '.join(map(str, WORLDS))}, got {worlds}")
     return worlds
 
 
