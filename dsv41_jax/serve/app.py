@@ -4,8 +4,11 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent eve
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 A request body is parsed here (not by FastAPI's validation, whose errors are 422s of another shape): malformed
-JSON, a field of the wrong type, a value out of range, a prompt that does not fit the context → 400 with
-OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; a full queue → 503 at once.
+JSON or values JSON cannot carry (`errors.read_json_object`), a field of the wrong type, a value out of range, a
+message or tool of the wrong shape, a prompt that does not fit the context → 400 with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field (``messages[0].content``); a full
+queue → 503 at once. Every response is counted in ``/metrics`` and an internal error is one logged 500
+(`errors.ErrorGuard`); a stream that fails after its first chunk ends with an error event and ``[DONE]``.
 
 Generated ids become text through the tokenizer's stream decoder, then ``stop`` strings are cut (text that may
 begin one is held back), and for chat the V4.1 reply parser (`chat.ReplyStream`) splits reasoning, answer and
@@ -22,36 +25,25 @@ import secrets
 import time
 import types
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Union, get_args, get_origin
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from ..chat import ChatFormatError, ContentDelta, ReasoningDelta, ReplyStream, ToolCallEvent, UnparsedDelta, \
-    effort_budget, message_from_openai, tool_function
+from ..chat import ROLES, ChatFormatError, ContentDelta, ReasoningDelta, ReplyStream, ToolCallEvent, UnparsedDelta, \
+    effort_budget, message_from_openai
 from ..engine import EngineInputError, Request
-from ..sampling import SamplingError, SamplingParams
+from ..sampling import SamplingParams
+from .errors import BadRequest, ErrorGuard, error_body, error_response, log_internal_error, read_json_object, shown
 from .metrics import Metrics
 from .worker import QueueFull, Worker
 
 MAX_STOPS = 4  # as OpenAI
-
-
-class BadRequest(ValueError):
-    """Becomes a 400 with OpenAI's error body; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
 
 
 # ------------------------------------------------------------------------------------------------- bodies
@@ -80,23 +72,34 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     prompt: str | list
+    return_token_ids: bool | None = None  # as vLLM
 
 
 async def parse_body(http: HttpRequest, model: type[BaseModel]) -> Any:
-    raw = await http.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
+    data = read_json_object(await http.body())
     try:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]  # its loc: the field, then (for a union) the member type tried
         field = str(err["loc"][0]) if err["loc"] else None
-        given = f" (got {json.dumps(err['input'])[:40]})" if err["type"] != "missing" else ""
-        raise BadRequest(f"{field}: {err['msg']}{given}" if field else err["msg"], param=field) from None
+        if field not in model.model_fields:
+            raise BadRequest(err["msg"], field) from None
+        if err["type"] == "missing":
+            raise BadRequest(f"{field} is required", field) from None
+        raise BadRequest(f"{field} must be {_described(model.model_fields[field].annotation)}, got "
+                         f"{shown(data[field])}", field) from None
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
+               list: "an array"}
+
+
+def _described(annotation) -> str:
+    """A body field's type in words: ``str | list[str] | None`` → "a string or an array of strings"."""
+    union = get_origin(annotation) in (Union, types.UnionType)
+    members = [m for m in get_args(annotation) if m is not type(None)] if union else [annotation]
+    return " or ".join(f"an array of {_described(get_args(m)[0]).split(' ', 1)[1]}s" if get_origin(m) is list
+                       else _TYPE_NAMES[m] for m in members)
 
 
 # ------------------------------------------------------------------------------------------------- settings
@@ -116,19 +119,17 @@ class ServerState:
 def sampling_of(body: _Body) -> SamplingParams:
     """temperature 0..2 (0 greedy; default 1, as OpenAI), top_p (0, 1], seed 0..2^32-1 (default: random)."""
     if body.n not in (None, 1):
-        raise BadRequest("only n = 1 is supported", "n")
+        raise BadRequest(f"n must be 1 (one choice per request is supported), got {shown(body.n)}", "n")
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0 <= temperature <= 2:
         raise BadRequest(f"temperature must be in [0, 2], got {temperature}", "temperature")
     top_p = 1.0 if body.top_p is None else body.top_p
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    if body.seed is not None and not 0 <= body.seed < 2**32:
+        raise BadRequest(f"seed must be in 0 .. 2^32 - 1, got {shown(body.seed)}", "seed")
     seed = secrets.randbelow(2**32) if body.seed is None else body.seed
-    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-    try:
-        params.validate()
-    except SamplingError as e:
-        raise BadRequest(str(e).replace("--", "").replace("top-p", "top_p"),
-                         "seed" if "seed" in str(e) else "top_p") from None
-    return params
+    return SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
 
 
 def stops_of(body: _Body) -> tuple[str, ...]:
@@ -139,10 +140,10 @@ def stops_of(body: _Body) -> tuple[str, ...]:
 
 
 def engine_request(state: ServerState, ids: tuple[int, ...], max_tokens: int | None, sampling,
-                   prompt_field: str, default_max: int | None = None) -> Request:
+                   prompt_field: str, default_max: int | None = None, max_field: str = "max_tokens") -> Request:
     """The engine request; 400 for a prompt or max_tokens that does not fit. Without max_tokens:
-    ``default_max`` (None: the rest of the context), cut to what fits. ``prompt_field``: the body field the
-    prompt came from (the error's param)."""
+    ``default_max`` (None: the rest of the context), cut to what fits. ``prompt_field``, ``max_field``: the body
+    fields the prompt and max_tokens came from (the errors' param)."""
     if not ids:
         raise BadRequest("the prompt is empty", prompt_field)
     room = state.max_context - len(ids) + 1
@@ -152,8 +153,8 @@ def engine_request(state: ServerState, ids: tuple[int, ...], max_tokens: int | N
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     if not 1 <= max_tokens <= room:
-        raise BadRequest(f"max_tokens must be in 1 .. {room} (the context of {state.max_context} tokens minus the "
-                         f"{len(ids)}-token prompt, plus one), got {max_tokens}", "max_tokens")
+        raise BadRequest(f"{max_field} must be in 1 .. {room} (the context of {state.max_context} tokens minus the "
+                         f"{len(ids)}-token prompt, plus one), got {shown(max_tokens)}", max_field)
     request = Request(tuple(ids), max_tokens, sampling)
     try:
         state.worker.slots.engine.check([request])
@@ -178,18 +179,13 @@ def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int
     vocabulary as `generate` does (the tiny model)."""
     from ..generate import PromptSpec, UsageError, tokenize  # noqa: PLC0415
 
-    if not body.messages:
-        raise BadRequest("messages must not be empty", "messages")
+    check_messages(body.messages)
     try:
         messages = tuple(message_from_openai(m, f"messages[{i}]") for i, m in enumerate(body.messages))
     except ChatFormatError as e:
         raise BadRequest(str(e), "messages") from None
     tools = tuple(body.tools or ())
-    try:
-        for i, t in enumerate(tools):
-            tool_function(t, f"tools[{i}]")
-    except ChatFormatError as e:
-        raise BadRequest(str(e), "tools") from None
+    check_tools(tools)
     if body.tool_choice not in (None, "auto", "none", "required") and not isinstance(body.tool_choice, dict):
         raise BadRequest('tool_choice must be "auto", "none", "required" or a function', "tool_choice")
     try:
@@ -208,6 +204,80 @@ def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int
     return ids[0]
 
 
+def check_messages(messages: list) -> None:
+    """Each message's shape, the field named (`chat.message_from_openai` reads them): a role, content (a string
+    or text parts; may be null or absent only for an assistant), string reasoning_content and tool_call_id, tool
+    calls with a function name."""
+    if not messages:
+        raise BadRequest("messages must not be empty", "messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object with a role and content, got {shown(m)}", where)
+        if m.get("role") not in ROLES:
+            got = f"got {shown(m['role'])}" if "role" in m else "none given"
+            raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)} ({got})", f"{where}.role")
+        check_content(m.get("content"), f"{where}.content", m["role"], "content" in m)
+        for field in ("reasoning_content", "tool_call_id"):
+            if m.get(field) is not None and not isinstance(m[field], str):
+                raise BadRequest(f"{where}.{field} must be a string, got {shown(m[field])}", f"{where}.{field}")
+        calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise BadRequest(f"{where}.tool_calls must be an array, got {shown(calls)}", f"{where}.tool_calls")
+        for k, call in enumerate(calls or ()):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise BadRequest(f"{where}.tool_calls[{k}] must be {{\"type\": \"function\", \"function\": "
+                                 f"{{\"name\": ..., \"arguments\": ...}}}}, got {shown(call)}",
+                                 f"{where}.tool_calls[{k}]")
+            if not isinstance(fn.get("arguments", ""), (str, dict)):
+                raise BadRequest(f"{where}.tool_calls[{k}].function.arguments must be a string (a JSON object's "
+                                 f"text), got {shown(fn['arguments'])}", f"{where}.tool_calls[{k}].function.arguments")
+
+
+def check_content(content: Any, where: str, role: str, given: bool) -> None:
+    if content is None:
+        if role == "assistant":
+            return
+        raise BadRequest(f"{where} of a {role} message must be a string or an array of text parts "
+                         f"({'got null' if given else 'none given'})", where)
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or an array of text parts, got {shown(content)}", where)
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise BadRequest(f'{where}[{j}] must be a part {{"type": "text", "text": ...}}, got {shown(part)}',
+                             f"{where}[{j}]")
+        if part.get("type") != "text":
+            raise BadRequest(f'{where}[{j}].type must be "text" (this server reads text parts only), got '
+                             f'{shown(part.get("type"))}', f"{where}[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}[{j}].text must be a string, got {shown(part.get('text'))}", f"{where}[{j}].text")
+
+
+def check_tools(tools: tuple) -> None:
+    """Each tool is ``{"type": "function", "function": {"name", "description"?, "parameters"?}}`` with a name,
+    a string description and an object of parameters (they are written into the prompt)."""
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise BadRequest(f'{where} must be {{"type": "function", "function": {{"name": ...}}}}, got '
+                             f'{shown(tool)}', where)
+        if tool.get("type", "function") != "function":
+            raise BadRequest(f'{where}.type must be "function", got {shown(tool["type"])}', f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise BadRequest(f"{where}.function must be an object with a name, got {shown(fn)}", f"{where}.function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"{where}.function.name must be a non-empty string, got {shown(fn.get('name'))}",
+                             f"{where}.function.name")
+        for field, kind, name in (("description", str, "a string"), ("parameters", dict, "an object")):
+            if fn.get(field) is not None and not isinstance(fn[field], kind):
+                raise BadRequest(f"{where}.function.{field} must be {name}, got {shown(fn[field])}",
+                                 f"{where}.function.{field}")
+
+
 def completion_prompt(state: ServerState, body: CompletionBody) -> tuple[int, ...]:
     """A string (BOS + its ids, folded as `generate` does), a list of token ids, or a list of one string."""
     prompt = body.prompt
@@ -217,12 +287,16 @@ def completion_prompt(state: ServerState, body: CompletionBody) -> tuple[int, ..
         ids = state.tokenizer.encode(prompt, add_bos=True)
         return tuple(i % state.vocab_size for i in ids) if state.vocab_size < state.tokenizer.vocab_size else \
             tuple(ids)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        raise BadRequest("prompt must be a string, a list of token ids or a list of one string", "prompt")
+    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise BadRequest(f"prompt holds {len(prompt)} prompts: one prompt per request is supported", "prompt")
+    for k, i in enumerate(prompt):
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise BadRequest(f"prompt[{k}] must be a token id (prompt is a string, an array of token ids or an "
+                             f"array of one string), got {shown(i)}", f"prompt[{k}]")
     bad = [i for i in prompt if not 0 <= i < state.vocab_size]
     if bad:
-        raise BadRequest(f"prompt has token ids outside the model's vocabulary 0..{state.vocab_size - 1}: {bad[0]}",
-                         "prompt")
+        raise BadRequest(f"prompt has token ids outside the model's vocabulary 0..{state.vocab_size - 1}: "
+                         f"{shown(bad[0])}", "prompt")
     return tuple(prompt)
 
 
@@ -348,18 +422,33 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+async def _guarded(stream: AsyncIterator[str], where: str):
+    """``stream``'s events; if it raises, the error logged once, then an error event and ``[DONE]`` (the status,
+    200, is sent already)."""
+    async with aclosing(stream):
+        try:
+            async for piece in stream:
+                yield piece
+        except Exception as exc:  # noqa: BLE001 - the server's fault, told to the client in the stream
+            log_internal_error(where, exc)
+            yield _sse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+            yield "data: [DONE]\n\n"
+
+
 async def chat_completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, ChatBody)
     thinking = thinking_of(body)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    request = engine_request(state, chat_prompt(state, body, thinking), max_tokens, sampling_of(body), "messages")
+    max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    request = engine_request(state, chat_prompt(state, body, thinking), getattr(body, max_field), sampling_of(body),
+                             "messages", max_field=max_field)
     pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=True, thinking=thinking)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     prompt_tokens = len(request.prompt_ids)
     if body.stream:
         events = await generation_events(state, request, pipeline, None, arrived)
-        return StreamingResponse(_chat_stream(head, events, prompt_tokens), media_type="text/event-stream")
+        return StreamingResponse(_guarded(_chat_stream(head, events, prompt_tokens), "a chat stream"),
+                                 media_type="text/event-stream")
     events = await generation_events(state, request, pipeline, http, arrived)
     reasoning, content, calls, unparsed, finish = [], [], [], [], None
     async for e in events:
@@ -403,7 +492,7 @@ async def _chat_stream(head: dict, events, prompt_tokens: int):
             saw_calls = True
             yield chunk({"tool_calls": [_tool_call_delta(e)]})
         elif isinstance(e, Failed):
-            yield _sse({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
+            yield _sse(error_body(e.message, "server_error"))
         else:
             yield chunk({}, "tool_calls" if saw_calls and e.reason == "stop" else e.reason)
             yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
@@ -421,7 +510,8 @@ async def completion(state: ServerState, http: HttpRequest):
     prompt_tokens = len(request.prompt_ids)
     if body.stream:
         events = await generation_events(state, request, pipeline, None, arrived)
-        return StreamingResponse(_completion_stream(head, events, prompt_tokens), media_type="text/event-stream")
+        return StreamingResponse(_guarded(_completion_stream(head, events, prompt_tokens), "a completion stream"),
+                                 media_type="text/event-stream")
     events = await generation_events(state, request, pipeline, http, arrived)
     text, finish = [], None
     async for e in events:
@@ -434,7 +524,7 @@ async def completion(state: ServerState, http: HttpRequest):
     if finish is None:
         return PlainTextResponse("", status_code=499)
     choice = {"index": 0, "text": "".join(text), "finish_reason": finish.reason, "logprobs": None}
-    if body.model_extra.get("return_token_ids") is True:  # as vLLM: the ids, for exact comparisons
+    if body.return_token_ids:  # as vLLM: the ids, for exact comparisons
         choice["token_ids"] = list(finish.token_ids)
     return JSONResponse({**head, "object": "text_completion", "choices": [choice],
                          "usage": _usage(prompt_tokens, finish.completion_tokens)})
@@ -447,7 +537,7 @@ async def _completion_stream(head: dict, events, prompt_tokens: int):
 
     async for e in events:
         if isinstance(e, Failed):
-            yield _sse({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
+            yield _sse(error_body(e.message, "server_error"))
         elif isinstance(e, Finish):
             yield chunk("", e.reason)
             yield _sse({**head, "object": "text_completion", "choices": [],
@@ -461,21 +551,22 @@ async def _completion_stream(head: dict, events, prompt_tokens: int):
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dsv41-jax", docs_url=None, redoc_url=None, openapi_url=None)
     state.created = state.created or int(time.time())
+    app.add_middleware(ErrorGuard, metrics=state.metrics)  # counts every response; an exception: one 500
 
-    def route(endpoint: str, handler):
+    def route(handler):
         async def run(http: HttpRequest):
             try:
-                response = await handler(state, http)
+                return await handler(state, http)
             except BadRequest as e:
-                response = error_response(400, str(e), param=e.param)
+                return error_response(400, str(e), param=e.param)
             except QueueFull as e:
-                response = error_response(503, str(e), "server_overloaded", code="queue_full")
-            state.metrics.request_done(endpoint, response.status_code)
-            return response
+                return error_response(503, str(e), "server_overloaded", code="queue_full")
+            except ClientDisconnect:  # gone while its body was read
+                return PlainTextResponse("", status_code=499)
         return run
 
-    app.post("/v1/chat/completions")(route("chat", chat_completion))
-    app.post("/v1/completions")(route("completions", completion))
+    app.post("/v1/chat/completions")(route(chat_completion))
+    app.post("/v1/completions")(route(completion))
 
     @app.get("/v1/models")
     async def models():
@@ -496,9 +587,5 @@ def create_app(state: ServerState) -> FastAPI:
     async def http_error(_, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def server_error(_, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     return app
