@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,11 +56,13 @@ def _start(*flags):
 
 
 STARTUP: dict = {}
+SERVER_LOG: list[str] = []  # the server's stdout and stderr after start-up, read on a thread
 
 
 @pytest.fixture(scope="module")
 def server():
     proc, url, lines = _start()
+    threading.Thread(target=lambda: SERVER_LOG.extend(proc.stdout), daemon=True).start()
     STARTUP["compiles"] = _metric(url, "dsv41_compile_events")
     try:
         yield url
@@ -78,10 +81,22 @@ def client(server):
 
 
 def _metric(url: str, name: str) -> float:
+    """The sum of a metric's samples; ``name`` may go on into its labels (``dsv41_requests_total{endpoint="chat"``)."""
     text = httpx.get(url + "/metrics").text
-    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-              or line.startswith(name + "{")]
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if (line.startswith(name) if "{" in name else line.startswith((name + " ", name + "{")))]
     return sum(values)
+
+
+def _requests_by_status(http: httpx.Client) -> dict[tuple[str, str], float]:
+    text = http.get("/metrics").text
+    return {(m[1], m[2]): float(m[3]) for m in
+            re.finditer(r'dsv41_requests_total\{endpoint="(\w+)",status="(\d+)"\} (\S+)', text)}
+
+
+def _local_port(response: httpx.Response) -> int:
+    """The client's port of the connection ``response`` came on (equal ports: one keep-alive connection)."""
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
 
 
 def _ids_prompt(n: int, seed: int) -> list[int]:
@@ -204,50 +219,145 @@ def test_disconnect_frees_the_slot(server):
 
 
 # ------------------------------------------------------------------------------------------ errors and load
-BAD = [
-    ("/v1/chat/completions", b"{not json"),
-    ("/v1/chat/completions", b"[1, 2]"),
-    ("/v1/chat/completions", {}),
-    ("/v1/chat/completions", {"messages": "hi"}),
-    ("/v1/chat/completions", {"messages": []}),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 5}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": -1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 1200}]}),
-    ("/v1/completions", {"prompt": 5}),
-    ("/v1/completions", {"prompt": [1, 2, 600]}),
-    ("/v1/completions", {"prompt": []}),
-    ("/v1/completions", {"prompt": [1] * (CONTEXT + 1)}),
-    ("/v1/completions", {"prompt": [1, 2], "max_tokens": CONTEXT}),
+def _nested(depth: int) -> dict:
+    return {"properties": _nested(depth - 1)} if depth else {}
+
+
+USER = {"role": "user", "content": "x"}
+BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the error must name)
+    ("chat", b"{not json", None),
+    ("chat", b"[1, 2]", None),
+    ("chat", b"null", None),
+    ("chat", b"[" * 100_000, None),  # deeper than Python's JSON reader recurses
+    ("chat", {}, "messages"),
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [5]}, "messages[0]"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+     "messages[0].content[0].type"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    ("chat", {"messages": [{"role": "tool", "content": "r", "tool_call_id": 5}]}, "messages[0].tool_call_id"),
+    ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},
+                           USER]}, "messages[0].tool_calls[0].function.arguments"),
+    ("chat", {"messages": [{"role": "assistant", "content": "x"}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "x " * 1200}]}, "messages"),
+    ("chat", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("chat", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages[0].content[0].text"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "\\ud800": 1}', None),
+    ("chat", {"messages": [USER], "max_tokens": 0}, "max_tokens"),
+    ("chat", {"messages": [USER], "max_tokens": 10**6}, "max_tokens"),
+    ("chat", {"messages": [USER], "max_tokens": 10**400}, "max_tokens"),
+    ("chat", {"messages": [USER], "max_tokens": "ten"}, "max_tokens"),
+    ("chat", {"messages": [USER], "max_tokens": 1.5}, "max_tokens"),
+    ("chat", {"messages": [USER], "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("chat", {"messages": [USER], "temperature": "hot"}, "temperature"),
+    ("chat", {"messages": [USER], "temperature": 5}, "temperature"),
+    ("chat", {"messages": [USER], "temperature": -0.5}, "temperature"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e400}', "temperature"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', "top_p"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -Infinity}',
+     "frequency_penalty"),  # a field the server does not read: still no JSON
+    ("chat", {"messages": [USER], "top_p": 0}, "top_p"),
+    ("chat", {"messages": [USER], "n": 2}, "n"),
+    ("chat", {"messages": [USER], "n": 0}, "n"),
+    ("chat", {"messages": [USER], "seed": -1}, "seed"),
+    ("chat", {"messages": [USER], "seed": 2**64}, "seed"),
+    ("chat", {"messages": [USER], "stream": "yes"}, "stream"),
+    ("chat", {"messages": [USER], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("chat", {"messages": [USER], "stop": [5]}, "stop"),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "stop": ["ok", "\\ud800"]}', "stop[1]"),
+    ("chat", {"messages": [USER], "thinking": "yes"}, "thinking"),
+    ("chat", {"messages": [USER], "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ("chat", {"messages": [USER], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ("chat", {"messages": [USER], "tools": [{"type": "function", "function": {"name": ""}}]},
+     "tools[0].function.name"),
+    ("chat", {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}]},
+     "tools[0].function.parameters"),
+    ("chat", {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters":
+                                                                              _nested(70)}}]}, "tools"),
+    ("completions", {"prompt": 5}, "prompt"),
+    ("completions", {"prompt": [1, 2, 600]}, "prompt"),
+    ("completions", {"prompt": [1, True]}, "prompt[1]"),
+    ("completions", {"prompt": [[1, 2]]}, "prompt[0]"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [1] * (CONTEXT + 1)}, "prompt"),
+    ("completions", {"prompt": [1, 2], "max_tokens": CONTEXT}, "max_tokens"),
+    ("completions", {"prompt": [1, 2], "return_token_ids": 1}, "return_token_ids"),
+    ("completions", b'{"prompt": "a\\ud800b"}', "prompt"),
 ]
 
 
-def test_bad_requests_get_400_and_the_server_lives(server):
+def test_a_lone_surrogate_is_a_400_and_the_next_request_on_its_connection_is_served(server):
+    """JSON's \\ud800 escape makes a string no Unicode text holds: it was a 500 from the tokenizer, the connection
+    closed under the next request, and the 500 not counted."""
     with httpx.Client(base_url=server, timeout=60) as http:
-        for path, body in BAD:
+        before = _requests_by_status(http).get(("chat", "400"), 0)
+        bad = http.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}')
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "messages[0].content" and "surrogate" in bad.json()["error"]["message"]
+        good = http.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 1})
+        assert good.status_code == 200 and _local_port(good) == _local_port(bad)
+        assert _requests_by_status(http)[("chat", "400")] == before + 1
+
+
+def test_bad_requests_get_400_and_the_connection_lives(server):
+    """Each mistake is a 400 with OpenAI's error body naming the field, on one keep-alive connection that every
+    answer leaves open (a lone surrogate was a 500 that closed it); each is counted; the log has no traceback."""
+    with httpx.Client(base_url=server, timeout=60) as http:
+        before, ports = _requests_by_status(http), set()
+        for route, body, param in BAD:
+            path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
             r = http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body)
             assert r.status_code == 400, (body, r.status_code, r.text)
             error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
             assert error["type"] == "invalid_request_error" and error["message"], (body, error)
-            if isinstance(body, dict) and path.endswith("chat/completions") and len(body) == 2:
-                assert error["param"] == [k for k in body if k != "messages"][0], (body, error)  # the bad one
+            assert error["param"] == param, (body, error)
             assert "Traceback" not in r.text
+            ports.add(_local_port(r))
+        good = http.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 1})
+        assert good.status_code == 200, good.text
+        ports.add(_local_port(good))
         assert http.get("/health").json()["status"] == "ok"
-        assert http.get("/v1/nowhere").json()["error"]["type"] == "not_found_error"
-    assert _metric(server, 'dsv41_requests_total{endpoint="chat",status="400"') >= 0  # counted (below)
-    text = httpx.get(server + "/metrics").text
-    assert re.search(r'dsv41_requests_total\{endpoint="chat",status="400"\} (\d+)', text)
+        nowhere = http.get("/v1/nowhere")
+        assert nowhere.status_code == 404 and nowhere.json()["error"]["type"] == "not_found_error"
+        assert http.get("/v1/completions").status_code == 405
+        ports.add(_local_port(nowhere))
+        after = _requests_by_status(http)
+    assert len(ports) == 1
+    delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    n_chat = sum(route == "chat" for route, _, _ in BAD)
+    assert delta == {("chat", "400"): n_chat, ("completions", "400"): len(BAD) - n_chat, ("chat", "200"): 1,
+                     ("health", "200"): 1, ("other", "404"): 1, ("completions", "405"): 1, ("metrics", "200"): 1}
+    assert not [line for line in SERVER_LOG if "Traceback" in line], "".join(SERVER_LOG)
+
+
+def test_the_openai_client_gets_400s_naming_the_field(client):
+    user = [{"role": "user", "content": "x"}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+    asks = [
+        (client.chat.completions.create, dict(messages=image), "messages[0].content[0].type"),
+        (client.chat.completions.create, dict(messages=user, max_tokens=10**6), "max_tokens"),
+        (client.chat.completions.create, dict(messages=user, n=3), "n"),
+        (client.chat.completions.create, dict(messages=user, stop=[5]), "stop"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"thinking": "on"}), "thinking"),
+        (client.chat.completions.create, dict(messages=user, tools=[{"type": "function", "function": {"name": ""}}]),
+         "tools[0].function.name"),
+        (client.completions.create, dict(prompt=["one", "two"]), "prompt"),
+        (client.completions.create, dict(prompt="x", temperature=-1), "temperature"),
+    ]
+    for create, ask, param in asks:
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model="m", **ask)
+        assert e.value.status_code == 400 and e.value.param == param and e.value.type == "invalid_request_error", \
+            (ask, e.value.body)
+    assert client.chat.completions.create(model="m", messages=user, max_tokens=1).usage.completion_tokens == 1
 
 
 def test_load_queue_bound_and_metrics(server):
@@ -258,7 +368,7 @@ def test_load_queue_bound_and_metrics(server):
     with httpx.Client(base_url=server, timeout=120) as http:
         want = [_complete(http, ids, m) for ids, m in prompts]
     tokenizer_text = {}
-    start_requests = _metric(server, "dsv41_requests_total")
+    start_requests = _metric(server, 'dsv41_requests_total{endpoint="completions"')
 
     async def client_loop(http, c, results):
         for i in range(c, 200, 32):
@@ -308,7 +418,7 @@ def test_load_queue_bound_and_metrics(server):
     assert ok >= SLOTS + QUEUE  # at least the first wave is served
     assert ok < 200  # 32 clients at once against 4 slots + 12 queued: some were refused at once
     assert httpx.get(server + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
-    assert _metric(server, "dsv41_requests_total") - start_requests == 200 + len(prompts)
+    assert _metric(server, 'dsv41_requests_total{endpoint="completions"') - start_requests == 200 + len(prompts)
     assert _metric(server, "dsv41_time_to_first_token_seconds_count") >= ok
     assert _metric(server, "dsv41_queue_length") == 0
 
