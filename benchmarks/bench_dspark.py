@@ -11,10 +11,10 @@ Per world it prints (device-bound: each program chained ``--steps`` times, one w
 * ``step1 ms``: the engine's one-row decode step (`Engine.step_seconds`: forward + sampling + stop flags);
 * ``step6 ms``: the same program over 6 rows a sequence (what a verify step of 5 drafts costs the target), and
   ``ratio`` = step6 / step1 (issue target ≤ 1.3);
-* ``round ms``: one whole speculative round, the program ``generate --speculate`` runs (`speculative._round`:
+* ``round ms``: one whole speculative round, the program ``generate --speculate`` runs (`speculative.ROUND`:
   the verify forward with taps and every row's logits, acceptance, rollback and the next draft);
-* ``draft ms``: the draft round alone (`speculative._draft`: three stages, head, Markov head), ``stage ms`` one
-  stage's forward, and ``head ms`` the final norm + head over B rows (for the extrapolation);
+* ``draft ms``: the draft round alone (`speculative.first_drafts`: three stages, head, Markov head), ``stage ms``
+  one stage's forward, and ``head ms`` the final norm + head over B rows (for the extrapolation);
 * ``draft %``: the draft round as a share of a full-depth target step extrapolated from the per-layer figure:
   ``full1 = head1 + N · (step1 − head1) / L`` (N = the config's layers, L = the cut's), target ≤ 25 %; and
   ``rest %``: the round less its verify step (draft + acceptance + rollback inside the round's program, an upper
@@ -29,7 +29,6 @@ engine controls.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -39,11 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ConfigError, load_named
-from dsv41_jax.engine import STEP, Engine, Request, merge
+from dsv41_jax.engine import Engine, Request
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.profiling import build
 from dsv41_jax.profiling.cut import cut_layers
-from dsv41_jax.speculative import SpecState, _draft, _round, _unwrap, empty_rings
+from dsv41_jax.runtime import Program, merge
+from dsv41_jax.speculative import ROUND, SpecState, empty_rings, first_drafts
 
 ACCEPTANCE = (1.5, 2.5, 3.5)
 
@@ -82,6 +82,36 @@ def with_stages(full, layers: int):
                        dspark_target_layer_ids=tuple(max(0, last - taps + 1 + i) for i in range(taps)))
 
 
+def _draft_only(graphdef, state, rings, bonus, offset, sampling, produced, *, k: int):
+    """The stages' draft round alone -> its tokens [B, k]."""
+    model, ctx, vocab = merge(graphdef, state).unwrap()
+    with ctx:
+        return first_drafts(model, rings, bonus, offset, sampling, produced, k, vocab).tokens
+
+
+def _one_stage(graphdef, state, x, rings, offset):
+    """Stage 1's forward over a block: x [B, block, hc, D] -> the same shape."""
+    model, ctx, _ = merge(graphdef, state).unwrap()
+    with ctx:
+        pos = offset[:, None] + jnp.arange(x.shape[1])[None, :]
+        pre = jnp.full(x.shape[:3], 1.0 / x.shape[2], jnp.float32)
+        return model.mtp[1](x, pre, pos, rings[1], offset)[0]
+
+
+def _head_only(graphdef, state, h):
+    """The final norm + head over h [B, rows, D], folded back into h so calls chain."""
+    model, ctx, vocab = merge(graphdef, state).unwrap()
+    with ctx:
+        logits = model.head(model.norm(h))
+        return h + 1e-3 * (vocab[1](logits) if vocab else logits)[..., :1].astype(h.dtype)
+
+
+# The benchmark's own programs in the engine's runtime table (beside the step and the speculative round).
+DRAFT = Program("bench_dspark_draft", _draft_only, static=("k",))
+STAGE = Program("bench_dspark_stage", _one_stage)
+HEAD = Program("bench_dspark_head", _head_only)
+
+
 def _chained(fn, first_args, next_args, steps: int) -> float:
     """Seconds per call of ``fn``: one warm-up, then ``steps`` calls each on ``next_args(previous output)``."""
     out = fn(*first_args)
@@ -107,64 +137,46 @@ def measure(cfg, full_layers: int, world: int, args) -> dict:
         return build.build_cache(cfg, mesh, batch=b, position=args.position, rows=capacity - args.position,
                                  dtype="bfloat16")
 
+    rt = engine.runtime
+    rt.register(DRAFT, STAGE, HEAD)
     step1 = engine.step_seconds(cache(), last, steps).seconds
-    stop = engine._stop_inputs([Request((0,), 10**8)] * b, greedy=True)  # as step_seconds
+    stop = engine.stop_inputs([Request((0,), 10**8)] * b, greedy=True)  # as step_seconds
     ids6 = np.tile(last[:, None], (1, k + 1))
     lengths6 = np.full(b, k + 1, np.int32)
-    sargs, _ = engine._step_args(None, cache(), ids6, lengths6, np.zeros((b, cfg.vocab_size), np.float32),
-                                 np.ones(b, bool), np.int32(0), stop, None)
-    run6 = engine._programs.get(STEP, {"keep_first_row": False}, sargs, engine._replicated)
-    ids6_d, len6_d = jax.device_put((ids6, lengths6), engine._replicated)
-    step6 = _chained(run6, sargs, lambda o: (engine.state, o.cache, ids6_d, len6_d, o.last_logits, o.keep_going,
+    sargs, _ = rt.step_args(cache(), np.zeros((b, cfg.vocab_size), np.float32), ids6, lengths6, np.ones(b, bool),
+                            np.int32(0), stop)
+    run6 = rt.step_program(sargs)
+    ids6_d, len6_d = rt.place((ids6, lengths6))
+    step6 = _chained(run6, sargs, lambda o: (rt.state, o.cache, ids6_d, len6_d, o.last_logits, o.keep_going,
                                              o.next_step, *stop, None, None), steps)
 
-    graphdef, state = engine._programs.graphdef, engine.state
+    state = rt.state
     sampling = None  # greedy drafts: the argmax-only picker, as `Speculator.generate` runs a greedy batch
-    rings = jax.device_put(empty_rings(cfg, b, jnp.bfloat16), engine._replicated)
-    bonus = jax.device_put(last, engine._replicated)
-    offset = jax.device_put(np.full(b, args.position, np.int32), engine._replicated)
-    produced = jax.device_put(np.zeros(b, np.int32), engine._replicated)
+    rings = rt.place(empty_rings(cfg, b, jnp.bfloat16))
+    bonus = rt.place(last)
+    offset = rt.place(np.full(b, args.position, np.int32))
+    produced = rt.place(np.zeros(b, np.int32))
 
-    def draft_only(state, rings, bonus, offset, sampling, produced):
-        model, ctx, vocab = _unwrap(merge(graphdef, state))
-        with ctx:
-            return _draft(model, rings, bonus, offset, sampling, produced, k, vocab).tokens
-
-    draft_fn = jax.jit(draft_only)
     dargs = (state, rings, bonus, offset, sampling, produced)
-    draft_s = _chained(draft_fn, dargs, lambda o: (state, rings, o[:, 0], offset, sampling, produced), steps)
+    draft_s = _chained(rt.program(DRAFT, {"k": k}, dargs), dargs,
+                       lambda o: (state, rings, o[:, 0], offset, sampling, produced), steps)
 
-    def one_stage(state, x, rings, offset):
-        model, ctx, _ = _unwrap(merge(graphdef, state))
-        with ctx:
-            pos = offset[:, None] + jnp.arange(cfg.dspark_block_size)[None, :]
-            pre = jnp.full(x.shape[:3], 1.0 / cfg.hc_mult, jnp.float32)
-            return model.mtp[1](x, pre, pos, rings[1], offset)[0]
+    x = rt.place(jnp.ones((b, cfg.dspark_block_size, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16))
+    sargs = (state, x, rings, offset)
+    stage_s = _chained(rt.program(STAGE, {}, sargs), sargs, lambda o: (state, o, rings, offset), steps)
 
-    x = jax.device_put(jnp.ones((b, cfg.dspark_block_size, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16),
-                       engine._replicated)
-    stage_fn = jax.jit(one_stage)
-    stage_s = _chained(stage_fn, (state, x, rings, offset), lambda o: (state, o, rings, offset), steps)
-
-    def head_only(state, h):
-        model, ctx, vocab = _unwrap(merge(graphdef, state))
-        with ctx:
-            logits = model.head(model.norm(h))
-            return h + 1e-3 * (vocab[1](logits) if vocab else logits)[..., :1].astype(h.dtype)
-
-    head_fn = jax.jit(head_only)
     heads = {}
     for rows in (1, k + 1):
-        h = jax.device_put(jnp.ones((b, rows, cfg.hidden_size), jnp.bfloat16), engine._replicated)
-        heads[rows] = _chained(head_fn, (state, h), lambda o: (state, o), steps)
+        hargs = (state, rt.place(jnp.ones((b, rows, cfg.hidden_size), jnp.bfloat16)))
+        heads[rows] = _chained(rt.program(HEAD, {}, hargs), hargs, lambda o: (state, o), steps)
 
     spec = SpecState(cache(), rings, bonus, jnp.tile(bonus[:, None], (1, k)),
                      jnp.zeros((b, k, cfg.vocab_size), jnp.float32), jnp.ones((b,), bool), produced)
-    spec = jax.device_put(spec, engine._replicated)
+    spec = rt.place(spec)
     eos, max_new, _ = stop
-    round_fn = jax.jit(functools.partial(_round, graphdef), static_argnames=("k",), donate_argnums=(1,))
-    round_s = _chained(lambda *a: round_fn(*a, k=k), (state, spec, eos, max_new, sampling, None),
-                       lambda o: (state, o.state, eos, max_new, sampling, None), steps)
+    rargs = (state, spec, eos, max_new, sampling, None, None)
+    round_s = _chained(rt.program(ROUND, {"k": k}, rargs), rargs,
+                       lambda o: (state, o.state, eos, max_new, sampling, None, None), steps)
 
     n, layers = full_layers, cfg.num_hidden_layers
     full1 = heads[1] + n * (step1 - heads[1]) / layers

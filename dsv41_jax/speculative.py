@@ -38,7 +38,6 @@ drafts.
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -46,13 +45,13 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
 
-from .engine import (Engine, EngineInputError, GenerateResult, Generation, Program, Request, Timings,
-                     all_greedy, bucket_rows, image_rows, keeps_going, merge, segment_images)
+from .engine import Engine, EngineInputError, GenerateResult, Generation, Request, Timings, all_greedy, bucket_rows
 from .model.attention import updated_ring, window_in_order
 from .model.cache import Cache
 from .model.dspark import Draft, context_rows, draft
+from .runtime import Program, image_rows, keeps_going, merge, segment_images
 from .sampling import SamplingArrays, filtered_logits, sample
 
 MAX_DRAFT = 5  # the stages are trained for a block of 5 (dspark_block_size)
@@ -192,21 +191,9 @@ def _rollback_cache(old: Cache, new: Cache, taps, model, keep: jnp.ndarray, rows
     return Cache(offset=old.offset + keep, layers=tuple(layers))
 
 
-def _unwrap(model):
-    """(the Transformer, a context manager to run it in, vocab maps or None): a ``sharding.ShardedTransformer``
-    runs its inner model inside its mesh context with padded token ids and real logits (`ShardPlan`)."""
-    inner = getattr(model, "inner", None)
-    if inner is None:
-        return model, contextlib.nullcontext(), None
-    from sharding import context  # noqa: PLC0415
-
-    def real(logits):
-        return model.plan.real_logits(context.constrain(context.constrain(logits, "logits_shards"), "logits"))
-    return inner, context.activate(model.mesh, model.plan.layout), (model.plan.padded_token_ids, real)
-
-
-def _draft(model, rings, bonus, offset, sampling, produced, k: int, vocab=None) -> Draft:
-    """The stages' draft from ``bonus`` at ``offset``: its first ``k`` proposals."""
+def first_drafts(model, rings, bonus, offset, sampling, produced, k: int, vocab=None) -> Draft:
+    """The stages' draft from ``bonus`` at ``offset``: its first ``k`` proposals. ``model``: the Transformer that
+    computes and ``vocab`` its vocabulary maps (`ModelLike.unwrap`); ``sampling`` None: argmax drafts."""
     cfg = model.cfg
     d = draft(model.mtp, model.embed, model.head, bonus, rings, offset, cfg, cfg.dspark_block_size,
               _pick(sampling, produced), vocab)
@@ -217,8 +204,8 @@ def _draft(model, rings, bonus, offset, sampling, produced, k: int, vocab=None) 
 def _prefill(graphdef, state, spec_cache, ids, lengths, last_logits, engram, images):
     """One prompt segment with taps: (cache, rings) updated, last_logits [B,V] of each sequence's last row.
     ``engram``: the segment's rows (EngramInput) when the model runs engram layers, else None; ``images``: the
-    segment's image rows (`engine.segment_images`) for a batch with image prompts, else None."""
-    model, ctx, vocab = _unwrap(merge(graphdef, state))
+    segment's image rows (`runtime.segment_images`) for a batch with image prompts, else None."""
+    model, ctx, vocab = merge(graphdef, state).unwrap()
     with ctx:
         return _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram, images)
 
@@ -240,13 +227,13 @@ def _prefill_in(model, vocab, spec_cache, ids, lengths, last_logits, engram, ima
 def _start(graphdef, state, cache, rings, last_logits, eos_ids, max_new, sampling, k: int):
     """After the prompt: the first token (as the engine draws it) and the first draft -> (SpecState, token,
     keep_going)."""
-    model, ctx, vocab = _unwrap(merge(graphdef, state))
+    model, ctx, vocab = merge(graphdef, state).unwrap()
     b = last_logits.shape[0]
     token = sample(last_logits, sampling, jnp.int32(0))
     running = keeps_going(jnp.ones((b,), bool), token, eos_ids, 0, max_new)  # token 0, as the engine's step
     produced = jnp.ones((b,), jnp.int32)
     with ctx:
-        d = _draft(model, rings, token, cache.offset, sampling, produced, k, vocab)
+        d = first_drafts(model, rings, token, cache.offset, sampling, produced, k, vocab)
     return SpecState(cache, rings, token, d.tokens, d.logits, running, produced), token
 
 
@@ -255,7 +242,7 @@ def _round(graphdef, state, spec: SpecState, eos_ids, max_new, sampling: Samplin
     """One speculative round (module docstring) as one program. ``oracle`` (tests): None, or (tokens [B,L],
     use [B,L] bool): the proposal for position p is ``tokens[b, p]`` where ``use[b, p]`` (forced accept/reject
     paths). ``engram``: the verify rows' EngramInput ([B,K+1], hashed on the host) or None (no engram layers)."""
-    model, ctx, vocab = _unwrap(merge(graphdef, state))
+    model, ctx, vocab = merge(graphdef, state).unwrap()
     with ctx:
         return _round_in(model, vocab, spec, eos_ids, max_new, sampling, oracle, engram, k)
 
@@ -286,7 +273,7 @@ def _round_in(model, vocab, spec: SpecState, eos_ids, max_new, sampling: Samplin
     ctx = context_rows(model.mtp, taps.context, positions)
     rings = tuple(write_ring(r, c, cache.offset, keep) for r, c in zip(spec.rings, ctx, strict=True))
     bonus = jnp.where(running, fix, spec.bonus)
-    d = _draft(model, rings, bonus, new_cache.offset, sampling, produced, k, vocab)
+    d = first_drafts(model, rings, bonus, new_cache.offset, sampling, produced, k, vocab)
     drafts = d.tokens
     if oracle is not None:
         ref, use = oracle
@@ -323,68 +310,65 @@ def check_speculative(engine: Engine, requests: Sequence[Request], k: int) -> No
 
 
 class Speculator:
-    """Speculative generation over an `Engine`'s model (which must hold the stages: ``ModelOptions(dspark=True)``).
+    """Speculative generation over an `Engine`'s model (which must hold the stages: ``ModelOptions(dspark=True)``),
+    its programs registered in the engine's runtime (compiled ahead of time on first use, timed apart from running).
 
     ``generate(requests, k)`` returns the engine's `GenerateResult` with `SpecTimings`."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.runtime = engine.runtime
         self.cfg = engine.cfg
-        state_paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(engine.state.state())}
-        if not any(p.startswith(("mtp.", "inner.mtp.")) for p in state_paths):
+        if not self.runtime.has_dspark:
             raise EngineInputError("this model has no DSpark stages (build it with ModelOptions(dspark=True) "
                                    "from a checkpoint that has mtp.* tensors)")
-
-    def _program(self, program: Program, static: dict, args: tuple):
-        """The compiled program for these arguments from the engine's table (compiled ahead of time on first use,
-        timed apart from running)."""
-        return self.engine._programs.get(program, static, args, self.engine._replicated)
+        self.runtime.register(PREFILL, START, ROUND)
 
     def _empty(self, batch: int, k: int):
         """A fresh target cache (room for a verify step past ``max_context``) and empty rings, made by a program
         so every leaf is its own buffer (donation needs that)."""
-        eng = self.engine
+        rt = self.runtime
 
         def make():
-            cache = eng._init_cache(self.cfg, batch, eng.max_context + k + 1, eng.cache_dtype)
+            cache = rt.empty_cache(batch, self.engine.max_context + k + 1)
             return cache, empty_rings(self.cfg, batch, cache.layers[0].window.dtype)
-        return jax.jit(make, out_shardings=eng._replicated)()
+        return jax.jit(make, out_shardings=rt.replicated)()
 
     def _verify_rows(self, state: SpecState, running: np.ndarray, history, k: int):
         """(verify ids [B,K+1] ``[b, d_0 … d_{K−1}]`` read from ``state`` (before it is donated), their engram rows
         hashed after the committed ``history`` [B,H]) for the next round; (None, None) without engram layers."""
-        if self.engine.hasher is None:
+        if self.runtime.hasher is None:
             return None, None
         ids = np.concatenate([np.asarray(state.bonus)[:, None], np.asarray(state.drafts)], axis=1).astype(np.int32)
-        engram, _ = self.engine._engram_rows(ids, (k + 1) * running.astype(np.int32), history)
+        engram, _ = self.runtime.engram_rows(ids, (k + 1) * running.astype(np.int32), history)
         return ids, engram
 
     def _committed(self, history, ids: np.ndarray, count: np.ndarray):
         """The engram history [B,H] after each sequence's ``count[b]`` committed verify rows of ``ids`` [B,K+1]
         (the rejected drafts never enter it: the rollback of the hash history)."""
-        hasher = self.engine.hasher
+        hasher = self.runtime.hasher
         return hasher.advance(np.concatenate([history, hasher.compress(ids)], axis=1), count)
 
     def generate(self, requests: Sequence[Request], k: int = MAX_DRAFT, *, on_tokens=None,
                  oracle=None) -> GenerateResult:
-        eng = self.engine
+        eng, rt = self.engine, self.runtime
         eng.check(requests)
         check_speculative(eng, requests, k)
         batch = len(requests)
         timings = SpecTimings(prompt_tokens=sum(len(r.prompt_ids) for r in requests))
-        sizes, _ = eng._plan(requests)
+        sizes, _ = eng.plan_segments(requests)
         timings.segments = tuple(sizes)
-        eos, max_new, sampling = eng._stop_inputs(requests, all_greedy(requests))
+        eos, max_new, sampling = eng.stop_inputs(requests, all_greedy(requests))
         cache, rings = self._empty(batch, k)
-        compile_before, count_before, loaded_before = eng._programs.compile_s, eng.compile_count, eng.programs_loaded
+        compile_before, count_before, loaded_before = rt.compile_s, rt.compile_count, rt.programs_loaded
         t0 = time.perf_counter()
         lengths = np.array([len(r.prompt_ids) for r in requests], np.int32)
         padded = np.zeros((batch, int(lengths.max())), np.int32)
         for b, r in enumerate(requests):
             padded[b, : lengths[b]] = r.prompt_ids
-        logits = jnp.zeros((batch, eng.vocab_size), jnp.float32)
-        start, spec_cache, history = 0, (cache, rings), eng._empty_history(batch)
-        images = eng._encode(requests)
+        logits = jnp.zeros((batch, rt.vocab_size), jnp.float32)
+        start, spec_cache, history = 0, (cache, rings), rt.empty_history(batch)
+        images = rt.encode_images([r.images for r in requests], int(lengths.max()))
         for size in sizes:
             t = bucket_rows(size, max(sizes))
             ids = np.zeros((batch, t), np.int32)
@@ -392,38 +376,38 @@ class Speculator:
             seg = np.clip(lengths - start, 0, size).astype(np.int32)
             seg_images = segment_images(images, start, size, t)
             # engram rows: history carried across segments, image positions DEAD, as the engine's prefill
-            engram, history = eng._engram_rows(ids, seg, history, seg_images)
-            args = (eng.state, spec_cache, ids, seg, logits, engram, seg_images)
-            spec_cache, logits = self._program(PREFILL, {}, args)(*args)
+            engram, history = rt.engram_rows(ids, seg, history, seg_images)
+            args = (rt.state, spec_cache, ids, seg, logits, engram, seg_images)
+            spec_cache, logits = rt.run(PREFILL, {}, args)
             start += size
-        args = (eng.state, *spec_cache, logits, eos, max_new, sampling)
-        state, first = self._program(START, {"k": k}, args)(*args)
-        first_np = np.asarray(first)
-        timings.prefill_s = time.perf_counter() - t0 - (eng._programs.compile_s - compile_before)
+        args = (rt.state, *spec_cache, logits, eos, max_new, sampling)
+        state, first = rt.run(START, {"k": k}, args)
+        first_np = rt.read(first)
+        timings.prefill_s = time.perf_counter() - t0 - (rt.compile_s - compile_before)
         produced: list[list[int]] = [[int(first_np[b])] for b in range(batch)]
         if on_tokens:
             on_tokens(0, first_np, np.ones(batch, bool))
         oracle_dev = None if oracle is None else tuple(jnp.asarray(x) for x in oracle)
         running = np.asarray(state.running)
         verify_ids, engram = self._verify_rows(state, running, history, k)
-        step_fn = self._program(ROUND, {"k": k}, (eng.state, state, eos, max_new, sampling, oracle_dev, engram))
-        timings.compile_s = eng._programs.compile_s - compile_before
-        timings.programs_compiled = eng.compile_count - count_before
-        timings.programs_loaded = eng.programs_loaded - loaded_before
+        step_fn = rt.program(ROUND, {"k": k}, (rt.state, state, eos, max_new, sampling, oracle_dev, engram))
+        timings.compile_s = rt.compile_s - compile_before
+        timings.programs_compiled = rt.compile_count - count_before
+        timings.programs_loaded = rt.programs_loaded - loaded_before
         t0 = time.perf_counter()
-        ahead = ROUNDS_AHEAD if eng.hasher is None else 1  # engram: the next verify rows need this round's drafts
+        ahead = ROUNDS_AHEAD if rt.hasher is None else 1  # engram: the next verify rows need this round's drafts
         pending: collections.deque = collections.deque()
         while running.any():
             # Rounds chain on the device; the host reads round r while round r+1 runs (a round queued past the
             # last stop commits nothing: every sequence has stopped, its rows have length 0).
             while len(pending) < ahead:
-                if engram is None and eng.hasher is not None:
+                if engram is None and rt.hasher is not None:
                     verify_ids, engram = self._verify_rows(state, running, history, k)
-                out = step_fn(eng.state, state, eos, max_new, sampling, oracle_dev, engram)
+                out = step_fn(rt.state, state, eos, max_new, sampling, oracle_dev, engram)
                 state, engram = out.state, None
                 pending.append((out.tokens, out.count, out.going))
-            tokens, count, going = (np.asarray(x) for x in pending.popleft())
-            if eng.hasher is not None:
+            tokens, count, going = (rt.read(x) for x in pending.popleft())
+            if rt.hasher is not None:
                 history = self._committed(history, verify_ids, count)
             timings.rounds += 1
             timings.seq_rounds += int(running.sum())
@@ -447,7 +431,7 @@ class Speculator:
         return GenerateResult(gens, timings)
 
 
-# The speculative programs of the engine's table (model programs: the state first, the graph bound by the table):
+# The speculative programs of the runtime's table (model programs: the state first, the graph bound by the table):
 # the prefill donates its caches and logits, a round its state.
 PREFILL = Program("dspark_prefill", _prefill, donate=(1, 4))
 START = Program("dspark_start", _start, static=("k",))

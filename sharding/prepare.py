@@ -36,7 +36,7 @@ class ShardedTransformer(nnx.Module):
     Call: ``(ids [B, T] int32, cache, lengths [B] | None, engram: EngramInput | None, images: ImageRows | None,
     logit_rows [B] | None) -> (logits [B, T, V] f32 replicated ([B, V] with logit_rows), cache)``.
     ``encode_images(batch)``: the tower and aligner (their weights split by the rule table's vision rules),
-    aligner rows [B_img, M, D] replicated.
+    aligner rows [B_img, M, D] replicated. Implements `dsv41_jax.runtime.ModelLike`.
     """
 
     def __init__(self, inner: nnx.Module, mesh: Mesh, plan: ShardPlan, cfg: Any, run_cfg: Any):
@@ -56,6 +56,27 @@ class ShardedTransformer(nnx.Module):
         """The inner model's tower (AttributeError when it was built without the image path)."""
         return self.inner.vision
 
+    @property
+    def has_vision(self) -> bool:
+        return self.inner.has_vision
+
+    @property
+    def has_dspark(self) -> bool:
+        return self.inner.has_dspark
+
+    def unwrap(self):
+        """(the inner Transformer, its mesh context, (padded ids of real ids, real logits of the inner's)): what a
+        program that calls the inner model's parts runs them with (`ModelLike`)."""
+        return self.inner, context.activate(self.mesh, self.plan.layout), (self.plan.padded_token_ids,
+                                                                            self._real_logits)
+
+    def _real_logits(self, logits):
+        """The inner model's logits [..., V_padded] (vocabulary-sharded) as the real ones [..., V], replicated. The
+        head's gather (§F.4) moves every rank's padded slice (equal sizes: one all-gather); dropping the padding
+        afterwards is local. Dropping it first would make the slices uneven and cost permutes and all-to-alls."""
+        logits = context.constrain(logits, "logits_shards")
+        return self.plan.real_logits(context.constrain(logits, "logits"))
+
     def encode_images(self, batch):
         """``vision.batch.ImageBatch`` → aligner rows E [B_img, M, D], replicated (every rank merges them)."""
         with context.activate(self.mesh, self.plan.layout):
@@ -66,11 +87,7 @@ class ShardedTransformer(nnx.Module):
             padded_ids = self.plan.padded_token_ids(ids)
             logits, cache = self.inner(padded_ids, cache, lengths=lengths, engram=engram, images=images,
                                        logit_rows=logit_rows)
-            logits = context.constrain(logits, "logits_shards")
-            # The head's gather (§F.4) moves every rank's padded slice (equal sizes: one all-gather); dropping
-            # the padding afterwards is local. Dropping it first would make the slices uneven and cost
-            # permutes and all-to-alls.
-            logits = self.plan.real_logits(context.constrain(logits, "logits"))
+            logits = self._real_logits(logits)
         return logits, cache
 
 

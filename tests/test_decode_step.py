@@ -82,9 +82,9 @@ class _Counted:
 def _count_calls(engine) -> list[str]:
     """Wrap every compiled program of the engine's table; returns the list their calls append names to."""
     calls: list[str] = []
-    for key, fn in list(engine._programs.compiled.items()):
+    for key, fn in list(engine.runtime.table.compiled.items()):
         if not isinstance(fn, _Counted):
-            engine._programs.compiled[key] = _Counted(fn, calls, key[0])
+            engine.runtime.table.compiled[key] = _Counted(fn, calls, key[0])
     return calls
 
 
@@ -101,10 +101,10 @@ def test_one_program_per_decode_step(setup):
     tests/test_engine.py does). A greedy request runs a step of its own, compiled once, with no sort in it."""
     _, _, prompts = setup
     engine = make_engine(setup)
-    before = set(engine._programs.compiled)  # engines of one model (other test files too) share a table
+    before = set(engine.runtime.table.compiled)  # engines of one model (other test files too) share a table
     sampled = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
     first = engine.generate([Request(prompts[1], 3, sampled)])  # batch 1: shapes no other test here compiles
-    new = {key: exe for key, exe in engine._programs.compiled.items() if key not in before}
+    new = {key: exe for key, exe in engine.runtime.table.compiled.items() if key not in before}
     assert first.timings.programs_compiled == 2 and sorted(key[0] for key in new) == ["init", "step"]
     # The cache and the logits are updated in place: the step's outputs alias its inputs (no cache copy).
     (step,) = [exe for key, exe in new.items() if key[0] == "step"]
@@ -120,9 +120,9 @@ def test_one_program_per_decode_step(setup):
     assert calls == ["init"] + ["step"] * (prefill_calls + steps - 1)
     assert out.timings.decode_steps == steps == len(out.generations[0].token_ids)
 
-    seen = set(engine._programs.compiled)
+    seen = set(engine.runtime.table.compiled)
     greedy = engine.generate([Request(prompts[1], 3)])
-    (argmax,) = [exe for key, exe in engine._programs.compiled.items() if key not in seen]
+    (argmax,) = [exe for key, exe in engine.runtime.table.compiled.items() if key not in seen]
     assert greedy.timings.programs_compiled == 1
     vocab_sorts = lambda exe: [line for line in exe.as_text().splitlines()  # noqa: E731
                                if " sort(" in line and f"[1,{engine.vocab_size}]" in line.split(" sort(")[0]]
@@ -187,7 +187,7 @@ def test_programs_do_not_grow_with_layers():
         model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))
         engine = Engine(model, cfg, max_context=MAX_CONTEXT, cache_dtype="float32", eos_ids=())
         seconds[run] = engine.precompile(1, 4)
-        counts[run] = sorted(key[0] for key in engine._programs.compiled)
+        counts[run] = sorted(key[0] for key in engine.runtime.table.compiled)
     print(f"compile seconds: 3 layers {seconds[2]:.1f}, 7 layers {seconds[6]:.1f}")
     assert counts[2] == counts[6] == ["init", "step"]
 

@@ -152,6 +152,38 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(setup, engine):
     assert other_seed.generations[0].token_ids != a  # 6 draws from ~50 candidates: a collision is ~50^-6
 
 
+def test_the_runtime_api_alone_runs_the_engines_programs(setup, engine):
+    """A prefill (the engine's segments: 16, 16, then 5 rows one at a time) and chained decode steps driven
+    through the public `Runtime` API alone give the engine's tokens and recorded logits exactly, with the
+    programs the engine compiled (none new)."""
+    _, _, prompts = setup
+    prompt, steps = prompts[0], 4
+    want = engine.generate([Request(prompt, steps)], record_logits=True)
+    rt, count = engine.runtime, engine.compile_count
+    stop = rt.stop_inputs(engine.eos_ids, [steps])  # no sampling arrays: every sequence greedy
+    cache, logits = rt.init_cache(1, MAX_CONTEXT), np.zeros((1, rt.vocab_size), np.float32)
+    ids = np.asarray([prompt], np.int32)
+    rows = []
+    for start, size in [(0, 16), (16, 16)] + [(32 + i, 1) for i in range(5)]:
+        out, _ = rt.prefill(cache, logits, ids[:, start:start + size], np.array([size], np.int32), stop,
+                            record=True)
+        cache, logits = out.cache, out.last_logits
+        rows.append(rt.read(out.first)[:size])
+    np.testing.assert_array_equal(np.concatenate(rows), want.prefill_logits)
+    tokens, decode_rows, run = [int(rt.read(out.tokens)[0, 0])], [rows[-1][-1]], None
+    for _ in range(steps - 1):
+        args, _ = rt.step_args(out.cache, out.last_logits, out.tokens, out.lengths, out.keep_going, out.next_step,
+                               stop)
+        if run is None:  # looked up once, called every step
+            run = rt.step_program(args, record=True)
+        out = run(*args)
+        tokens.append(int(rt.read(rt.fetch(out.tokens))[0, 0]))
+        decode_rows.append(rt.read(out.first)[0])
+    assert tuple(tokens) == want.generations[0].token_ids
+    np.testing.assert_array_equal(np.stack(decode_rows), want.decode_logits)
+    assert engine.compile_count == count
+
+
 @pytest.mark.parametrize("request_, message", [
     (Request(()), "empty"),
     (Request((1, 2, 512)), "outside the model's vocabulary"),
@@ -196,9 +228,9 @@ def test_temperature_sampling_follows_the_softmax():
 
 
 def test_program_table_compiles_each_program_once_per_shape():
-    """Issue #13: the engine's table of frozen Programs compiles a program once per static arguments and input
+    """Issue #13: the runtime's table of frozen Programs compiles a program once per static arguments and input
     shapes; a model program gets the graph definition bound and the state first (left out of the key)."""
-    from dsv41_jax.engine import Program, ProgramTable
+    from dsv41_jax.runtime import Program, ProgramTable
 
     graphdef, state = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     table = ProgramTable(graphdef)

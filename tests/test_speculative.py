@@ -241,7 +241,7 @@ def test_speculative_sampling_matches_the_target_end_to_end(setup, monkeypatch):
 
 def engine_model(engine):
     """The model an engine runs (merged back from its state)."""
-    return nnx.merge(engine._programs.graphdef, engine.state.state())
+    return nnx.merge(engine.runtime.graphdef, engine.state.state())
 
 
 def test_end_id_inside_a_round_stops_like_the_engine(setup):

@@ -71,7 +71,8 @@ def _run(model, mesh):
     engine = Engine(model, CFG, max_context=64, cache_dtype="float32", short_rows=0, mesh=mesh,
                     segment_plan=lambda n: CHUNKS)
     request = Request(prompt.ids, max_new_tokens=NEW, images=prompt)
-    table = np.asarray(engine._encode([request])[0])  # the engine's one tower call: [2·M, D]
+    # the engine's one tower call: [2·M, D]
+    table = np.asarray(engine.runtime.encode_images([request.images], len(request.prompt_ids))[0])
     result = engine.generate([request], record_logits=True)
     return (table.reshape(len(prompt.images), -1, table.shape[-1]), result.prefill_logits,
             result.generations[0].token_ids, result.decode_logits)

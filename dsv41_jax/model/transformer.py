@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -310,7 +311,7 @@ class Transformer(nnx.Module):
     """The text model. ``logits, cache = model(ids [B,T], cache, lengths=None)``; logits [B,T,V] f32.
 
     Row t of sequence b is at position ``cache.offset[b] + t``; rows ``t >= lengths[b]`` are padding: they do
-    not change sequence b's cache and their logits are don't-care.
+    not change sequence b's cache and their logits are don't-care. Implements `dsv41_jax.runtime.ModelLike`.
     """
 
     def __init__(self, cfg: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs = None):
@@ -358,6 +359,25 @@ class Transformer(nnx.Module):
     def engram_layers(self) -> tuple[int, ...]:
         """The engram layers this model runs (they need ``engram=`` rows in every call)."""
         return tuple(self.cfg.engram_layer_ids) if self.options.engram else ()
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the logits cover."""
+        return self.cfg.vocab_size
+
+    @property
+    def has_vision(self) -> bool:
+        """Built with the image path (``ModelOptions.vision``)."""
+        return self.options.vision
+
+    @property
+    def has_dspark(self) -> bool:
+        """Built with the DSpark draft stages ``mtp.*`` (``ModelOptions.dspark`` and a config that has them)."""
+        return self.options.dspark and bool(self.cfg.num_nextn_predict_layers)
+
+    def unwrap(self):
+        """(this model, no context, no vocabulary maps): one device runs the model as it is (`ModelLike`)."""
+        return self, contextlib.nullcontext(), None
 
     def __call__(self, ids, cache: Cache, lengths=None, images: ImageRows | None = None,
                  engram: EngramInput | None = None, logit_rows=None):

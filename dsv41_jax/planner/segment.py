@@ -1,9 +1,11 @@
-"""The segment plan (PLANNER.md §B.2): one segment on one rank, its MoE blocks, index paths, workspace; decode
-windows (§B.3a); how the engine cuts a prompt (``segment_sizes``) and the kernel tiles it runs with
-(``kernel_tiles``)."""
+"""The segment plan by the shape rules (PLANNER.md §B.2): one segment on one rank, its MoE blocks, index paths,
+workspace (``plan_shape``); the buffer plan, the role-wise maximum over the programs the engine can issue
+(``buffer_plan``); decode windows (§B.3a); the kernel tiles the engine runs with (``kernel_tiles``). The memory
+rules on top of these (R10, R6) are `memory`'s."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from dsv41_jax.config import ModelConfig
@@ -11,11 +13,11 @@ from pallas_kernels.indexer.tiling import launch_rows as index_kernel_rows
 from pallas_kernels.indexer.tiling import tiling as index_kernel_tiling
 from pallas_kernels.indexer.tiling import workspace_bytes as index_kernel_workspace
 
-from . import memory
 from .admission import Admission, admit
 from .options import (KEY_TILE, MOE_TILE, RESCORE_BYTES_PER_KEY, ROPE_EXTRA, ROUTER_ROWS, SHORT_ROWS, STREAM_BUDGET,
                       STREAM_SPLIT_KEYS, MemoryBudget, MiB, PlanOptions, PlanRefused, context_limit, prefill_rows)
-from .rules import _check_4k, _check_position, _check_shape, _where, decoder_start
+from .rules import _check_position, _check_shape, _where, decoder_start
+from .sizes import cache_pool_bytes, kv_row_bytes, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,11 @@ class SegmentPlan:
         return out
 
 
-# ============================================================================================= plan_segment
-def plan_segment(cfg: ModelConfig, world: int, rank: int, rows: int, position: int,
-                 options: PlanOptions = PlanOptions(), budget: MemoryBudget | None = None) -> SegmentPlan:
-    """Plan ``rows`` rows starting at ``position`` on ``rank`` of ``world``, or raise `PlanRefused`.
+# =============================================================================================== plan_shape
+def plan_shape(cfg: ModelConfig, world: int, rank: int, rows: int, position: int,
+               options: PlanOptions = PlanOptions(), budget: MemoryBudget | None = None) -> SegmentPlan:
+    """Plan ``rows`` rows starting at ``position`` on ``rank`` of ``world`` by the shape rules, or raise
+    `PlanRefused`; ``budget`` sizes the plan's KV pool only (the memory rules: `memory.plan_segment`).
 
     Rules are applied with every rank's widths (§B.2 step 3): a shape is accepted only if all ranks accept it.
     """
@@ -116,8 +119,6 @@ def plan_segment(cfg: ModelConfig, world: int, rank: int, rows: int, position: i
     _check_shape(cfg, adm, rank, rows, position, options)
     order = [rank] + [r for r in range(world) if r != rank]
     plans = {r: _plan_rank(cfg, adm, r, rows, position, options, budget) for r in order}
-    if budget is not None:
-        memory._check_memory(cfg, adm, options, budget, rows, position)
     return plans[rank]
 
 
@@ -133,8 +134,8 @@ def _plan_rank(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int, 
     part = "encoder" if options.replay and options.part == "whole" else options.part
     replay = _replay_part(cfg, n, part) if options.replay or part != "whole" else None
     workspace = _workspace(cfg, adm, rank, n, options, moe, index, staged, ring, replay is not None)
-    weights = memory._weight_bytes(cfg, adm.world, rank, options)
-    cache = memory.cache_pool_bytes(cfg, adm.world, options, budget)
+    weights = weight_bytes(cfg, adm.world, rank, options)
+    cache = cache_pool_bytes(cfg, adm.world, options, budget)
     exchanges = 2 * cfg.num_hidden_layers + len(cfg.engram_layer_ids)
     return SegmentPlan(
         world=adm.world, rank=rank, rows=n, start=start, part=part, prefill_rows=rows_mode, pf4k=options.pf4k,
@@ -380,7 +381,7 @@ def _workspace(cfg: ModelConfig, adm: Admission, rank: int, n: int, options: Pla
         ("L.router", min(n, ROUTER_ROWS) * E * 4),
         ("L.index.scratch", max((p.scratch_bytes for p in index), default=0)),
         ("w.index.topk", 2 * n * cfg.index_topk * 4),  # the ratio-2 and ratio-1 chains' live top-k lists
-        ("s.staging_ring", ring * memory.kv_row_bytes(cfg, options.kv) if staged else 0),
+        ("s.staging_ring", ring * kv_row_bytes(cfg, options.kv) if staged else 0),
         ("s.ced_stash", cfg.sliding_window * stash_row_bytes(cfg) if replay else 0),
         ("w.head_logits", vocab * 4),  # the last row only
     ]
@@ -393,26 +394,63 @@ def stash_row_bytes(cfg: ModelConfig) -> int:
 
 
 
-# ---------------------------------------------------------------------------------------------- segments
-def segment_sizes(cfg: ModelConfig, world: int, prompt_len: int, position: int = 0,
-                  options: PlanOptions = PlanOptions(), budget: MemoryBudget | None = None) -> list[int]:
-    """How the engine cuts a prompt: ``prefill_rows`` segments plus a ragged tail (§A).
+# ------------------------------------------------------------------------------------------ buffer plan
+@dataclass(frozen=True)
+class BufferPlan:
+    """Role-wise maximum over the programs the engine can issue (§B.2); the 4K workspace separately."""
 
-    In 4K mode without room for the 4K workspace (R6) the prompt falls back to 2,048-row segments.
-    """
-    if prompt_len < 0:
-        raise PlanRefused("R1", f"prompt length {prompt_len} is negative.")
-    limit = context_limit(cfg, options)
-    if position < 0 or position + prompt_len > limit:
-        raise PlanRefused("R2", f"prompt of {prompt_len:,} tokens at position {position:,} passes the context "
-                          f"limit {limit:,}. Shorten the prompt to {max(0, limit - position):,} tokens.")
+    world: int
+    rank: int
+    roles: tuple[tuple[str, int], ...]
+    programs: tuple[tuple[str, int, int], ...]  # (part, rows, start) planned
+    roles_4k: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def bytes(self) -> dict[str, int]:
+        return dict(self.roles)
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.roles)
+
+    @property
+    def total_4k(self) -> int:
+        return sum(b for _, b in self.roles_4k)
+
+
+def buffer_plan(cfg: ModelConfig, world: int, rank: int, options: PlanOptions = PlanOptions()) -> BufferPlan:
+    """§B.2 buffer plan for ``rank``: programs (rows, 0 / last), (17, ·), (16, ·), replay's encoder segment
+    and decoder passes; in 4K mode the resident plan is the 2K one and the 4K workspace is planned apart."""
+    base = replace(options, pf4k=False, prefill_rows=None if options.pf4k else options.prefill_rows,
+                   spans=(), tbo=False, part="whole")
+    roles, programs = _role_max(cfg, world, rank, base)
+    roles_4k: tuple[tuple[str, int], ...] = ()
     if options.pf4k:
-        _check_4k(options, f"prompt refused (W = {world})")
-        if not memory.fits_4k(cfg, world, options, budget):
-            options = replace(options, pf4k=False, prefill_rows=None)
-    size = prefill_rows(options)
-    full, tail = divmod(prompt_len, size)
-    return [size] * full + ([tail] if tail else [])
+        roles_4k, more = _role_max(cfg, world, rank, replace(options, spans=(), tbo=False, part="whole"))
+        programs += more
+    return BufferPlan(world, rank, roles, programs, roles_4k)
+
+
+@functools.lru_cache(maxsize=128)
+def _role_max(cfg: ModelConfig, world: int, rank: int, options: PlanOptions):
+    limit = context_limit(cfg, options)
+    rows = prefill_rows(options)
+    shapes = [("whole", n) for n in sorted({rows, 17, 16}) if n <= rows]
+    if options.replay:
+        tail_max = cfg.sliding_window - 1
+        tails = sorted({m for m in (16, 17, 32, 33, 64, 65, 127) if m <= tail_max} | {tail_max})
+        shapes = [("encoder", n) for _, n in shapes] + [("decoder", m) for m in tails]
+    best: dict[str, int] = {}
+    programs = []
+    for part, n in shapes:
+        last = limit - n - (1 if part == "decoder" else 0)  # R2 is the only position-dependent refusal
+        for start in sorted({0, max(0, last)}):
+            opts = replace(options, part=part)
+            plan = plan_shape(cfg, world, rank, n, start, opts)
+            programs.append((part, n, start))
+            for role, b in plan.workspace:
+                best[role] = max(best.get(role, 0), b)
+    return tuple(best.items()), tuple(programs)
 
 
 # ------------------------------------------------------------------------------------------ kernel tiles

@@ -4,17 +4,17 @@ Each slot holds one sequence: its rows of the S-slot cache (with its own ``offse
 the last-logits buffer, its sampling settings and seed key, and its own step counter (``sampling.sample`` folds
 each sequence's *own* step into its key, so a request draws the same tokens in any slot next to any others).
 
-Every decode step is the engine's one program, ``step[S, 1]`` (`engine._step`: the model over one row per slot,
-then sampling), with a step index per slot. Its outputs include the next step's inputs (each slot's token as
+Every decode step is the runtime's one step program, ``step[S, 1]`` (`runtime.STEP`: the model over one row per
+slot, then sampling), with a step index per slot. Its outputs include the next step's inputs (each slot's token as
 ``ids``, ``lengths = keep_going``, ``running``, ``step + 1``: the *chain*), so steps follow each other on the
-device as `Engine._decode` chains them, and the host reads each step's tokens one step behind, while the next
+device as `Engine.generate` chains them, and the host reads each step's tokens one step behind, while the next
 step runs: it reports them to the requests, and frees the slots of finished ones.
 
 One `SlotEngine.step` (called in a loop by the one thread that owns the devices):
 
 1. admit waiting requests while a slot is free (FIFO), reserving the slot;
 2. prefill a *long* prompt (a segment of more than ``short_rows`` rows, PLANNER.md §A): one planner-sized
-   segment of the request at the head of the prefill line, through the engine's own ``step[1, T]`` program
+   segment of the request at the head of the prefill line, through the runtime's ``step[1, T]`` program
    (the one ``Engine.generate`` runs for one prompt) into a *one-row* cache (T: the segment rounded up to a
    power-of-two bucket); its last segment draws the request's first token. A small program (``_insert_slot``)
    then copies that cache row, its last logits and its chain row (that token, its keep-going flag, step 1) into
@@ -29,7 +29,7 @@ One `SlotEngine.step` (called in a loop by the one thread that owns the devices)
 4. read the tokens of every step but the one just dispatched.
 
 Engram models (`MODEL.md` §B.12) hash each step's ids on the host, so there the host reads every token before it
-dispatches the next step and feeds every slot's row itself (as `Engine._decode` does for them).
+dispatches the next step and feeds every slot's row itself (as `Engine.generate` does for them).
 
 Why a long prompt prefills into one row and is copied, rather than by a forward over all S slots with
 ``lengths`` 0 for the others: the S-slot forward computes S x T rows for one prompt's T (every row of a static
@@ -42,10 +42,10 @@ stop string, a client gone) frees its slot when the host reads it (at once for a
 overwrites the slot's row whole (the insert of a fresh one-row cache for a short prompt).
 
 Programs: ``init[1]``, ``init[S]``, ``step[S, 1]`` (per-slot steps; twice: with the sampling arrays, and the
-argmax-only variant run while every slot is greedy, which skips the filters' sort of the vocabulary, 0.87 ms of
-a 32-slot step on the H200), ``insert``, ``override`` and ``step[1, T]``
-per bucket above ``short_rows`` — all compiled by `precompile` through the engine's program table; slots are
-reused without compiling anything (tests/test_serve.py counts JAX's compile events in the server).
+argmax-only variant run while every slot is greedy, which skips the filters' sort of the vocabulary), ``insert``,
+``override`` (serving's own, registered in the runtime's table) and ``step[1, T]`` per bucket above
+``short_rows`` — all compiled by `precompile`; slots are reused without compiling anything (tests/test_serve.py
+counts JAX's compile events in the server).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import INIT, STEP, Engine, EngineInputError, Program, Request, bucket_rows, keeps_going
+from ..engine import Engine, EngineInputError, Request, bucket_rows
+from ..runtime import Program, keeps_going
 from ..sampling import sampling_arrays
 
 # (kind, value): ("token", id) for each generated token, then ("done", finish_reason) once:
@@ -84,7 +85,7 @@ def _override(chain, mask, values):
                         chain, values)
 
 
-# Serving's own programs in the engine's table: a slot's admission and the host's overrides of the chain.
+# Serving's own programs in the runtime's table: a slot's admission and the host's overrides of the chain.
 INSERT = Program("insert", _insert_slot, donate=(0, 1), model=False)
 OVERRIDE = Program("override", _override, model=False)
 
@@ -113,14 +114,15 @@ class Job:
 
 
 class SlotEngine:
-    """S decode slots over ``engine``'s model and program table (see the module docstring). ``short_rows``
-    (default the engine's): prompts whose segments are all at most this long prefill row by row in the decode
-    steps."""
+    """S decode slots over ``engine``'s model and runtime (see the module docstring). ``short_rows`` (default the
+    engine's): prompts whose segments are all at most this long prefill row by row in the decode steps."""
 
     def __init__(self, engine: Engine, slots: int, short_rows: int | None = None):
         if slots < 1:
             raise EngineInputError(f"the slot count must be at least 1, got {slots}")
         self.engine = engine
+        self.runtime = engine.runtime
+        self.runtime.register(INSERT, OVERRIDE)
         self.slots = slots
         self.short_rows = engine.short_rows if short_rows is None else short_rows
         self._longest = max(int(n) for n in engine.segment_plan(engine.max_context))
@@ -134,7 +136,7 @@ class SlotEngine:
         self._sampling = sampling_arrays([Request(()).sampling] * slots)
         self._max_new = np.ones(slots, np.int32)
         self._stop: dict[bool, tuple] = {}  # greedy? -> (eos, max_new, sampling | None) on the device
-        self._history = engine._empty_history(slots)
+        self._history = self.runtime.empty_history(slots)
         self._one = None  # (one-row cache, logits [1, V], engram history, stop inputs) of the long prefill
         self._cache = self._run_init(slots)
         self._logits = np.zeros((slots, engine.vocab_size), np.float32)
@@ -156,35 +158,34 @@ class SlotEngine:
 
     def precompile(self) -> float:
         """Compile every program serving can need (module docstring); returns compile seconds."""
-        e = self.engine
-        before = e._programs.compile_s
-        specs = e._specs(self.slots, [], False, slot_steps=True)  # init[S], step[S, 1]
-        specs += [c for c in e._specs(self.slots, [], False, slot_steps=True, greedy=True) if c.program is STEP]
-        specs += [c for c in e._specs(1, self._prefill_rows(), False) if c.program is INIT or c.args[2].shape[1] != 1]
-        e._programs.ensure(specs)
-        self._run_insert(self._run_init(1), np.zeros((1, e.vocab_size), np.float32), _host_chain(1), 0)
+        rt, positions, eos = self.runtime, self.engine.max_context, len(self._eos)
+        before = rt.compile_s
+        calls = [rt.init_call(self.slots, positions), rt.init_call(1, positions)]
+        calls += [rt.step_call(self.slots, 1, positions, eos, greedy=greedy, slot_steps=True)
+                  for greedy in (False, True)]
+        calls += [rt.step_call(1, t, positions, eos) for t in self._prefill_rows() if t != 1]
+        rt.compile(calls)
+        self._run_insert(self._run_init(1), np.zeros((1, rt.vocab_size), np.float32), _host_chain(1), 0)
         self._chain = self._run_override(np.zeros(self.slots, bool), _host_chain(self.slots))  # dry runs
         sampling_arrays([Request(()).sampling])  # its one-request key op, so the first request compiles nothing
-        return e._programs.compile_s - before
+        return rt.compile_s - before
 
     def _run_init(self, batch: int):
-        e = self.engine
-        return e._programs.run(INIT, e._init_static(batch), ())
+        return self.runtime.init_cache(batch, self.engine.max_context)
 
     def _run_insert(self, one_cache, one_logits, one_chain, slot: int) -> None:
-        self._cache, self._logits, self._chain = self.engine._programs.run(
-            INSERT, {}, (self._cache, self._logits, self._chain, one_cache, one_logits, one_chain, np.int32(slot)),
-            self.engine._replicated)
+        self._cache, self._logits, self._chain = self.runtime.run(
+            INSERT, {}, (self._cache, self._logits, self._chain, one_cache, one_logits, one_chain, np.int32(slot)))
 
     def _run_override(self, mask: np.ndarray, values: tuple) -> tuple:
-        return self.engine._programs.run(OVERRIDE, {}, (self._chain, mask, values), self.engine._replicated)
+        return self.runtime.run(OVERRIDE, {}, (self._chain, mask, values))
 
-    def _stop_inputs(self, greedy: bool) -> tuple:
+    def _placed_stop(self, greedy: bool) -> tuple:
         """The step's (eos ids, max new [S], sampling arrays, or None when ``greedy``) on the device, placed
         again after an admission."""
         if greedy not in self._stop:
             host = jax.tree.map(np.copy, (self._eos, self._max_new, None if greedy else self._sampling))
-            self._stop[greedy] = jax.device_put(host, self.engine._replicated)  # never aliased, then changed
+            self._stop[greedy] = self.runtime.place(host)  # never aliased, then changed
         return self._stop[greedy]
 
     # ------------------------------------------------------------------------------------------ requests
@@ -244,7 +245,7 @@ class SlotEngine:
             self._reserved[job.slot] = True
             if max(job.segments) <= self.short_rows:
                 self._join(job, self._run_init(1), np.zeros((1, self.engine.vocab_size), np.float32),
-                           _host_chain(1), self.engine._empty_history(1))
+                           _host_chain(1), self.runtime.empty_history(1))
             else:
                 self.prefilling.append(job)
 
@@ -267,18 +268,16 @@ class SlotEngine:
     def _prefill_segment(self) -> None:
         """The next segment of the head long prefill; the last one draws the first token, and the request joins
         its slot."""
-        e, job = self.engine, self.prefilling[0]
+        rt, job = self.runtime, self.prefilling[0]
         if self._one is None:
-            self._one = (self._run_init(1), np.zeros((1, e.vocab_size), np.float32), e._empty_history(1),
-                         e._stop_inputs([job.request]))
+            self._one = (self._run_init(1), np.zeros((1, rt.vocab_size), np.float32), rt.empty_history(1),
+                         self.engine.stop_inputs([job.request]))
         cache, logits, history, stop = self._one
         size = job.segments.pop(0)
         # A short tail segment runs in the smallest long bucket (padding rows are ignored).
         ids = np.zeros((1, min(t for t in self._prefill_rows() if t >= size)), np.int32)
         ids[0, :size] = job.request.prompt_ids[job.prompt_done:job.prompt_done + size]
-        args, history = e._step_args(None, cache, ids, np.array([size], np.int32), logits, np.ones(1, bool),
-                                     np.int32(0), stop, history)
-        out = e._call(False, args)
+        out, history = rt.prefill(cache, logits, ids, np.array([size], np.int32), stop, history)
         job.prompt_done += size
         self.prefill_calls += 1
         if job.segments:
@@ -294,7 +293,7 @@ class SlotEngine:
     def _decode_step(self) -> None:
         """One ``step[S, 1]``: on the previous step's chain, with the host's rows where it has any (a short
         prompt's next row, a cancelled slot; every slot for engram models)."""
-        e = self.engine
+        rt = self.runtime
         if self._host_feed:
             self._read(0)  # the host hashes the ids: every token read first
             if all(j is None for j in self.running):
@@ -327,16 +326,16 @@ class SlotEngine:
         # Every slot greedy (idle ones are): the argmax-only step, without the sampling filters' sort of the
         # vocabulary (`sampling` module docstring).
         greedy = all(job is None or job.request.sampling.greedy for job in self.running)
-        args, self._history = e._step_args(None, self._cache, *chain[:2], self._logits, *chain[2:],
-                                           self._stop_inputs(greedy), self._history)
+        args, self._history = rt.step_args(self._cache, self._logits, *chain, self._placed_stop(greedy),
+                                           self._history)
         if greedy not in self._step_programs:
-            self._step_programs[greedy] = e._programs.get(STEP, {"keep_first_row": False}, args, e._replicated)
+            self._step_programs[greedy] = rt.step_program(args)
         out = self._step_programs[greedy](*args)
         self.greedy_steps += greedy
         self._cache, self._logits = out.cache, out.last_logits
         self._chain = (out.tokens, out.lengths, out.keep_going, out.next_step)
         self._pending.append((out.tokens, emit))
-        out.tokens.copy_to_host_async()  # _read reads them next: their copy starts when they are ready
+        rt.fetch(out.tokens)  # _read reads them next: their copy starts when they are ready
         self.decode_steps += 1
 
     def _read(self, in_flight: int) -> None:
@@ -344,7 +343,7 @@ class SlotEngine:
         of requests that end (an end id: 'stop', not reported; the last new token: 'length')."""
         while len(self._pending) > in_flight:
             tokens, emit = self._pending.popleft()
-            tokens = np.asarray(tokens)[:, 0]
+            tokens = self.runtime.read(tokens)[:, 0]
             for row, job in emit:
                 if job.finished or job.cancelled:
                     continue  # its slot was freed while this call ran
