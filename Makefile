@@ -2,8 +2,8 @@
 # the package with its runtime dependencies only, `make test` adds the test extra (pytest, xdist, the mlx
 # oracles, the OpenAI client). One stamp file each: `make run` then `make test` installs the extra once; `make
 # test` then `make run` installs nothing more (the test install holds the runtime one).
-# `make test` leaves out the tests marked `slow` (they guard no user path: long sweeps, benchmarks' full grids);
-# `make test-all` runs every test.
+# `make test` leaves out the tests marked `slow` (they guard no user path: benchmarks' runs, worlds, layouts and
+# configs beyond the one a path needs); `make test-all` runs every test, as `make test-gpu` does.
 # `make test-gpu`: the suite on the GPU(s), from the source tree with the Python at hand (GPU_PY; no venv is
 # built: a GPU machine may have no package index). conftest.py defaults to CPU, so JAX_PLATFORMS=cuda is set here;
 # tests needing more devices than exist, or packages that are missing (mlx, the tokenizer package), skip with the

@@ -43,6 +43,7 @@ def test_cache_bytes_counts_windows_picks_and_index_keys():
     assert floors.cache_bytes(cfg, 3, 4096) == 3 * want
 
 
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
 def test_quick_smoke_run(tmp_path, capsys):
     """On the CPU or a GPU (``make test-gpu``): the rows, the floors, the traced steps' kernel share, and the device
     timeline where there is a device (a CPU trace has no device process)."""
@@ -79,6 +80,7 @@ def test_timeline_table_row():
     assert bench.fmt_timeline(older).split()[8] == "0.000"
 
 
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
 def test_whole_depth_with_fewer_experts(tmp_path):
     """``--experts``: the layers as configured (scanned units included) with fewer routed experts a layer (the
     40-layer model on one H200); fewer than a token picks is refused."""
@@ -90,6 +92,7 @@ def test_whole_depth_with_fewer_experts(tmp_path):
     assert bench.main(["--config", "tiny", "--experts", "1", "--quick"]) == 2
 
 
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
 def test_rank_of_runs_one_rank_s_model_on_one_device(tmp_path, monkeypatch, capsys):
     """``--rank-of 2``: after world 1, the model of one rank of world 2 (``one_rank``: half the heads, groups,
     expert columns and vocabulary rows) built for one device and timed, labelled 1/2. The timing itself is

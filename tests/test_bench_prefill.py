@@ -21,6 +21,7 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
 def test_smoke_run_reports_floors_and_the_split(tmp_path):
     """Run as a user runs it, in a process of its own: on a GPU the trace's ops are named only with XLA's command
     buffers off, a flag the script sets before JAX starts (a test session's JAX has started long before)."""

