@@ -92,8 +92,9 @@ TOWERS = {"one_chunk": TINY_V,
 @pytest.mark.parametrize("tower", TOWERS)
 def test_workspace_bounds_xla_temporaries(tower):
     """The tower compiled for one image at the largest bucket (1,024 or 2,048 patches): XLA's temporaries fit the
-    planner's workspace. Observed, one chunk: CPU 17.8 MB of 57.7 (the [2, 1,024, 1,024] f32 scores dominate);
-    H200 44.3 MB (the scores beside a 32 MiB cuBLAS workspace, ``v.gemm``)."""
+    planner's workspace. Observed: one chunk, CPU 17.8 MB of 57.7 (the [2, 1,024, 1,024] f32 scores dominate),
+    H200 44.5 MB (the scores beside a 32 MiB cuBLAS workspace, ``v.gemm``); two chunks, CPU 37.3 MB of 82.1,
+    H200 55.6 MB (one chunk's scores live at a time)."""
     import jax
     from dsv41_jax.engine import FlatState, _encode_images
 

@@ -115,17 +115,15 @@ def vision_workspace(cfg: ModelConfig, world: int, rank: int, options: PlanOptio
     s = 4 if options.dense == "f32" else 2
     heads, mlp, aligner = _vision_rank_widths(cfg, world, rank, True)
     c, d, r2, dd = vc.hidden_size, vc.head_dim, vc.downsample_ratio**2, cfg.hidden_size
-    chunked = n > VISION_QUERY_CHUNK and n % VISION_QUERY_CHUNK == 0
-    chunk = VISION_QUERY_CHUNK if chunked else n
-    # A chunk's f32 scores and its probabilities in the model dtype. Chunked, two consecutive chunks' may be live
-    # at once where XLA:GPU unrolls the short loop over chunks and overlaps them; one chunk is one.
-    live_chunks = 2 if chunked else 1
+    chunk = VISION_QUERY_CHUNK if n > VISION_QUERY_CHUNK and n % VISION_QUERY_CHUNK == 0 else n
     return (
         ("v.input", b * n * (vc.patch_dim * 2 + 2 * 4 + 1) + b * m * r2 * (4 + 1)),
         ("v.stream", b * n * c * (2 * s + 4)),
         ("v.rope", 2 * b * n * (d // 2) * 4),
         ("v.qkv", b * n * 3 * heads * d * (4 + 2 * s)),
-        ("v.attention", live_chunks * b * heads * chunk * n * (4 + s) + b * n * heads * d * s),
+        # One chunk's f32 scores and probabilities in the model dtype: the chunks run one after another (a loop;
+        # a two-chunk tower's program on the H200 holds one chunk's scores).
+        ("v.attention", b * heads * chunk * n * (4 + s) + b * n * heads * d * s),
         ("v.mlp", b * n * mlp * (2 * (4 + s) + s)),
         ("v.gemm", GEMM_WORKSPACE),
         ("v.stacked", vision_param_bytes_per_rank(cfg, world, rank, dense=options.dense, blocks_only=True)),
