@@ -15,6 +15,7 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
 def test_smoke_run_with_an_extra_option(tmp_path, capsys):
     out = tmp_path / "compile.json"
     assert bench.main(["--config", "tiny", "--layers", "2", "--impl", "xla", "--rows", "8", "--modes", "scanned",

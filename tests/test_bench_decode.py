@@ -1,4 +1,4 @@
-"""benchmarks/bench_decode.py: a CPU smoke run on the tiny config (the numbers are the H200's business), the floor
+"""benchmarks/bench_decode.py: a smoke run on the tiny config (the numbers are the H200's business), the floor
 arithmetic it uses (`profiling/floors.py`) against hand counts, and bad flags refused with exit code 2."""
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ def test_cache_bytes_counts_windows_picks_and_index_keys():
     assert floors.cache_bytes(cfg, 3, 4096) == 3 * want
 
 
-def test_quick_smoke_run_on_cpu(tmp_path, capsys):
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
+def test_quick_smoke_run(tmp_path, capsys):
+    """On the CPU or a GPU (``make test-gpu``): the rows, the floors, the traced steps' kernel share, and the device
+    timeline where there is a device (a CPU trace has no device process)."""
+    import jax
+
     out = tmp_path / "decode.json"
     assert bench.main(["--config", "tiny", "--quick", "--tokens", "6", "--steps", "3", "--decode-chunks", "1,3",
                        "--json-out", str(out),
@@ -55,7 +60,10 @@ def test_quick_smoke_run_on_cpu(tmp_path, capsys):
     assert row["step_ms"] > 0 and row["sampled_ms"] > 0 and row["floor_ms"] > 0 and row["gen_tok_s"] > 0
     assert math.isclose(row["ratio"], row["step_ms"] / row["floor_ms"], rel_tol=1e-9)
     assert row["kernel_share"] > 0  # the traced steps' XLA ops were found and attributed
-    assert row["timeline"] is None  # a CPU trace has no device process
+    if jax.default_backend() == "cpu":
+        assert row["timeline"] is None
+    else:
+        assert row["timeline"]["busy_s"] > 0 and row["timeline"]["activities"] > 0
     assert "step tok/s" in capsys.readouterr().out
     assert "xla_gpu_graph_enable_concurrent_region" in report["xla_flags"]  # the flags it ran with (A/B runs)
 
@@ -72,6 +80,7 @@ def test_timeline_table_row():
     assert bench.fmt_timeline(older).split()[8] == "0.000"
 
 
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
 def test_whole_depth_with_fewer_experts(tmp_path):
     """``--experts``: the layers as configured (scanned units included) with fewer routed experts a layer (the
     40-layer model on one H200); fewer than a token picks is refused."""
@@ -83,6 +92,7 @@ def test_whole_depth_with_fewer_experts(tmp_path):
     assert bench.main(["--config", "tiny", "--experts", "1", "--quick"]) == 2
 
 
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
 def test_rank_of_runs_one_rank_s_model_on_one_device(tmp_path, monkeypatch, capsys):
     """``--rank-of 2``: after world 1, the model of one rank of world 2 (``one_rank``: half the heads, groups,
     expert columns and vocabulary rows) built for one device and timed, labelled 1/2. The timing itself is

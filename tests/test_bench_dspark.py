@@ -23,6 +23,7 @@ def test_cut_keeps_the_stages():
     assert cfg.dspark_target_layer_ids == (0, 0, 1) and cfg.compress_ratios[2:] == (0, 0, 0)
 
 
+@pytest.mark.slow  # a benchmark's run: a developer's tool, not a user's path (`make test-all`, the GPU suite)
 def test_tiny_run_prints_and_writes_rows(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert bench.main(["--config", "tiny", "--worlds", "1", "--steps", "1", "--position", "8",

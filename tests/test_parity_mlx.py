@@ -140,7 +140,10 @@ def selection_diff(ours: list[np.ndarray], ref: list[np.ndarray]) -> float:
     return differ / total
 
 
-@pytest.mark.parametrize("name,seed", [("tiny0", 0), ("tiny1", 1), ("variant", 2), ("grouped", 3)])
+# Left out of `make test` (slow): tiny1 (the tiny config again, from a plain bf16 checkpoint) here, the variant
+# with rounding on below; tiny0 (the release layout) and the scanned variants stay.
+@pytest.mark.parametrize("name,seed", [("tiny0", 0), pytest.param("tiny1", 1, marks=pytest.mark.slow), ("variant", 2),
+                                       ("grouped", 3)])
 def test_f32_rounding_off_matches_tightly(checkpoints, monkeypatch, name, seed):
     ref, ours = run_both(checkpoints[name], F32_OFF, seed, monkeypatch)
     err_p = np.abs(ours["prefill"] - ref["prefill"]).max()
@@ -153,7 +156,7 @@ def test_f32_rounding_off_matches_tightly(checkpoints, monkeypatch, name, seed):
     assert ours["selection_diff"] <= 0.02
 
 
-@pytest.mark.parametrize("name,seed", [("tiny0", 0), ("variant", 2)])
+@pytest.mark.parametrize("name,seed", [("tiny0", 0), pytest.param("variant", 2, marks=pytest.mark.slow)])
 def test_f32_rounding_on_matches(checkpoints, monkeypatch, name, seed):
     ref, ours = run_both(checkpoints[name], F32_ON, seed, monkeypatch)
     got = np.concatenate([ours["prefill"], ours["decode"]])

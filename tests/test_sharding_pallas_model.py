@@ -70,27 +70,37 @@ def one_device(cfg, seed: int):
     return flat, ids, prefill(single, cfg, ids, None)[0]
 
 
-@pytest.mark.devices(4)
-def test_sharded_pallas_model_matches_one_device_with_one_all_reduce_per_moe():
+@pytest.fixture(scope="module")
+def small():
+    """(config, weights, ids, one device's logits) of ``small_config``: the reference of two tests."""
     cfg = small_config()
-    flat, ids, ref = one_device(cfg, seed=0)
+    return (cfg, *one_device(cfg, seed=0))
+
+
+# "ep" (experts split whole over the ranks) is built and checked, but no command runs it: `make test` leaves it out.
+LAYOUTS = ["tp", pytest.param("ep", marks=pytest.mark.slow)]
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_pallas_model_matches_one_device_with_one_all_reduce_per_moe(small, layout):
+    cfg, flat, ids, ref = small
     moe_out = f"f32[{BATCH * ROWS},{cfg.hidden_size}]"
-    for layout in ("tp", "ep"):
-        model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout=layout)
-        logits, hlo = prefill(model, cfg, ids, mesh)
-        np.testing.assert_allclose(logits, ref, rtol=0, atol=LOGITS_ATOL, err_msg=layout)
-        found = collectives(hlo)
-        reduces = [shape for op, shape in found if op == "all-reduce"]
-        # §F.4: per layer one all-reduce after wo_b and one after the MoE, plus the vocabulary-parallel embedding.
-        assert len(reduces) == 2 * cfg.num_hidden_layers + 1, (layout, found)
-        assert sum(moe_out in shape for shape in reduces) == cfg.num_hidden_layers, (layout, found)
-        # The MoE's carries y [N, D] once: in "tp" the shared expert's partial sum joins the routed one before
-        # the psum (sharding/kernels.routed_experts), in "ep" it is replicated. Its own all-reduce, combined by
-        # XLA into a tuple with the routed one, doubled the bytes (42 MB a layer at 2,048 full-width rows).
-        assert all(shape.count(moe_out) == 1 for shape in reduces if moe_out in shape), (layout, found)
-        # Nothing else moves but the logits' gather: no [N·k, F] intermediate, no weight.
-        moved = [shape for op, shape in found if op != "all-reduce"]
-        assert all(shape.startswith(f"f32[{BATCH},{ROWS},") for shape in moved), (layout, found)
+    model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout=layout)
+    logits, hlo = prefill(model, cfg, ids, mesh)
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=LOGITS_ATOL, err_msg=layout)
+    found = collectives(hlo)
+    reduces = [shape for op, shape in found if op == "all-reduce"]
+    # §F.4: per layer one all-reduce after wo_b and one after the MoE, plus the vocabulary-parallel embedding.
+    assert len(reduces) == 2 * cfg.num_hidden_layers + 1, (layout, found)
+    assert sum(moe_out in shape for shape in reduces) == cfg.num_hidden_layers, (layout, found)
+    # The MoE's carries y [N, D] once: in "tp" the shared expert's partial sum joins the routed one before
+    # the psum (sharding/kernels.routed_experts), in "ep" it is replicated. Its own all-reduce, combined by
+    # XLA into a tuple with the routed one, doubled the bytes (42 MB a layer at 2,048 full-width rows).
+    assert all(shape.count(moe_out) == 1 for shape in reduces if moe_out in shape), (layout, found)
+    # Nothing else moves but the logits' gather: no [N·k, F] intermediate, no weight.
+    moved = [shape for op, shape in found if op != "all-reduce"]
+    assert all(shape.startswith(f"f32[{BATCH},{ROWS},") for shape in moved), (layout, found)
 
 
 def run_config():
@@ -102,33 +112,38 @@ def run_config():
         candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=())
 
 
-@pytest.mark.devices(4)
-def test_sharded_scanned_unit_reads_its_expert_stack_per_rank():
-    """A scanned unit under a mesh: each rank's slice of the stack [L, E, ...] (its F columns in "tp", its whole
-    experts in "ep", where ids are made local before the row's offset) equals one device; no weight moves."""
+@pytest.fixture(scope="module")
+def scanned():
     cfg = run_config()
     assert cfg.layer_units() == ((0,), (1,), (2,), (3, 4, 5)) and cfg.n_routed_experts == 8
-    flat, ids, ref = one_device(cfg, seed=2)
-    for layout in ("tp", "ep"):
-        model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout=layout)
-        logits, hlo = prefill(model, cfg, ids, mesh)
-        # Six layers carry the bf16 flips of the note above further than four: observed relative error 6.1e-4
-        # (max |Δ| 5.1e-3) in both layouts; a rank reading another layer's experts gives 0.36.
-        rel = np.linalg.norm(logits - ref) / np.linalg.norm(ref)
-        assert rel <= 5e-3, (layout, rel)
-        moved = [shape for op, shape in collectives(hlo) if op != "all-reduce"]
-        assert all(shape.startswith(f"f32[{BATCH},{ROWS},") for shape in moved), (layout, moved)
+    return (cfg, *one_device(cfg, seed=2))
 
 
 @pytest.mark.devices(4)
-def test_row_parallel_segment_runs_the_comb_kernel_on_each_rank_s_rows():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_scanned_unit_reads_its_expert_stack_per_rank(scanned, layout):
+    """A scanned unit under a mesh: each rank's slice of the stack [L, E, ...] (its F columns in "tp", its whole
+    experts in "ep", where ids are made local before the row's offset) equals one device; no weight moves."""
+    cfg, flat, ids, ref = scanned
+    model, mesh = sharding.prepare(cfg, flat, 4, OPTIONS, layout=layout)
+    logits, hlo = prefill(model, cfg, ids, mesh)
+    # Six layers carry the bf16 flips of the note above further than four: observed relative error 6.1e-4
+    # (max |Δ| 5.1e-3) in both layouts; a rank reading another layer's experts gives 0.36.
+    rel = np.linalg.norm(logits - ref) / np.linalg.norm(ref)
+    assert rel <= 5e-3, (layout, rel)
+    moved = [shape for op, shape in collectives(hlo) if op != "all-reduce"]
+    assert all(shape.startswith(f"f32[{BATCH},{ROWS},") for shape in moved), (layout, moved)
+
+
+@pytest.mark.slow  # row-parallel segments are planned and profiled, not yet run by generate or serve
+@pytest.mark.devices(4)
+def test_row_parallel_segment_runs_the_comb_kernel_on_each_rank_s_rows(small):
     """A row-parallel segment (issue #22) with the HC comb kernel: each rank runs it on its own rows inside
     ``shard_map`` (``sharding.kernels.hc_comb``) and the result is one device's. Called on the row-split logits
     directly, the Pallas call (unpartitionable on a GPU) had XLA move comb rows between ranks: collective-permutes
     of its padded tiles here, in interpret mode. Now nothing moves but the sublayer inputs' all-gathers, §F.4's
     all-reduces, the ids' and the logits' gathers."""
-    cfg = small_config()
-    flat, ids, ref = one_device(cfg, seed=0)
+    cfg, flat, ids, ref = small
     tiles = planner.kernel_tiles(cfg, 4, planner.PlanOptions(row_parallel_rows=ROWS))
     model, mesh = sharding.prepare(cfg, flat, 4, dataclasses.replace(OPTIONS, tiles=tiles))
     logits, hlo = prefill(model, cfg, ids, mesh)

@@ -19,8 +19,7 @@ from test_speculative import MAX_CONTEXT, _oracle, _same, spec_config, spec_requ
 
 
 @pytest.mark.devices(2)
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.devices(4))])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=[pytest.mark.devices(4), pytest.mark.slow])])
 def test_sharded_greedy_matches_plain_greedy(world):
     """At worlds 2 and 4 speculation (random drafts, then forced accept-all) emits the sharded engine's own
     greedy tokens."""

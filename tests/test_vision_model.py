@@ -120,7 +120,6 @@ def test_merged_prefill_matches_mlx_vlm(setup):
     assert np.abs(_mlx_logits(vlm, prompt, image_mask=False) - ref).max() > 0.1
 
 
-@pytest.mark.slow
 def test_engine_segments_crossing_spans_match_mlx_vlm(setup):
     """The engine feeds each segment its slice of the image rows: segments [11, 11, 11, 10] cut the first span
     (positions 5…14) at 11 and the second (19…36) at 22 and 33; mlx-vlm runs the same chunks. Then two decode

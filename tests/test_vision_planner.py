@@ -8,6 +8,7 @@ of the compiled tower (the planner's workspace is an upper bound of its temporar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -83,9 +84,17 @@ def test_r10_counts_the_tower_with_images():
     assert ws2["v.stacked"] == ws["v.stacked"]  # the weights' copy does not grow with the images
 
 
-def test_workspace_bounds_xla_temporaries():
-    """The tower compiled for one image at TINY-V's largest bucket (1,024 patches, 64 rows): XLA's temporaries
-    fit the planner's workspace (observed 17.8 of 24.2 MB: the [2, 1,024, 1,024] f32 scores dominate both)."""
+# TINY-V, and TINY-V with room for 230 image tokens: 2,048 patches, attention in two query chunks (lax.map).
+TOWERS = {"one_chunk": TINY_V,
+          "two_chunks": dataclasses.replace(TINY_V, vision=dataclasses.replace(TINY_V.vision, max_image_tokens=230))}
+
+
+@pytest.mark.parametrize("tower", TOWERS)
+def test_workspace_bounds_xla_temporaries(tower):
+    """The tower compiled for one image at the largest bucket (1,024 or 2,048 patches): XLA's temporaries fit the
+    planner's workspace. Observed: one chunk, CPU 17.8 MB of 57.7 (the [2, 1,024, 1,024] f32 scores dominate),
+    H200 44.5 MB (the scores beside a 32 MiB cuBLAS workspace, ``v.gemm``); two chunks, CPU 37.3 MB of 82.1,
+    H200 55.6 MB (one chunk's scores live at a time)."""
     import jax
     from dsv41_jax.engine import FlatState, _encode_images
 
@@ -94,15 +103,18 @@ def test_workspace_bounds_xla_temporaries():
     from dsv41_jax.vision.preprocess import prepare_image
     from PIL import Image
 
+    cfg = TOWERS[tower]
+    assert planner.patch_buckets(cfg.vision)[-1] == {"one_chunk": 1024, "two_chunks": 2048}[tower]
     options = ModelOptions(dtype="float32", quant_rounding=False, vision=True)
-    model = build_model(TINY_V, options, random_weights(TINY_V, seed=0))
-    image = prepare_image(Image.new("RGB", (800, 800), (9, 99, 200)), TINY_V.vision)
-    batch = build_batch([image], TINY_V.vision, n_bucket=planner.patch_buckets(TINY_V.vision)[-1],
-                        m_bucket=planner.token_buckets(TINY_V.vision)[-1])
+    model = build_model(cfg, options, random_weights(cfg, seed=0))
+    image = prepare_image(Image.new("RGB", (800, 800), (9, 99, 200)), cfg.vision)
+    batch = build_batch([image], cfg.vision, n_bucket=planner.patch_buckets(cfg.vision)[-1],
+                        m_bucket=planner.token_buckets(cfg.vision)[-1])
     graphdef, state = nnx.split(model)
     compiled = jax.jit(lambda s, b: _encode_images(graphdef, s, b)).lower(FlatState.of(state), batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    plan = planner.plan_vision(TINY_V, 1, 0, planner.PlanOptions(images=True, dense="f32"))
+    plan = planner.plan_vision(cfg, 1, 0, planner.PlanOptions(images=True, dense="f32"))
+    print(f"{tower}: XLA temporaries {temp:,} B, planned {plan.workspace_total:,} B {dict(plan.workspace)}")
     assert 0 < temp <= plan.workspace_total, (temp, plan.workspace_total)
 
 

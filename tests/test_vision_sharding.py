@@ -85,7 +85,7 @@ def _reference():
 
 
 @pytest.mark.devices
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # world 4's split: the test below
 def test_image_prompt_at_world_matches_one_device(world):
     ref_rows, ref_logits, ref_tokens, ref_decode = _reference()
     model, mesh = sharding.prepare(CFG, _weights(), world, F32)

@@ -16,6 +16,10 @@ from .options import PlanOptions, PlanRefused
 # (powers of two from 16 up to T_max), so a handful of tower programs serve every image size.
 MIN_PATCH_BUCKET, MIN_TOKEN_BUCKET, PATCH_BUCKET_ROUND = 64, 16, 512
 VISION_QUERY_CHUNK = 1024  # XLA attention's query chunk: [B, H, 1024, N] f32 scores (VISION.md §V.G)
+# The scratch XLA:GPU gives a cuBLAS(Lt) GEMM call: 32 MiB on Hopper (4 MiB on older GPUs), a temporary of the
+# program live during that call only, so one at a time (the tower's f32 program on the H200 holds an
+# s8[33554432] beside its scores). The tower's GEMMs may take this path; none on a CPU.
+GEMM_WORKSPACE = 32 << 20
 
 
 def max_patches(vc) -> int:
@@ -103,8 +107,9 @@ def vision_workspace(cfg: ModelConfig, world: int, rank: int, options: PlanOptio
     an upper bound: the live tensors of one block added up, the XLA attention's chunked scores included, which
     cuDNN's fused attention does not need). Roles: ``v.input`` (patches, RoPE coordinates, the aligner's
     gather), ``v.stream`` (the scan's carry in and out, a row-parallel f32 partial sum), ``v.rope``, ``v.qkv``,
-    ``v.attention``, ``v.mlp``, ``v.stacked`` (the scan's copy of the rank's block weights), ``v.aligner``,
-    ``v.rows`` (the encoded rows, resident while the request prefills)."""
+    ``v.attention``, ``v.mlp``, ``v.gemm`` (a GPU GEMM library call's scratch, ``GEMM_WORKSPACE``), ``v.stacked``
+    (the scan's copy of the rank's block weights), ``v.aligner``, ``v.rows`` (the encoded rows, resident while the
+    request prefills)."""
     vc = cfg.vision
     b, n, m = options.vision_images, patch_buckets(vc)[-1], token_buckets(vc)[-1]
     s = 4 if options.dense == "f32" else 2
@@ -116,10 +121,11 @@ def vision_workspace(cfg: ModelConfig, world: int, rank: int, options: PlanOptio
         ("v.stream", b * n * c * (2 * s + 4)),
         ("v.rope", 2 * b * n * (d // 2) * 4),
         ("v.qkv", b * n * 3 * heads * d * (4 + 2 * s)),
-        # Two chunks' scores live at once: XLA:GPU overlaps consecutive chunks (H200, 2026-12-01: tiny tower
-        # 37.3 MB of temporaries against 24.2 MB planned with one chunk; CPU stays under one chunk's count).
-        ("v.attention", 2 * b * heads * chunk * n * (4 + s) + b * n * heads * d * s),
+        # One chunk's f32 scores and probabilities in the model dtype: the chunks run one after another (a loop;
+        # a two-chunk tower's program on the H200 holds one chunk's scores).
+        ("v.attention", b * heads * chunk * n * (4 + s) + b * n * heads * d * s),
         ("v.mlp", b * n * mlp * (2 * (4 + s) + s)),
+        ("v.gemm", GEMM_WORKSPACE),
         ("v.stacked", vision_param_bytes_per_rank(cfg, world, rank, dense=options.dense, blocks_only=True)),
         ("v.aligner", b * m * (2 * r2 * c * s + aligner * (4 + s) + dd * (4 + s))),
         ("v.rows", b * m * dd * s),

@@ -21,6 +21,7 @@ from pallas_kernels.hc_mix.xla import sinkhorn
 from dsv41_jax.model.quant import fake_quant_fp4, fake_quant_fp8, round_e2m1
 from dsv41_jax.model.norms import SPLIT_MIN_ROWS, f32_matmul
 from dsv41_jax.model.rope import DIGITS, apply_rope, inv_frequencies, rope_cos_sin
+from jaxpr_walk import equations
 
 
 def _blocks(x, block):
@@ -155,16 +156,8 @@ def test_f32_matmul_of_bf16_rows_is_the_exact_product_up_to_f32_summation(rows):
 
 def _dot_operand_dtypes(jaxpr, rhs_shape) -> list[tuple]:
     """Operand dtypes of every dot_general in ``jaxpr`` (nested jaxprs included) whose rhs has ``rhs_shape``."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general" and tuple(eqn.invars[1].aval.shape[-2:]) == rhs_shape:
-            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, tuple) else (param,):  # scan/jit: a jaxpr; cond: branches
-                inner = getattr(inner, "jaxpr", None)
-                if inner is not None:
-                    found += _dot_operand_dtypes(getattr(inner, "jaxpr", inner), rhs_shape)
-    return found
+    return [tuple(str(v.aval.dtype) for v in eqn.invars) for eqn, _ in equations(jaxpr)
+            if eqn.primitive.name == "dot_general" and tuple(eqn.invars[1].aval.shape[-2:]) == rhs_shape]
 
 
 @pytest.mark.parametrize("batch", [1, 8])

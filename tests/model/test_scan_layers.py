@@ -32,6 +32,7 @@ from dsv41_jax.config import load_named
 from dsv41_jax.loading import build_model, param_name
 from dsv41_jax.model import ModelOptions, Transformer, WeightsError, init_cache
 from dsv41_jax.param_specs import layer_names
+from jaxpr_walk import equations, scan_xs
 
 F32 = ModelOptions(dtype="float32", quant_rounding=True)
 
@@ -193,21 +194,9 @@ def test_loader_stacks_per_layer_tensors():
         build_model(cfg, F32, bad)
 
 
-def _scan_inputs(jaxpr, depth: int = 0) -> list:
+def _scan_inputs(jaxpr) -> list:
     """(loop depth, aval) of every scan's sliced inputs (xs), nested scans included (depth 1 = inside a scan)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        inner = depth
-        if eqn.primitive.name == "scan":
-            skip = eqn.params["num_consts"] + eqn.params["num_carry"]
-            found += [(depth, v.aval) for v in eqn.invars[skip:]]
-            inner = depth + 1
-        for value in eqn.params.values():   # nested jaxprs: a scan's body, a jit's call, a cond's branches
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found += _scan_inputs(sub, inner)
-    return found
+    return [(depth, aval) for eqn, depth in equations(jaxpr) if eqn.primitive.name == "scan" for aval in scan_xs(eqn)]
 
 
 @pytest.mark.parametrize("cfg", [scan_config(3), group_config(2)], ids=["run", "group"])
