@@ -29,4 +29,4 @@ def backend_compiles():
 def branching_programs(engine) -> list[str]:
     """Names of the programs in ``engine``'s table whose HLO has a ``conditional``: XLA:GPU reads its predicate on
     the host, so such a step waits for it and chained steps stop queueing ahead (`sampling` module docstring)."""
-    return [key[0] for key, exe in engine._programs.compiled.items() if " conditional(" in exe.as_text()]
+    return [key[0] for key, exe in engine.runtime.table.compiled.items() if " conditional(" in exe.as_text()]

@@ -22,7 +22,6 @@ from dsv41_jax.sampling import SamplingParams
 from dsv41_jax.serve.slots import Job, SlotEngine
 
 
-@pytest.mark.slow
 def test_engram_slots_equal_alone():
     cfg = load_named("tiny_engram")
     model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))

@@ -64,7 +64,6 @@ def test_sample_with_per_sequence_steps_equals_one_by_one():
     assert together.tolist() == alone
 
 
-@pytest.mark.slow
 def test_slots_equal_alone_reuse_slots_and_compile_nothing(engine):
     slots = SlotEngine(engine, SLOTS)
     slots.precompile()

@@ -96,8 +96,7 @@ def test_workspace_bounds_xla_temporaries(tower):
     H200 44.5 MB (the scores beside a 32 MiB cuBLAS workspace, ``v.gemm``); two chunks, CPU 37.3 MB of 82.1,
     H200 55.6 MB (one chunk's scores live at a time)."""
     import jax
-    from dsv41_jax.engine import FlatState, _encode_images
-
+    from dsv41_jax.runtime import ENCODE, FlatState
     from dsv41_jax.loading import build_model
     from dsv41_jax.vision.batch import build_batch
     from dsv41_jax.vision.preprocess import prepare_image
@@ -111,7 +110,7 @@ def test_workspace_bounds_xla_temporaries(tower):
     batch = build_batch([image], cfg.vision, n_bucket=planner.patch_buckets(cfg.vision)[-1],
                         m_bucket=planner.token_buckets(cfg.vision)[-1])
     graphdef, state = nnx.split(model)
-    compiled = jax.jit(lambda s, b: _encode_images(graphdef, s, b)).lower(FlatState.of(state), batch).compile()
+    compiled = jax.jit(lambda s, b: ENCODE.fn(graphdef, s, b)).lower(FlatState.of(state), batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     plan = planner.plan_vision(cfg, 1, 0, planner.PlanOptions(images=True, dense="f32"))
     print(f"{tower}: XLA temporaries {temp:,} B, planned {plan.workspace_total:,} B {dict(plan.workspace)}")
