@@ -2,8 +2,8 @@
 kernel reading e4m3 codes + ue8m0 scales, the XLA implementation's dequantise-then-dot) and a bf16 dense dot of the
 same shape (the model's dense GEMM today), against their floors.
 
-PYTHONPATH=. python benchmarks/bench_fp8_matmul.py [--world 4|1] [--rows 1,8,32,2048] [--no-variants]
-                                                   [--no-checks] [--json PATH] [--dry-run]
+PYTHONPATH=. python benchmarks/bench_fp8_matmul.py [--world 4|1] [--rows 1,8,32,2048] [--impls pallas,xla,bf16]
+                                                   [--no-variants] [--no-checks] [--json PATH] [--dry-run]
 
 Shapes: one rank's dense projections of the release (configs/dsv41_flash.json, splits of sharding/rules.py) at
 world 4 (default) or 1. Floors: bytes (weights in the row's format + x + y) over 4.3 TB/s (the copy bandwidth
@@ -288,6 +288,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=4, choices=(1, 2, 4, 8))
     ap.add_argument("--rows", default="1,8,32,2048")
+    ap.add_argument("--impls", default="pallas,xla,bf16", help="which rows to time (bf16: the dense dot)")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--threads", type=int, default=min(12, os.cpu_count() or 1))
@@ -307,7 +308,7 @@ def main() -> int:
         copies = 2 if args.dry_run else copies_for(p)
         weights[p.name] = make_weights(jax.random.fold_in(key, i), p, copies)
         for rows in rows_list:
-            for impl in ("pallas", "xla", "bf16"):
+            for impl in args.impls.split(","):
                 cases.append(Case(p, rows, impl, "default", None))
     variant_cases = []
     if not args.no_variants:

@@ -7,7 +7,8 @@ over its split's K range (K / S columns) in BK-wide chunks. Each step loads the 
 times a power of two has 4 significant bits) and adds W_blk · x_blkᵀ [BN, BM] to an f32 accumulator: the weights
 are the MMA's first operand, so a decode-sized BM of 16 is the MMA's narrow side (Hopper's wgmma may take the
 first operand from registers, where the decode leaves it) and a 1-row step wastes MMA rows, not ALU. The result is
-transposed once and stored (x's real rows only); with S > 1 each split stores an f32 partial sum [S, Mp, N] that the caller adds.
+transposed once and stored (x's real rows only); with S > 1 each split stores an f32 partial sum [S, Mp, N] that
+the caller adds.
 
 f32 activations are not rounded: each x chunk is split exactly into three bf16 pieces (hi + mid + lo, 8 of f32's
 24 significant bits each) and the three products against the same decoded W accumulate in f32, so every product
@@ -105,12 +106,15 @@ def _kernel(row_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: KernelConfig
     w_start = split * (steps * bk)
     x_start = div(n0, rows_per_group) * group_width + w_start  # grouped weights read their group's x columns
 
+    # x's rows past ``rows`` (the last block's) are not read on a GPU: x comes unpadded (interpret mode pads it)
+    x_rows_ok = m_block * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0) < rows
+
     def step(kk, acc):
         k0 = w_start + kk * bk
         codes = codes_ref[layer, pl.ds(n0, bn), pl.ds(k0, bk)]
         scale_bytes = scales_ref[layer, scale_rows, pl.ds(div(k0, SCALE_BLOCK), bk // SCALE_BLOCK)]
         w = decode_block(codes, scale_bytes, cfg.decode)
-        xk = x_ref[pl.ds(m_block * bm, bm), pl.ds(x_start + kk * bk, bk)]
+        xk = plt.load(x_ref.at[pl.ds(m_block * bm, bm), pl.ds(x_start + kk * bk, bk)], mask=x_rows_ok, other=0)
         for piece in bf16_pieces(xk):
             acc = acc + _dot(w, piece)
         return acc
@@ -124,11 +128,12 @@ def _kernel(row_ref, x_ref, codes_ref, scales_ref, out_ref, *, cfg: KernelConfig
 
 def fp8_matmul_pallas(x: jax.Array, codes: jax.Array, scales: jax.Array, row: jax.Array, *, rows: int,
                       groups: int, out_dtype, cfg: KernelConfig, interpret: bool) -> jax.Array:
-    """x [Mp, G·K] bf16/f32 (its first ``rows`` rows real, Mp a multiple of BM); codes [L, N, K] (float8_e4m3fn
-    for "cvt", uint8 for "alu"); scales uint8 [L, ⌈N/32⌉, K/32]; row int32 [1] → [S, Mp, N] (rows past ``rows``
-    unwritten): y itself in ``out_dtype`` (S = 1) or S f32 partial sums. The caller checks the shapes against
-    ``cfg``."""
-    m_pad = x.shape[0]
+    """x [M, G·K] bf16/f32 (``rows`` = M real rows; in interpret mode padded to a multiple of BM, where every
+    access must lie inside the array; on a GPU masked loads and stores skip the rows past M); codes [L, N, K]
+    (float8_e4m3fn for "cvt", uint8 for "alu"); scales uint8 [L, ⌈N/32⌉, K/32]; row int32 [1] → [S, Mp, N] (Mp: M
+    rounded up to BM; rows past M unwritten): y itself in ``out_dtype`` (S = 1) or S f32 partial sums. The caller
+    checks the shapes against ``cfg``."""
+    m_pad = -(-rows // cfg.block_m) * cfg.block_m
     _, n, k = codes.shape
     steps = k // (cfg.block_k * cfg.k_splits)
     kernel = lambda *refs: _kernel(*refs, cfg=cfg, steps=steps, rows_per_group=n // groups, group_width=k,

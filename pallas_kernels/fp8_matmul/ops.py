@@ -199,13 +199,17 @@ def fp8_matmul(
 @functools.partial(jax.jit, static_argnames=("groups", "out_dtype", "cfg", "interpret"))
 def _pallas(x, codes, scales, layer, *, groups: int, out_dtype, cfg: KernelConfig, interpret: bool):
     """The Pallas path as one jitted function (every call site of one shape traces and lowers the kernel once):
-    x padded to whole BM-row blocks, the kernel, the K splits' partial sums added, the padding dropped."""
+    the kernel, the K splits' partial sums added (as elementwise adds, which XLA fuses into y's consumer), the
+    padding rows dropped. One device kernel a call without a K split."""
     rows = x.shape[0]
-    x = jnp.pad(x, ((0, -rows % cfg.block_m), (0, 0)))
+    if interpret:  # interpret mode reads whole blocks: x padded to them (a GPU masks the rows instead)
+        x = jnp.pad(x, ((0, -rows % cfg.block_m), (0, 0)))
     if cfg.decode == "alu":
         codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
     out = fp8_matmul_pallas(x, codes, scales, layer, rows=rows, groups=groups, out_dtype=out_dtype, cfg=cfg,
                             interpret=interpret)
-    if cfg.k_splits == 1:
-        return out[0, :rows]
-    return out[:, :rows].sum(axis=0).astype(out_dtype)
+    out = out[:, :rows]
+    y = out[0]
+    for split in range(1, cfg.k_splits):  # in split order (a fixed summation order)
+        y = y + out[split]
+    return y.astype(out_dtype)

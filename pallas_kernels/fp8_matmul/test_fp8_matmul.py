@@ -267,6 +267,17 @@ def test_calls_alike_lower_the_kernel_once():
     assert text.count("stablehlo.custom_call") == 1
 
 
+def test_a_decode_call_is_one_kernel_on_a_gpu():
+    """Lowered for CUDA: a decode row reaches the kernel unpadded (masked loads; no pad fusion before it) and,
+    without a K split, nothing runs after it but the slice of its real rows."""
+    w = _abstract_weight(8192, 1280)
+    x = jax.ShapeDtypeStruct((1, 1280), jnp.bfloat16)
+    cfg = KernelConfig(block_k=256, k_splits=1)
+    text = _lowered_for_cuda(lambda x, w: fp8_matmul(x, w, interpret=False, config=cfg), x, w)
+    assert text.count("stablehlo.custom_call") == 1 and "stablehlo.pad" not in text
+    assert "stablehlo.add" not in text and "stablehlo.reduce" not in text
+
+
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m", [1, 32, 2048])
 @pytest.mark.parametrize("decode", fp8_kernel.DECODES)
