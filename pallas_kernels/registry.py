@@ -13,6 +13,14 @@ from __future__ import annotations
 
 IMPLEMENTATIONS = ("xla", "pallas")
 DEPRECATED = {"reference": "xla"}
+# Every kernel op: its folder under pallas_kernels/ and its public entry in that folder's ops.py.
+OPS = {
+    "sparse_attention": "sparse_attention",
+    "moe": "routed_experts",
+    "indexer": "index_topk",
+    "hc_mix": "comb",
+    "fp8_matmul": "fp8_matmul",
+}
 
 
 def resolve(impl: str, what: str = "impl") -> str:
