@@ -85,8 +85,9 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
 def _one_row_plan(ids, valid, num_experts: int, block_m: int) -> TilePlan:
     """One row (a batch-1 decode step): its k pairs name k experts, distinct under top-k, so each pair is its own
     tile in slot order, with no sort: elementwise work only, where a plan by pairwise comparisons takes ~4 small
-    kernels a layer (measured: see docs/BENCHMARKS.md, section "A group scan's loop inside a loop"). Tile order does not change a pair's result
-    (each tile is computed alone and ``pair_pos`` finds it); an expert named twice is read once for each pair."""
+    kernels a layer (measured: see docs/BENCHMARKS.md, section "A group scan's loop inside a loop"). Tile order
+    does not change a pair's result (each tile is computed alone and ``pair_pos`` finds it); an expert named twice
+    is read once for each pair."""
     k = ids.shape[0]
     slot = jnp.arange(k, dtype=jnp.int32)
     return TilePlan(

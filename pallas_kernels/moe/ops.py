@@ -285,8 +285,9 @@ def _layers_as_experts(weights: ExpertWeights) -> ExpertWeights:
 def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expert, *, num_experts: int,
                    swiglu_limit: float, cfg: moe_kernel.KernelConfig, interpret: bool) -> jax.Array:
     """The Pallas path's device work as one jitted function: every layer calls it with the same shapes, so a
-    model program traces and lowers it once (12 calls a 40-layer decode step; each lowered its Triton kernels
-    again, ~40 ms a call on this repository's CPU host). ``weights`` hold ``num_experts`` experts from
+    model program traces and lowers it once (12 calls a 40-layer decode step, each of which would otherwise
+    lower its Triton kernels again: measured, see docs/BENCHMARKS.md, section "Lowering for CUDA on the CPU
+    host"). ``weights`` hold ``num_experts`` experts from
     ``first_expert`` on (int32 scalar; a stack of layers' experts: the layer's first): the plan is the layer's,
     its tiles point into the stack."""
     plan = plan_tiles(topk_ids, num_experts, cfg.block_m)
