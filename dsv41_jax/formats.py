@@ -248,8 +248,8 @@ def pow2_ceil(v: jax.Array) -> jax.Array:
 def round_to_e4m3(v: jax.Array) -> jax.Array:
     """v f32 (|v| ≤ 448) rounded to the nearest e4m3fn value (ties to even), in f32: what
     ``v.astype(float8_e4m3fn).astype(float32)`` means, written with ``lax.reduce_precision``. XLA's GPU backend may
-    drop a narrowing-then-widening convert pair inside a fusion (its excess-precision default): measured on the
-    H200, an e4m3 round trip came back off by up to 0.12 (issue 12), so the rounding point silently vanished;
+    drop a narrowing-then-widening convert pair inside a fusion (its excess-precision default), so the rounding
+    point would silently vanish (measured: see docs/BENCHMARKS.md, section "Rounding points on the GPU");
     reduce_precision is kept. IEEE-style e4m3 (``reduce_precision(·, 4, 3)``) equals e4m3fn below 2^8 (same bias,
     normals); e4m3fn's extra top binade [256, 448] is the IEEE format one binade down, scaled by 2; below 2^-6
     (where reduce_precision flushes to zero) the subnormals are the multiples of 2^-9, rounded half to even."""

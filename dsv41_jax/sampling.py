@@ -3,10 +3,10 @@
 All settings are per-sequence *arrays*, not static arguments, so one compiled decode step serves every
 sampled setting (changing ``--temperature``, ``--top-k`` or ``--top-p`` never recompiles). A batch whose requests
 are all greedy passes no arrays (``sample(logits, None, step)``): its step is a program of its own that takes
-the argmax and skips the filters' sort of the vocabulary (0.87 ms for 32 rows of 129,280 on the H200). The host
-makes that choice, knowing the settings: a ``lax.cond`` on the arrays inside the step would make the GPU program
-wait on the host for its predicate, and chained steps would no longer queue ahead (docs/BENCHMARKS.md "Sampling
-in the server's step"). Each sequence draws from its own key stream ``fold_in(key(seed_b), step)``: its samples
+the argmax and skips the filters' sort of the vocabulary. The host makes that choice, knowing the settings: a
+``lax.cond`` on the arrays inside the step would make the GPU program wait on the host for its predicate, and
+chained steps would no longer queue ahead (measured: see docs/BENCHMARKS.md, section "Sampling in the server's
+step"). Each sequence draws from its own key stream ``fold_in(key(seed_b), step)``: its samples
 do not depend on which other sequences share the batch.
 """
 

@@ -1,4 +1,4 @@
-"""DSpark speculative decoding (`MODEL.md` §B.13, VISION.md §V.H, issue 17): draft K tokens with the stages,
+"""DSpark speculative decoding (`MODEL.md` §B.13, VISION.md §V.H): draft K tokens with the stages,
 verify ``[b, d_0 … d_{K−1}]`` as one (K+1)-row target step, accept, roll back, draft again: one program a round.
 
 State (`SpecState`): the target cache (``offset`` = P: positions < P are in it), each stage's context ring

@@ -13,7 +13,7 @@ The partitioner cannot split a Pallas call, so under a mesh the kernels run per 
   42 MB more a layer at 2,048 rows). Replicated ("ep"), it is added after the psum.
 * ``engram_gather``: the engram tables split by hash column (``rules`` "engram_rows"): each rank gathers its own
   columns' rows from its slab and one ``all_gather`` (the stored bytes, e4m3 + ue8m0) gives every rank all rows.
-* ``hc_comb``: in a row-parallel segment (issue #22) the HC mix's comb kernel on each device's rows of the
+* ``hc_comb``: in a row-parallel segment the HC mix's comb kernel on each device's rows of the
   segment (activation rule "stream_rows"); a Pallas call cannot be partitioned, so XLA would otherwise gather
   every row's logits to each device, run the whole kernel there and slice. No collective.
 * ``index_topk``: every input and output replicated (``rules``: the indexer's top-k is one selection for

@@ -74,9 +74,9 @@ class Indexer(nnx.Module):
 
 
 # Launches of at most this many rows a sequence select on the XLA path even with indexer_impl="pallas" (0: none).
-# Measured on the H200 (docs/BENCHMARKS.md, issue 15, 2026-12-02): the 2-layer decode step at 300 K took 2.11 ms
-# on the XLA path and 1.80 ms in the kernel (one row a program), 1.70 / 1.68 ms at 0; both select the same
-# entries (one tie rule), so the choice is speed only.
+# Both select the same entries (one tie rule), so the choice is speed only: the kernel (one row a program) is the
+# faster one in the decode step (measured: see docs/BENCHMARKS.md, section "Indexer: decode rows one row a
+# program").
 XLA_DECODE_ROWS = 0
 SCORE_BUDGET_BYTES = INDEX_BUDGET  # scratch for one block of query rows (score matrices, gathered keys)
 

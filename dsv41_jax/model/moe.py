@@ -37,7 +37,7 @@ class Router(nnx.Module):
         Image rows select with ``bias_vl`` instead of ``bias``; the weights are the raw scores either way."""
         # λ = f32(u)·f32(W)ᵀ (§B.10). Two bf16 operands go in as they are: their products are exact in f32 and
         # the sum accumulates in f32, so this is the same λ up to summation order, on tensor cores (an f32
-        # GEMM at HIGHEST runs without them; issue #22).
+        # GEMM at HIGHEST runs without them).
         weight = self.weight[...]
         if jnp.promote_types(x.dtype, weight.dtype) == jnp.float32:
             x, weight = x.astype(jnp.float32), weight.astype(jnp.float32)

@@ -13,11 +13,10 @@ from flax import nnx
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-# Rows from which ``f32_matmul`` runs a bf16 input against an f32 weight as the split bf16 GEMM. Measured in the
-# model (H200, 2026-12-02, BENCHMARKS.md "The HC product at few rows"): the IEEE-f32 GEMM of the HC mix took
-# ~0.45 ms a call at 8 rows (the 40-layer decode step at batch 8: 67 ms, 41 of it in that product; 28.7 ms split);
-# at one row the split was no faster in the step (40 layers 14.46 vs 14.31 ms; 2-layer cut 1.096 vs 1.042 ms), so a
-# batch-1 step keeps the f32 product.
+# Rows from which ``f32_matmul`` runs a bf16 input against an f32 weight as the split bf16 GEMM. From two rows the
+# IEEE-f32 GEMM of the HC mix is far slower than the split GEMM in the model's step; at one row the split is no
+# faster, so a batch-1 step keeps the f32 product (measured: see docs/BENCHMARKS.md, section "The HC product at few
+# rows; the whole model's decode split").
 SPLIT_MIN_ROWS = 2
 
 
@@ -39,7 +38,7 @@ def f32_matmul(x: jnp.ndarray, weight: jnp.ndarray) -> jnp.ndarray:
     A bf16 ``x`` against an f32 ``weight`` over ``SPLIT_MIN_ROWS`` rows or more runs as one bf16 GEMM (tensor
     cores) against the weight's exact split into three bf16 pieces, w = hi + mid + lo (8 significant bits each of
     f32's 24): each bf16·bf16 product is exact in f32 and accumulates in f32, so the result is the f32 GEMM's up
-    to summation order. Otherwise an f32 GEMM at HIGHEST (IEEE f32 on a GPU, no tensor cores; issue #22)."""
+    to summation order. Otherwise an f32 GEMM at HIGHEST (IEEE f32 on a GPU, no tensor cores)."""
     rows = math.prod(x.shape[:-1])
     f32 = jnp.float32
     if x.dtype != jnp.bfloat16 or weight.dtype != f32 or rows < SPLIT_MIN_ROWS:

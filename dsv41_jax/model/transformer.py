@@ -155,7 +155,7 @@ class Block(nnx.Module):
         if taps is not None:  # §B.13 / VISION.md §V.H item 1: the mean of the streams entering the layer
             taps["entering"] = jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
         # Row-parallel segment: the per-row work (mixes, collapse, norms, expand) on each rank's rows; the sublayer
-        # input is gathered for attention and the MoE, whose outputs come back whole (issue #22).
+        # input is gathered for attention and the MoE, whose outputs come back whole.
         split = self._row_split(streams.shape[1])
         rows = (lambda x: constrain(x, "stream_rows")) if split else (lambda x: x)
         whole = (lambda x: constrain(x, "replicated")) if split else (lambda x: x)
@@ -235,8 +235,7 @@ def _split_routed(block: Block):
     """(graphdef, routed experts, other weights) of a stacked unit's Block. The loop slices the other weights a
     layer a step; the routed experts stay the unit's whole stack [n, E, ...], which each layer's MoE op reads in
     place at its row (``expert_row``): a loop-sliced layer of them is a copy of all E experts a layer every
-    step (H200: 40-layer decode with 24 experts a layer 56 ms a step, docs/BENCHMARKS.md "Scanned layers read
-    their experts in place")."""
+    step (measured: see docs/BENCHMARKS.md, section "Scanned layers read their experts in place")."""
     return nnx.split(block, nnx.PathContains("experts"), ...)
 
 
@@ -292,9 +291,9 @@ def _run_groups(leads: Block, runs: Block, lead_caches: list, run_caches: list, 
         lead = nnx.merge(lead_def, lead_routed, lw)
         s, p, lc, repeat_csa = lead(*carry, seg, lc, csa, is_image, None, tap, lead_row)
         # the run unrolled in the repeat (scan=False): a loop here would take the repeat's rows of the run's
-        # stacks as its input, a copy of n layers' weights every repeat (1.9 ms of a 40-layer decode step on the
-        # H200: docs/BENCHMARKS.md "A group scan's loop inside a loop"); unrolled, each layer's products read
-        # its row of the stacks in place at an offset of the repeats' loop counter
+        # stacks as its input, a copy of n layers' weights every repeat (measured: see docs/BENCHMARKS.md, section
+        # "A group scan's loop inside a loop"); unrolled, each layer's products read its row of the stacks in
+        # place at an offset of the repeats' loop counter
         s, p, rc, run_entering = _scan_run(run_def, run_routed, rw, run_rows, rc, s, p, seg, repeat_csa, is_image,
                                            taps, scan=False)
         return (s, p), (lc, rc, repeat_csa.topk[lead_id], tap["entering"] if taps else None, run_entering)

@@ -95,7 +95,7 @@ def prefill_rows(options: PlanOptions) -> int:
     return CAP_4K if options.pf4k else CAP_2K
 
 
-# What this package plans but no engine path runs (issue #13): the plan sizes these so the numbers exist when
+# What this package plans but no engine path runs: the plan sizes these so the numbers exist when
 # the feature does; ``planned_only`` names the ones a plan uses, and the CLI marks them in --help and the report.
 PLANNED_ONLY: dict[str, str] = {
     "replay": "CED bounded replay (§A, R8; parts encoder / decoder): the engine prefills every layer of every "

@@ -34,8 +34,9 @@ dispatches the next step and feeds every slot's row itself (as `Engine.generate`
 Why a long prompt prefills into one row and is copied, rather than by a forward over all S slots with
 ``lengths`` 0 for the others: the S-slot forward computes S x T rows for one prompt's T (every row of a static
 batch is computed, padding or not), so its cost grows with the slot count; the one-row prefill costs T rows
-whatever S is, and the copy is one dynamic-update-slice per cache leaf (`docs/DESIGN.md` "Serving" has the
-CPU measurement). It also makes a request's prefill independent of what else runs.
+whatever S is, and the copy is one dynamic-update-slice per cache leaf (measured: see docs/BENCHMARKS.md, section
+"Figures recorded in docs/DESIGN.md until it held contracts only"). It also makes a request's prefill independent
+of what else runs.
 
 A finished request (end id, ``max_new_tokens``: its slot's chain already stopped on the device; or `cancel`: a
 stop string, a client gone) frees its slot when the host reads it (at once for a cancel); the next admission

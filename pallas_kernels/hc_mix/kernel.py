@@ -1,7 +1,7 @@
 """The comb's softmax + Sinkhorn (MODEL.md §B.3) as one Pallas kernel.
 
-XLA runs Sinkhorn as a loop of small reduce and divide kernels: on the H200 a 2-layer decode step launched ~76
-of each (4 mixes × 19 iterations), most of the step's ~560 launches (docs/BENCHMARKS.md, 2026-12-01). Here one
+XLA runs Sinkhorn as a loop of small reduce and divide kernels, a few launches per iteration and mix, most of a
+decode step's launches (measured: see docs/BENCHMARKS.md, section "Decode: one program a step"). Here one
 program holds a tile of rows with the S·S entries of each row's matrix as S·S separate row vectors (the input is
 laid out [S·S, N]), so every pass is elementwise arithmetic on registers: one launch per mix, whatever the
 number of iterations (a loop inside the kernel). Summation order inside a row or column is left to right (the XLA reduce may pair

@@ -18,10 +18,10 @@ A key buffer of at most K·G keys (a cache sized for a short context) would resc
 (no group selection, no rescore); the candidate source's block maxima are then taken from those scores.
 
 Selections of K run in ``_select_kernel`` (one row of up to SELECT_MAX entries in registers, the K-th value
-found bit by bit with up to 32 count reductions, stopping once exactly K entries lie at or above the bits found:
-0.23 ms for 2,048 × 4,096 on the H200 where ``lax.top_k``, which sorts, took 0.82 ms; the early stop took a
-later measurement of it from 119 to 96 µs); ``top_k_indices`` selects longer rows piece by piece. Both pick
-``lax.top_k``'s entries.
+found bit by bit with up to 32 count reductions, stopping once exactly K entries lie at or above the bits found;
+several times faster than ``lax.top_k``, which sorts: measured, see docs/BENCHMARKS.md, sections "Indexer: one
+score pass, the best groups rescored" and "Decode attention split over keys; select kernel that stops early");
+``top_k_indices`` selects longer rows piece by piece. Both pick ``lax.top_k``'s entries.
 
 Why the K best groups hold the exact top-K (with the op's tie rule: among equal scores the lower key index).
 Let L be the K-th largest group maximum. A key with score > L lies in a group with maximum > L: all such groups
@@ -45,10 +45,10 @@ padding), bf16, reading the key cache in place (masked loads, no padded copy). T
 the cache (rows × N/G), so ``ops`` runs long segments in launches of rows sized to a workspace budget
 (``tiling.launch_rows``; the planner's "fused" path uses the same function).
 
-Cost (docs/BENCHMARKS.md, issue 15): one score pass over the visible keys (~390 TFLOP/s on the H200 at 300 K
-keys); the group selection over N/G maxima; the rescore of K·G keys per row (2·H·d·K·G FLOPs, the keys
-gathered from HBM) and a selection over K·G entries. 2,048 rows at 300 K keys: 10.3 ms (74 % of the bf16
-GEMM rate in useful FLOPs); one decode row: ~0.05 ms of kernels inside the model's decode step.
+Cost: one score pass over the visible keys (the bulk of the op at long context); the group selection over N/G
+maxima; the rescore of K·G keys per row (2·H·d·K·G FLOPs, the keys gathered from HBM) and a selection over K·G
+entries. Measured rates: docs/BENCHMARKS.md, sections "Indexer: one score pass, the best groups rescored" and
+"Indexer score pass on Mosaic GPU".
 """
 
 from __future__ import annotations
@@ -65,11 +65,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.indexer import mosaic
 from pallas_kernels.indexer.tiling import RESCORE_TILE, SELECT_BITS, SELECT_MAX, SUPER_GROUPS, tiling
 
-# The maxima pass of prefill launches on an H200: "mosaic" (``mosaic.py``, warp-specialised, wherever
-# ``mosaic.supported``; elsewhere the Triton pass) or "triton" (``_maxima_kernel``, every launch). Through the op on
-# the H200 (2026-12-02): 2,048 rows at 300 K 7.25 / 4.17 ms (ratio 1 / 2; Triton 10.16 / 5.58) and the 2-layer
-# prefill at 300 K 31.98 ms (Triton 36.4-37.1), picks equal (docs/BENCHMARKS.md). Read when the op is traced: set
-# it before the first call (the jitted op keeps what it traced).
+# The maxima pass of prefill launches on sm_90: "mosaic" (``mosaic.py``, warp-specialised, wherever
+# ``mosaic.supported``; elsewhere the Triton pass) or "triton" (``_maxima_kernel``, every launch). The Mosaic pass
+# is the faster, with the same picks (measured: see docs/BENCHMARKS.md, section "Indexer score pass on Mosaic
+# GPU"). Read when the op is traced: set it before the first call (the jitted op keeps what it traced).
 SCORE_PASS = "mosaic"
 
 
@@ -340,8 +339,8 @@ def best_groups(maxima, count: int, per_super: int = SUPER_GROUPS, interpret: bo
     """The ``count`` groups with the largest maxima (equal maxima: the lower index first), in ascending order.
     maxima f32 [B, T, M] -> int32 [B, T, count].
 
-    Two levels when M is large (selecting from all M entries was the slow part: ~5 ms by ``lax.top_k`` for
-    2,048 × 37.7 K on the H200): the ``count`` best super-groups of ``per_super`` consecutive groups, then the
+    Two levels when M is large (selecting from all M entries at once was the slow part): the ``count`` best
+    super-groups of ``per_super`` consecutive groups, then the
     best ``count`` of their groups. Exact with the tie rule by the module docstring's argument, one level up
     (super-groups hold groups as groups hold keys); both selections (``top_k_indices``) prefer the lower slot,
     and slots are in index order."""

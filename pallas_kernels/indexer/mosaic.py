@@ -6,14 +6,15 @@ maxima[t, g] = max over the keys j of group g of Σ_h w'[h, t]·ReLU(q[h, t]·ke
 f32 head sum; w' = w·d^(−1/2), ``kernel._score_operands``), −∞ where j ≥ nvis[t]. ``kernel`` calls it for the
 prefill launches it fits (``supported``); the Triton pass runs everything else (and every CPU interpret run).
 
-Why. The Triton pass ran at ~490–520 TFLOP/s on the H200: per key tile its per-head chain (load q_h, MMA, wait,
-ReLU-FMA) is serial in the Triton lowering, whatever the source order (docs/BENCHMARKS.md, issue 15). Here one
+Why. In the Triton pass, per key tile, the per-head chain (load q_h, MMA, wait, ReLU-FMA) is serial in the
+Triton lowering, whatever the source order, which holds it below the GEMM rate. Here one
 CTA is three warpgroups, as jax's FlashAttention-3 example (``ops/gpu/attention_mgpu.py``): a memory warpgroup
 streams q_h tiles ([64, 128] bf16, ``q_slots`` buffers; q for all heads of 64 rows is 512 KB, so it cannot stay)
 and key half-tiles (``key_slots`` buffers) by TMA with barriers, and two compute warpgroups score the same 64
 rows against their own ``kpw`` keys of a step: per head S = wgmma(q_h, kᵀ), acc += max(S, 0)·w'_h. The two
-warpgroups' MMAs and epilogues overlap on the SM (measured: 780–812 TFLOP/s at 2,048 rows × 151 K / 302 K keys,
-1.7× the Triton pass; the FA3-style schedule barrier between them made it slower, so it is off by default).
+warpgroups' MMAs and epilogues overlap on the SM (faster than the Triton pass; the FA3-style schedule barrier
+between them made it slower, so it is off by default; measured: see docs/BENCHMARKS.md, section "Indexer score
+pass on Mosaic GPU").
 
 Group maxima without a reshape (a WGMMA-layout array cannot split its minor dimension): the keys are permuted
 in HBM first (an 8×8 transpose inside each block of 64 keys: position 8i + g holds key 8g + i), so the 8 keys of

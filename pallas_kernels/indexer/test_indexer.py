@@ -7,7 +7,7 @@ drawn on the fp4 grid (e2m1 levels × a power of two per block of 32, as the rou
 every q·k dot is exact in f32 and in bf16/e4m3 MMAs; the only rounding an implementation adds is the f32
 weighted sum over heads (≤ (H + 2)·2⁻²⁴·Σ_h|term| ≤ 2⁻¹⁸·mag for H ≤ 32, mag = Σ_h |w_h|·ReLU(q_h·k)·d^(−1/2)).
 
-"Equal selection" (issue 15): the same multiset of scores (to that bound), the same set wherever the K-th
+"Equal selection": the same multiset of scores (to that bound), the same set wherever the K-th
 score is not tied within it, and exactly the oracle's lowest-index choice when scores are exact (cases whose
 arithmetic is exact in f32: tolerance 0).
 """

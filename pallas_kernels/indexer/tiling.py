@@ -6,8 +6,8 @@ TARGET_PROGRAMS = 264  # H200: 132 SMs; split the keys until about two waves of 
 SMS = 132              # H200 streaming multiprocessors: a launch's programs are split into whole waves of them
 RESCORE_TILE = 128     # candidates a rescore program gathers and scores (one MMA of [H, d] × [d, 128])
 SELECT_MAX = 8192      # longest row kernel.top_k_indices selects in one program (longer: piece by piece)
-SELECT_BITS = 1        # bits of the K-th value kernel._select_kernel decides a step (H200: 1 best on the mix)
-SUPER_GROUPS = 8       # groups per super-group in kernel.best_groups (8 beat 16 and 32 on the H200)
+SELECT_BITS = 1        # bits of the K-th value kernel._select_kernel decides a step (1 measured best on the mix)
+SUPER_GROUPS = 8       # groups per super-group in kernel.best_groups (8 measured faster than 16 and 32)
 ROW_PROGRAM_MAX = 8    # launches of at most this many rows a sequence (decode) score one row a program
 GROUP = 8              # keys a group maximum stands for (rows too short to need it score every key)
 
@@ -24,9 +24,8 @@ def tiling(batch: int, rows: int, keys: int, k: int, *, keep_blocks: int = 0, bl
     pass keeps every key's score instead; the choice is static, by the buffer, not the visible keys); splits: key
     splits per row block so that at least TARGET_PROGRAMS programs run, in whole waves (``key_splits``; few for a
     2,048-row prefill; many for decode); num_warps 4, num_stages 3 (the key tiles' copy pipeline). Defaults: the
-    H200 sweep of docs/BENCHMARKS.md (issue 15, 2026-12-01 22:45 UTC: the maxima pass at 2,048 rows × 302 K keys
-    took 12.8 ms with these, 19.4 ms with 64-key tiles). candidates: keys rescored per row, min(K, groups)·G
-    (kernel.py)."""
+    fastest of a sweep (measured: see docs/BENCHMARKS.md, section "Indexer: one score pass, the best groups
+    rescored"). candidates: keys rescored per row, min(K, groups)·G (kernel.py)."""
     br = block_rows or (1 if rows <= ROW_PROGRAM_MAX else 16 if rows <= 16 else 64)
     kt = key_tile or 128
     g = block_size if keep_blocks else (group or GROUP)
@@ -49,9 +48,8 @@ def key_splits(blocks: int, tiles: int) -> int:
     """Key splits per row block: at least TARGET_PROGRAMS programs in all (up to one split per key tile), and
     of the split counts up to twice that, the one whose programs fill their last wave of SMS best (the fewest
     splits among equals). Every program of a long-context launch walks about as many tiles, so a launch
-    lasts as many program-times as it has waves: 16 row blocks × 17 splits = 272 programs ran 2,048 rows of
-    a ratio-2 layer at 300 K at 53 % of the GEMM rate where 264-program launches ran at 72–78 % on the H200
-    (docs/BENCHMARKS.md, issue 15, 2026-12-02)."""
+    lasts as many program-times as it has waves: a launch a few programs past whole waves pays a whole extra
+    wave (measured: see docs/BENCHMARKS.md, section "Indexer launches in whole waves")."""
     least = max(1, min(tiles, -(-TARGET_PROGRAMS // blocks)))
 
     def filled(s: int) -> float:

@@ -59,9 +59,9 @@ def block_maxima(s, block_size: int):
     return padded.reshape(b, t, n_blocks, block_size).max(axis=-1)
 
 
-# From this many entries a GPU selects by radix (``radix_top_k``), below it by ``lax.top_k``: measured on the
-# H200 (docs/BENCHMARKS.md, issue 15) K = 512 of 300 K entries took 0.13 / 0.68 ms by lax.top_k for 1 / 8
-# rows, 0.11 / 0.31 ms by radix; on CPU lax.top_k is the faster one.
+# From this many entries a GPU selects by radix (``radix_top_k``), below it by ``lax.top_k``: on a GPU the radix
+# selection is the faster of the two at long rows (measured: see docs/BENCHMARKS.md, section "The decode path:
+# bf16 scores and a radix selection"); on CPU lax.top_k is the faster one.
 RADIX_MIN_ENTRIES = 32768
 RADIX_BITS = 4  # digits per pass: 8 passes of 16 bins (8-bit digits measured slower: 256 compares an entry)
 

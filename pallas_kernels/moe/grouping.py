@@ -84,9 +84,10 @@ def plan_tiles(topk_ids: jax.Array, num_experts: int, block_m: int) -> TilePlan:
 
 def _one_row_plan(ids, valid, num_experts: int, block_m: int) -> TilePlan:
     """One row (a batch-1 decode step): its k pairs name k experts, distinct under top-k, so each pair is its own
-    tile in slot order, with no sort: elementwise work only, where a plan by pairwise comparisons took ~4 small
-    kernels a layer (~0.1 ms of a 40-layer step on the H200). Tile order does not change a pair's result
-    (each tile is computed alone and ``pair_pos`` finds it); an expert named twice is read once for each pair."""
+    tile in slot order, with no sort: elementwise work only, where a plan by pairwise comparisons takes ~4 small
+    kernels a layer (measured: see docs/BENCHMARKS.md, section "A group scan's loop inside a loop"). Tile order
+    does not change a pair's result (each tile is computed alone and ``pair_pos`` finds it); an expert named twice
+    is read once for each pair."""
     k = ids.shape[0]
     slot = jnp.arange(k, dtype=jnp.int32)
     return TilePlan(
@@ -102,7 +103,7 @@ def _one_row_plan(ids, valid, num_experts: int, block_m: int) -> TilePlan:
 # Pairs a ``_counted_tiles`` block compares pairwise ([blocks, B, B] comparisons; a block's bucket counts are
 # [blocks, B, E + 2] comparisons): 12,288 pairs (2,048 rows, top-6) make 48 blocks, a decode step's pairs one. The
 # earlier blocks' counts are a masked [blocks, blocks, E + 2] sum, growing with the square of the pairs (57 M terms
-# at 8 sequences × 2,048 rows × top-6 of 384; timed on the H200 up to 24,576 pairs: 37 µs the whole plan).
+# at 8 sequences × 2,048 rows × top-6 of 384).
 COUNT_BLOCK = 256
 
 
@@ -112,10 +113,10 @@ def _counted_tiles(bucket, num_experts: int, block_m: int):
     sort. Pair i's slot is the pairs of lower buckets, plus those of its bucket in earlier blocks of
     ``COUNT_BLOCK`` pairs, plus the earlier ones of its own block; the prefix sums over the E + 2 buckets and the
     tiles are masked sums, and a tile's expert counts the experts whose tiles end at or before it (a search by
-    comparison). Each step is a comparison and a sum (``order`` a scatter): no sort, scan or search loop. On the
-    H200 (BENCHMARKS.md "fp4 experts: one accumulator") 25 µs at 12,288 pairs, where an argsort, cumsums and a
-    search loop took 0.16-0.22 ms of a 2,048-row MoE call, and 12-14 µs at decode sizes (48-384 pairs), as the
-    pairwise comparisons of all the pairs it replaces there (9.5-20 µs)."""
+    comparison). Each step is a comparison and a sum (``order`` a scatter): no sort, scan or search loop; several
+    times faster than an argsort, cumsums and a search loop at prefill sizes, and as fast as the pairwise
+    comparisons of all the pairs at decode sizes (measured: see docs/BENCHMARKS.md, section "fp4 experts: one
+    accumulator; the MoE plan as a counting sort")."""
     num_pairs = bucket.shape[0]
     block = max(1, min(COUNT_BLOCK, num_pairs))  # no pairs: no blocks
     n_blocks = -(-num_pairs // block)

@@ -174,8 +174,8 @@ def _plane_dots(acc, a_ref, a_rows, start, chunk_len, planes, weights_first: boo
 
     Each plane's product is added to the running accumulator itself, so Triton fuses every add into its dot
     (``dot(p, a, acc)``): four chained MMAs on one accumulator a K step. Summing the planes first and adding the
-    sum was 11-21 % slower (H200, 2,048 rows at F = 576: ``gate_up`` 1.035 -> 0.914 ms, ``down`` 0.641 -> 0.508
-    ms; BENCHMARKS.md "fp4 experts: one accumulator")."""
+    sum is slower (measured: see docs/BENCHMARKS.md, section "fp4 experts: one accumulator; the MoE plan as a
+    counting sort")."""
     quarter = chunk_len // 4
     for n in range(4):
         a = a_ref[a_rows, pl.ds(start + n * quarter, quarter)]

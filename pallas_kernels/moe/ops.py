@@ -108,18 +108,17 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
     prefill-sized block, PLANNER.md §E), the rest the largest that divide.
 
     bf16 prefill-sized tiles (BM 64) of an F that 128 divides compute 128 act columns a program from 64-wide K
-    chunks, 4 stages: half the programs, so each gathered x row is read half as often (H200, 2,048 rows: F = 2,304
-    ``gate_up`` 4.69 -> 4.19 ms, 0.99x its read floor; BENCHMARKS.md "routed experts at prefill sizes"); other
-    widths stream 128-wide K chunks (3 stages) into 64 columns. fp4 tiles above decode size take the dequantised
-    weights as the GEMMs' first operand (``fp4_weights_first``) with 64 act columns from 128-wide K chunks, 3
-    stages, and ``down`` steps over 128-wide F chunks where 128 divides F, 3 stages (H200, 2,048 rows, the op: F =
-    576 / 1,152 / 2,304 2.72 / 4.64 / 8.67 -> 1.89 / 3.04 / 5.79 ms; BENCHMARKS.md "fp4 experts: the weights as the
-    first operand"; ``down`` with 3 stages rather than 4: 0.944 -> 0.837 ms at F = 1,152, "fp4 experts: one
-    accumulator").
+    chunks, 4 stages: half the programs, so each gathered x row is read half as often (measured: see
+    docs/BENCHMARKS.md, section "The maximum context with the Mosaic pass; routed experts at prefill sizes; norms
+    without a barrier"); other widths stream 128-wide K chunks (3 stages) into 64 columns. fp4 tiles above decode
+    size take the dequantised weights as the GEMMs' first operand (``fp4_weights_first``: Hopper's wgmma takes its
+    first operand from registers, where the decoded tile is) with 64 act columns from 128-wide K chunks, 3 stages,
+    and ``down`` steps over 128-wide F chunks where 128 divides F, 3 stages (measured: see docs/BENCHMARKS.md,
+    sections "fp4 experts: the weights as the first operand" and "fp4 experts: one accumulator; the MoE plan as a
+    counting sort").
     Decode-sized tiles (BM 16: under 4 rows an expert) stream 256-wide K chunks in both formats: each program
     then has twice to four times the bytes in flight per step, which is what a tile of one or two rows lacks
-    (H200, 8 rows at F = 576: fp4 ``gate_up`` 0.137 -> 0.089 ms; bf16 at one row, F = 2,304: 0.084 -> 0.078
-    ms; BENCHMARKS.md "Routed experts at decode sizes").
+    (measured: see docs/BENCHMARKS.md, section "Routed experts at decode sizes").
     """
     def k_chunk(size: int, candidates: tuple[int, ...], what: str) -> int:
         fits = tuple(c for c in candidates if c % FP4_K_MULTIPLE == 0 or not weights.is_fp4)
@@ -177,7 +176,7 @@ def _check_shapes(x, topk_ids, topk_weights, weights: ExpertWeights) -> None:
 
 # The Pallas Triton lowering addresses an operand with 64-bit offsets only past 2**32 bytes (jax 0.10.2 / 0.11.2,
 # ``_compute_offsets_from_indices``) and counts its offsets in elements as signed int32: an operand of one-byte
-# elements of 2-4 GiB wraps and reads outside itself (CUDA_ERROR_ILLEGAL_ADDRESS on the H200, docs/BENCHMARKS.md).
+# elements of 2-4 GiB wraps and reads outside itself (CUDA_ERROR_ILLEGAL_ADDRESS on a GPU).
 INT32_WRAP_BYTES = (2**31, 2**32)
 
 
@@ -286,8 +285,9 @@ def _layers_as_experts(weights: ExpertWeights) -> ExpertWeights:
 def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expert, *, num_experts: int,
                    swiglu_limit: float, cfg: moe_kernel.KernelConfig, interpret: bool) -> jax.Array:
     """The Pallas path's device work as one jitted function: every layer calls it with the same shapes, so a
-    model program traces and lowers it once (12 calls a 40-layer decode step; each lowered its Triton kernels
-    again, ~40 ms a call on this repository's CPU host). ``weights`` hold ``num_experts`` experts from
+    model program traces and lowers it once (12 calls a 40-layer decode step, each of which would otherwise
+    lower its Triton kernels again: measured, see docs/BENCHMARKS.md, section "Lowering for CUDA on the CPU
+    host"). ``weights`` hold ``num_experts`` experts from
     ``first_expert`` on (int32 scalar; a stack of layers' experts: the layer's first): the plan is the layer's,
     its tiles point into the stack."""
     plan = plan_tiles(topk_ids, num_experts, cfg.block_m)
@@ -306,7 +306,7 @@ def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expe
 
 def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
     """The kernels' grids cover F / BF and D / BN blocks and step over D / BK chunks: a block that does not
-    divide its width would leave columns uncomputed (on the H200, BF 128 at F = 576 gave a 33 % error). fp4
+    divide its width would leave columns uncomputed (silently wrong output). fp4
     K chunks (BK for gate_up, ``down_chunk`` for down) are multiples of 64: four planes of 16+ columns (a GPU dot's
     least K) of whole groups of 32 codes sharing one scale."""
     for what, size, block in (("expert width F", weights.width, cfg.block_f),

@@ -8,8 +8,8 @@ contract's bf16 cast of the activation before the down projection.
 Precision: every dot asks for the F32_F32_F32 algorithm (f32 operands, products and accumulation): on a GPU
 a float32 dot otherwise may run in TF32. The activation's bf16 rounding is ``lax.reduce_precision``, not an
 ``astype`` round trip: XLA's GPU backend may drop a bf16 round trip inside a fusion (its "excess precision"
-default), which an H200 run showed here as a 1.5e-3 relative error against the per-pair numpy oracle (issue 12),
-while the dots themselves measured exact (6.8e-8) with or without the scan.
+default), which showed here on a GPU as an error against the per-pair numpy oracle while the dots themselves
+were exact, with or without the scan (see docs/BENCHMARKS.md, section "Rounding points on the GPU").
 """
 
 from __future__ import annotations

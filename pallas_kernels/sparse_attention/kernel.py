@@ -43,8 +43,8 @@ def lanes_for(head_tile: int) -> int:
 def default_tiling(lanes: int) -> tuple[int, int, int]:
     """(key_tile, num_warps, num_stages) for an MMA tile of `lanes` rows.
 
-    Measured on an H200 (docs/BENCHMARKS.md): 64-key tiles, 4 warps, 2 stages were the
-    fastest of the tilings tried at 16 and 32 rows (0.29 ms at 16 heads vs 0.39 ms for 32-key tiles)."""
+    64-key tiles, 4 warps, 2 stages were the fastest of the tilings tried at 16 and 32 rows (measured: see
+    docs/BENCHMARKS.md, section "Fused sparse prefill attention")."""
     del lanes  # the same tiling won at both row counts
     return (64, 4, 2)
 
@@ -145,7 +145,7 @@ def _finish(carry, sinks_ref, o_ref, *, h0, lanes: int, head_ok):
 def key_splits(rows: int, key_tiles: int) -> int:
     """Programs per (head tile, row) over the row's key tiles: one per key tile in launches of at most
     SPLIT_ROWS rows (decode, a speculative verify), where one program per head tile walked all of a row's ~10
-    key tiles alone (latency-bound: 22 µs a layer for one row on the H200), else 1. Every split launch cuts a
+    key tiles alone (latency-bound), else 1. Every split launch cuts a
     row's keys the same way, so a row's result does not depend on the batch up to SPLIT_ROWS rows, nor on the
     head tile (PLANNER §D rule 3); a launch of more rows rounds its join differently (f32, within 2^-7 relative
     in the tests)."""
@@ -217,7 +217,7 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
                        jax.ShapeDtypeStruct((batch, num_q, splits, num_heads), jnp.float32)],
             compiler_params=params, interpret=interpret, name="sparse_attention_split")(*operands)
         # materialised: left to fuse, XLA recomputed the join inside the consumer's GEMV (each output column
-        # re-reading every split's numerator: +12 µs a decode layer on the H200)
+        # re-reading every split's numerator)
         return lax.optimization_barrier(_combine(acc, m, l, sinks).astype(q.dtype))
     aliases = {}
     if out_init is not None:

@@ -3,8 +3,9 @@
 
 Decode uses the same kernel: it is correct for any T (one program per (head tile, row, sequence)). A launch of
 at most 8 rows (decode) also splits each row's key tiles over programs, one a tile (``kernel.key_splits``), and
-joins their softmax states after (flash-decoding): one program per head tile walked a decode row's ~10 key tiles
-alone, 22 µs a layer on the H200, now 5.5 µs + a 2.4 µs join (docs/BENCHMARKS.md, issue 14).
+joins their softmax states after (flash-decoding): one program per head tile walking a decode row's ~10 key tiles
+alone is latency-bound (measured: see docs/BENCHMARKS.md, section "Decode attention split over keys; select kernel
+that stops early").
 """
 
 from __future__ import annotations
