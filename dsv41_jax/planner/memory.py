@@ -11,10 +11,10 @@ from dsv41_jax.config import ModelConfig
 
 from .admission import Admission, admit
 from .options import CAP_2K, CAP_4K, GiB, MemoryBudget, PlanOptions, PlanRefused, context_limit, prefill_rows
-from .rules import _check_4k, _where
+from .rules import check_4k, segment_label
 from .segment import SegmentPlan, buffer_plan, plan_shape
 from .sizes import cache_pool_bytes, engram_bytes_per_rank, kv_bytes, param_bytes_per_rank
-from .vision import _vision_terms
+from .vision import vision_terms
 
 
 def engram_placement(cfg: ModelConfig, world: int, options: PlanOptions = PlanOptions(),
@@ -42,7 +42,7 @@ def _memory_terms(cfg: ModelConfig, adm: Admission, rank: int, options: PlanOpti
                                       split="dense"),
         "workspace": buffer_plan(cfg, adm.world, rank, options).total,
         "engram": _engram_device_bytes(cfg, adm.world, options),
-        **_vision_terms(cfg, adm.world, rank, options),
+        **vision_terms(cfg, adm.world, rank, options),
         "kv": cache_pool_bytes(cfg, adm.world, options, budget),
         "reserve": budget.reserve_bytes,
     }
@@ -130,7 +130,7 @@ def _check_4k_workspace(cfg: ModelConfig, adm: Admission, options: PlanOptions, 
     extra = max(buffer_plan(cfg, adm.world, r, options).total_4k for r in range(adm.world))
     free = budget.usable_bytes - total - budget.floor_4k_bytes
     if extra > free:
-        raise PlanRefused("R6", f"{_where(adm, rank, n, start)}: the 4K workspace needs {extra / GiB:,.2f} GiB; "
+        raise PlanRefused("R6", f"{segment_label(adm, rank, n, start)}: the 4K workspace needs {extra / GiB:,.2f} GiB; "
                           f"{max(free, 0) / GiB:,.2f} GiB is free above the floor on rank {rank}. This prompt "
                           f"uses 2,048-row segments (same bits).")
 
@@ -180,7 +180,7 @@ def segment_sizes(cfg: ModelConfig, world: int, prompt_len: int, position: int =
         raise PlanRefused("R2", f"prompt of {prompt_len:,} tokens at position {position:,} passes the context "
                           f"limit {limit:,}. Shorten the prompt to {max(0, limit - position):,} tokens.")
     if options.pf4k:
-        _check_4k(options, f"prompt refused (W = {world})")
+        check_4k(options, f"prompt refused (W = {world})")
         if not fits_4k(cfg, world, options, budget):
             options = replace(options, pf4k=False, prefill_rows=None)
     size = prefill_rows(options)

@@ -9,17 +9,17 @@ from .admission import Admission
 from .options import CAP_2K, CAP_4K, SHORT_ROWS, TBO_MIN_ROWS, PlanOptions, PlanRefused, context_limit, prefill_rows
 
 
-def _where(adm: Admission, rank: int, rows: int, start: int) -> str:
+def segment_label(adm: Admission, rank: int, rows: int, start: int) -> str:
     return f"segment refused (W = {adm.world}, rank {rank}, n = {rows:,}, start {start:,})"
 
 
-def _check_shape(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int,
+def check_shape(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int,
                  options: PlanOptions) -> None:
     """R1, R2, R6, R7, R8, R9: the checks that do not depend on a rank's widths."""
-    where = _where(adm, rank, n, start)
-    _check_4k(options, where)
+    where = segment_label(adm, rank, n, start)
+    check_4k(options, where)
     _check_rows(cfg, options, n, where)
-    _check_position(cfg, options, n, start, where)
+    check_position(cfg, options, n, start, where)
     if options.replay or options.part != "whole":
         _check_replay(cfg, options, n, where)
     if options.spans:
@@ -28,7 +28,7 @@ def _check_shape(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: int
         _check_tbo(options, n, start, where)
 
 
-def _check_4k(options: PlanOptions, where: str) -> None:
+def check_4k(options: PlanOptions, where: str) -> None:
     if options.pf4k and not options.acknowledge_4k:
         raise PlanRefused("R6", f"{where}: 4K mode needs the explicit memory acknowledgement "
                           f"(a separate workspace of ~3 GiB a rank). Acknowledge it or leave 4K mode off.")
@@ -56,7 +56,7 @@ def _check_rows(cfg: ModelConfig, options: PlanOptions, n: int, where: str) -> N
                       f"({'4K' if options.pf4k else '2K'} mode). Way out: {way}.")
 
 
-def _check_position(cfg: ModelConfig, options: PlanOptions, n: int, start: int, where: str) -> None:
+def check_position(cfg: ModelConfig, options: PlanOptions, n: int, start: int, where: str) -> None:
     limit = context_limit(cfg, options)
     if limit > cfg.max_position_embeddings:
         raise PlanRefused("R2", f"{where}: context limit {limit:,} exceeds the model's "

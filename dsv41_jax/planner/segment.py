@@ -16,7 +16,7 @@ from pallas_kernels.indexer.tiling import workspace_bytes as index_kernel_worksp
 from .admission import Admission, admit
 from .options import (KEY_TILE, MOE_TILE, RESCORE_BYTES_PER_KEY, ROPE_EXTRA, ROUTER_ROWS, SHORT_ROWS, STREAM_BUDGET,
                       STREAM_SPLIT_KEYS, MemoryBudget, MiB, PlanOptions, PlanRefused, context_limit, prefill_rows)
-from .rules import _check_position, _check_shape, _where, decoder_start
+from .rules import check_position, check_shape, decoder_start, segment_label
 from .sizes import cache_pool_bytes, kv_row_bytes, weight_bytes
 
 
@@ -116,7 +116,7 @@ def plan_shape(cfg: ModelConfig, world: int, rank: int, rows: int, position: int
     adm = admit(cfg, world, block=options.block, uneven=options.uneven)
     if not 0 <= rank < world:
         raise PlanRefused("admission", f"rank {rank} is outside world {world} (ranks 0..{world - 1}).")
-    _check_shape(cfg, adm, rank, rows, position, options)
+    check_shape(cfg, adm, rank, rows, position, options)
     order = [rank] + [r for r in range(world) if r != rank]
     plans = {r: _plan_rank(cfg, adm, r, rows, position, options, budget) for r in order}
     return plans[rank]
@@ -224,7 +224,7 @@ def _check_bounded(cfg: ModelConfig, adm: Admission, rank: int, n: int, start: i
     pairs = n * k
     fit_rows = min(zb // (k * D), re * (k + 1) * D // (k * width))
     way_rows = 1 << (max(fit_rows, 1).bit_length() - 1)
-    where = _where(adm, rank, n, start)
+    where = segment_label(adm, rank, n, start)
     if pairs * D > zb:
         extra = (4 * pairs * D - 4 * zb) / MiB
         raise PlanRefused("R5", f"{where}: x3gm block of {pairs:,} pairs needs {4 * pairs * D:,} B of expert "
@@ -338,7 +338,7 @@ def plan_decode_window(cfg: ModelConfig, world: int, rank: int, rows: int, posit
     where = f"decode window refused (W = {world}, rank {rank}, m = {rows:,}, start {position:,})"
     if not 0 <= rank < world:
         raise PlanRefused("admission", f"rank {rank} is outside world {world} (ranks 0..{world - 1}).")
-    _check_position(cfg, options, rows, position, where)
+    check_position(cfg, options, rows, position, where)
     re = options.expert_rows
     if not 1 <= rows <= re:
         raise PlanRefused("R5", f"{where}: a decode window takes 1..{re:,} rows (P = m·(k+1) ≤ R_e·(k+1) pairs "

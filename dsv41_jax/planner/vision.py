@@ -167,7 +167,7 @@ def plan_vision(cfg: ModelConfig, world: int, rank: int, options: PlanOptions = 
                       vision_workspace(cfg, world, rank, options))
 
 
-def _vision_terms(cfg: ModelConfig, world: int, rank: int, options: PlanOptions) -> dict[str, int]:
+def vision_terms(cfg: ModelConfig, world: int, rank: int, options: PlanOptions) -> dict[str, int]:
     """R10's vision terms: the tower's weights and workspace when image prompts are planned."""
     if not (options.images and cfg.vision is not None):
         return {"vision_weights": 0, "vision_workspace": 0}
