@@ -68,7 +68,7 @@ class Request:
     compile_cache: str | None = None
     engram: bool = False
     unrolled: bool = False
-    row_parallel_rows: int = 0  # PlanOptions.row_parallel_rows (issue #22); 0: the planner's default
+    row_parallel_rows: int = 0  # PlanOptions.row_parallel_rows; 0: the planner's default
     rank_of: int = 0  # > 1: the model is one rank's share of this world (profiling/cut.one_rank), run at world 1
 
 
@@ -214,6 +214,11 @@ def run(req: Request, on_step=None) -> dict:
     from dsv41_jax.compile_cache import enable as enable_compile_cache
 
     cache_dir = enable_compile_cache(req.compile_cache)
+    from dsv41_jax.compiler import compiling_note
+
+    steps = len(req.positions) * (2 if req.decode else 1)
+    print(compiling_note(f"{steps} step program{'s' if steps > 1 else ''} of {req.config_name} (each compile is "
+                         f"timed apart)"), file=sys.stderr, flush=True)
     hasher = None
     if req.cfg.engram_layer_ids:
         from dsv41_jax.engram import EngramError, Hasher
@@ -485,6 +490,12 @@ def _num(x) -> str:
 
 # ------------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
+    """The command; ``argv`` None (this process's own command line): XLA's slow-compile banners are kept off its
+    stderr (`xla_log`)."""
+    if argv is None:
+        from dsv41_jax.xla_log import hide_slow_compile_banners
+
+        hide_slow_compile_banners()
     try:
         req = parse_args(argv)
     except (UsageError, ConfigError, PlanRefused) as e:
