@@ -214,11 +214,6 @@ def run(req: Request, on_step=None) -> dict:
     from dsv41_jax.compile_cache import enable as enable_compile_cache
 
     cache_dir = enable_compile_cache(req.compile_cache)
-    from dsv41_jax.compiler import compiling_note
-
-    steps = len(req.positions) * (2 if req.decode else 1)
-    print(compiling_note(f"{steps} step program{'s' if steps > 1 else ''} of {req.config_name} (each compile is "
-                         f"timed apart)"), file=sys.stderr, flush=True)
     hasher = None
     if req.cfg.engram_layer_ids:
         from dsv41_jax.engram import EngramError, Hasher
@@ -234,6 +229,11 @@ def run(req: Request, on_step=None) -> dict:
                            hc_impl=req.impl, expert_format=req.expert_format, scan_layers=not req.unrolled,
                            tiles=kernel_tiles(req.cfg, req.world, PlanOptions(row_parallel_rows=req.row_parallel_rows)))
     _check_fits(req, jax.devices()[0])
+    from dsv41_jax.compiler import compiling_note
+
+    steps = len(req.positions) * (2 if req.decode else 1)
+    print(compiling_note(f"{steps} step program{'s' if steps > 1 else ''} of {req.config_name} (each compile is "
+                         f"timed apart)"), file=sys.stderr, flush=True)
     start = time.perf_counter()
     model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)
     weights_on_device = build.bytes_per_device(_params(model))

@@ -12,12 +12,15 @@ flag or environment variable turns the alarm off: its two minutes are fixed in t
 lines (the ones naming ``slow_operation_alarm.cc``, with the blank, asterisk and "slow compile?" lines of their
 message) and forwards the rest as it arrives (a partial line too, so progress bars still draw). The filter runs in
 a session of its own (Ctrl-C reaches only the CLI) and ends when the CLI's stderr closes, so a CLI that crashes
-still gets its last words out. The CLIs say themselves, once, what they compile and why it can be slow.
+still gets its last words out. A terminal stays a terminal: the filter reads a pseudo-terminal of the terminal's
+size, in raw mode (bytes pass unchanged), so progress bars and colours still see one; anything else is read
+through a pipe. The CLIs say themselves, once, what they compile and why it can be slow.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import re
 import subprocess
@@ -32,10 +35,10 @@ def hide_slow_compile_banners() -> None:
     """Filter this process's stderr as the module docstring says (a CLI calls it first; no-op where it cannot)."""
     try:
         original = os.dup(2)
-        read_end, write_end = os.pipe()
+        read_end, write_end = _terminal_like(original) if os.isatty(original) else os.pipe()
         proc = subprocess.Popen([sys.executable, "-I", __file__], stdin=read_end, stdout=original,
                                 stderr=original, start_new_session=True)
-    except OSError:
+    except (OSError, ImportError):
         return
     os.close(read_end)
     sys.stderr.flush()
@@ -55,11 +58,32 @@ def hide_slow_compile_banners() -> None:
     atexit.register(restore)
 
 
+def _terminal_like(terminal: int) -> tuple[int, int]:
+    """(read end, write end) of a raw pseudo-terminal the size of ``terminal``."""
+    import fcntl  # noqa: PLC0415 - POSIX only (the fallback is no filter)
+    import termios  # noqa: PLC0415
+    import tty  # noqa: PLC0415
+
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, fcntl.ioctl(terminal, termios.TIOCGWINSZ, b"\0" * 8))
+    return master, slave
+
+
+def _read(source: int) -> bytes:
+    try:
+        return os.read(source, 1 << 16)
+    except OSError as e:  # a pseudo-terminal whose other side closed reads EIO, not end-of-file
+        if e.errno == errno.EIO:
+            return b""
+        raise
+
+
 def filter_stream(source: int, out) -> None:
     """Copy file descriptor ``source`` to the binary stream ``out`` until it ends, without XLA's slow-compile
     banners."""
     held, in_banner = b"", False
-    while chunk := os.read(source, 1 << 16):
+    while chunk := _read(source):
         lines = (held + chunk).split(b"\n")
         held = lines.pop()  # a line not ended yet
         kept = []

@@ -218,3 +218,38 @@ def test_first_image_run_keeps_compile_seconds_out_of_the_rates(tmp_path, monkey
     t = json.loads(captured.out)["timings"]
     assert t["programs_compiled"] >= 3 and t["compile_s"] >= delay * t["programs_compiled"]
     assert t["prefill_s"] < delay and t["decode_s"] < delay, t
+
+
+def test_a_terminal_stays_a_terminal_of_its_size():
+    """On a terminal the filter reads a raw pseudo-terminal of the terminal's size: progress bars (rich asks
+    isatty) and every byte but the banner's pass unchanged, and a CLI that aborts still gets its last line out."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    code = textwrap.dedent(f"""
+        import os, sys
+        from dsv41_jax.xla_log import hide_slow_compile_banners
+
+        hide_slow_compile_banners()
+        print("tty", sys.stderr.isatty(), tuple(os.get_terminal_size(2)), file=sys.stderr, flush=True)
+        os.write(2, {ALARM!r} + b"\\rbar 1\\rbar 2\\n")
+        print("last words", file=sys.stderr, flush=True)
+        os.abort()
+    """)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a terminal of 132 x 40
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 132, 0, 0))
+        os.execve(sys.executable, [sys.executable, "-c", code], {**os.environ, "PYTHONPATH": str(REPO)})
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:  # the terminal's other side closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    assert out.decode() == "tty True (132, 40)\r\n\rbar 1\rbar 2\r\nlast words\r\n"
