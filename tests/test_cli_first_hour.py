@@ -224,7 +224,6 @@ def test_a_terminal_stays_a_terminal_of_its_size():
     """On a terminal the filter reads a raw pseudo-terminal of the terminal's size: progress bars (rich asks
     isatty) and every byte but the banner's pass unchanged, and a CLI that aborts still gets its last line out."""
     import fcntl
-    import pty
     import struct
     import termios
 
@@ -238,18 +237,19 @@ def test_a_terminal_stays_a_terminal_of_its_size():
         print("last words", file=sys.stderr, flush=True)
         os.abort()
     """)
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: a terminal of 132 x 40
-        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 132, 0, 0))
-        os.execve(sys.executable, [sys.executable, "-c", code], {**os.environ, "PYTHONPATH": str(REPO)})
+    master, terminal = os.openpty()  # a terminal of 132 x 40 for the child's stderr
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 132, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=terminal, env={**os.environ, "PYTHONPATH": str(REPO)})
+    os.close(terminal)
     out = b""
     while True:
         try:
-            chunk = os.read(fd, 1 << 16)
-        except OSError:  # the terminal's other side closed
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # every writer of the terminal (the child, its filter) has closed it
             break
         if not chunk:
             break
         out += chunk
-    os.waitpid(pid, 0)
+    os.close(master)
+    assert proc.wait(timeout=60) != 0  # aborted
     assert out.decode() == "tty True (132, 40)\r\n\rbar 1\rbar 2\r\nlast words\r\n"
