@@ -1,7 +1,7 @@
 """Load an official-format DeepSeek-V4.1 checkpoint directory into **model names** (docs/DESIGN.md).
 
 A directory holds ``config.json`` and safetensors shards listed by ``model.safetensors.index.json`` (or one
-``model.safetensors``); names and layouts are those of `MODEL.md` §E. fp8 (e4m3 + 32×32 ue8m0 scales) and fp4
+``model.safetensors``); names and layouts are those of `docs/MODEL.md` §E. fp8 (e4m3 + 32×32 ue8m0 scales) and fp4
 (packed e2m1 + per-32 ue8m0 scales) matrices are dequantised; per-expert tensors are stacked
 (``layers.L.ffn.experts.w1.weight [E, F, D]``). Everything is checked against `param_specs` from the file
 headers alone before any data is read: a missing, unexpected or mis-shaped tensor is refused by name.
@@ -35,6 +35,7 @@ import numpy as np
 
 from dsv41_jax import formats, param_specs
 from dsv41_jax.config import ConfigError, ModelConfig
+from dsv41_jax.textfile import TextFileError, read_text
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -349,16 +350,14 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
     """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``).
 
     ``expert_format="fp4"``: routed experts are read packed; every one must be stored as fp4 (refused by name).
-    ``vision=True``: the image path's tensors (VISION.md §V.F) are part of the inventory (missing or mis-shaped
+    ``vision=True``: the image path's tensors (docs/VISION.md §V.F) are part of the inventory (missing or mis-shaped
     ones refused by name) instead of skipped; the config must have a ``vision_config``.
     ``engram=False``: the engram layers' tensors are skipped (the output is then not the model's).
     ``dspark=True``: the DSpark stages' ``mtp.*`` tensors are part of the inventory (the config must have stages).
     """
     if expert_format not in param_specs.EXPERT_FORMATS:
         raise CheckpointError(f"expert format {expert_format!r} is not one of {param_specs.EXPERT_FORMATS}")
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    path = checkpoint_dir(path)
     if cfg is None:
         cfg = _read_config(path)
     if vision and cfg.vision is None:
@@ -377,8 +376,7 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
             raise CheckpointError(f"unexpected tensor {name} in {t.file.name}: not part of the DeepSeek-V4.1 "
                                   f"text model for this config")
     sources = {name: _source(spec, stored) for name, spec in specs.items()}
-    lines = [f"skipped {len(names)} tensors: {reason}" + ("" if reason.startswith("engram") else " (not supported yet)")
-             for reason, names in skipped.items()]
+    lines = [_skipped_line(reason, len(names), cfg) for reason, names in skipped.items()]
     lines += [f"not run by this engine yet: {feature}" for feature in cfg.unsupported_features()
               if (engram or not feature.startswith("engram")) and not (dspark and feature.startswith("DSpark"))]
     if expert_format == "fp4":
@@ -389,13 +387,33 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
     return Checkpoint(path, cfg, sources, lines, expert_format, vision, engram, dspark)
 
 
+def checkpoint_dir(path: str | Path) -> Path:
+    """``path`` as a checkpoint directory, or a CheckpointError saying it is missing or a file."""
+    path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"checkpoint {path} is a file, not a directory: give the directory that holds "
+                              f"config.json and the safetensors shards")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    return path
+
+
+def _skipped_line(reason: str, count: int, cfg: ModelConfig) -> str:
+    """The note for tensors of the checkpoint this run leaves out (``param_specs.skip_reason``'s ``reason``): parts
+    it does not use, never parts it cannot run."""
+    line = f"skipped {count} tensors not used by this run: {reason}"
+    if cfg.vision is None and ("image" in reason or "vision" in reason):
+        line += " (the config has no vision_config: a text-only checkpoint)"
+    return line
+
+
 def _read_config(path: Path) -> ModelConfig:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json")
     try:
         return ModelConfig.from_json(path / "config.json")
-    except ConfigError as e:
-        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+    except ConfigError as e:  # names the file
+        raise CheckpointError(str(e)) from None
 
 
 def _stored_tensors(path: Path) -> dict[str, StoredTensor]:
@@ -403,7 +421,9 @@ def _stored_tensors(path: Path) -> dict[str, StoredTensor]:
     index = path / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(read_text(index, "safetensors index"))["weight_map"]
+        except TextFileError as e:
+            raise CheckpointError(str(e)) from None
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
     elif (path / SINGLE_FILE).is_file():
@@ -434,7 +454,7 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
     if spec.stored == param_specs.TABLE_KIND:  # engram table: held as stored, so only e4m3 rows are accepted
         if w.dtype != "F8_E4M3":
             raise CheckpointError(f"engram table {name} in {w.file.name} has dtype {w.dtype}; expected F8_E4M3 "
-                                  f"rows with a ue8m0 {scale_name} (MODEL.md §B.12)")
+                                  f"rows with a ue8m0 {scale_name} (docs/MODEL.md §B.12)")
         codec, want_w, want_s = param_specs.TABLE_KIND, shape, param_specs.fp4_scale_shape(shape)
     elif w.dtype in _FLOAT_DTYPES:
         codec, want_w, want_s = "plain", shape, None

@@ -105,6 +105,15 @@ def compile(jitted, args: tuple, static: dict | None = None, *, identity: str, e
     return compiled, False
 
 
+def compiling_note(what: str) -> str:
+    """The one line a CLI says before it compiles ``what``: why it can take long, and where the programs are kept."""
+    store = store_dir()
+    kept = (f"they are kept in {store.parent}, and later runs load them in seconds" if store is not None else
+            "the compile cache is off, so every run compiles them again")
+    return (f"compiling {what}: the first run of these shapes compiles each program with XLA (seconds each; "
+            f"minutes for a large model on a CPU); {kept}")
+
+
 def graph_digest(graphdef) -> str:
     """A digest of an NNX graph definition (its repr is deterministic: types, static attributes, the config)."""
     return hashlib.sha256(repr(graphdef).encode()).hexdigest()

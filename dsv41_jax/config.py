@@ -1,20 +1,25 @@
 """Model configuration: a frozen dataclass read from an official ``config.json``.
 
 The file may nest the text model under ``text_config`` (the released layout) or be flat (mlx-lm's tiny
-test configs). Field names are the official ones (`MODEL.md` §A.1). Layer roles (window / full / reindex /
-reuse, `MODEL.md` §A.2 and §B.9) are derived here once so every other module asks the config instead of
+test configs). Field names are the official ones (`docs/MODEL.md` §A.1). Layer roles (window / full / reindex /
+reuse, `docs/MODEL.md` §A.2 and §B.9) are derived here once so every other module asks the config instead of
 re-deriving them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .textfile import TextFileError, read_text
 
 
 class ConfigError(ValueError):
@@ -23,7 +28,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """YaRN parameters for compressed layers (`MODEL.md` §B.5)."""
+    """YaRN parameters for compressed layers (`docs/MODEL.md` §B.5)."""
 
     factor: float = 16.0
     original_max_position_embeddings: int = 65536
@@ -33,7 +38,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """The vision tower, aligner and image layout (VISION.md §V.A; HF ``vision_config`` names).
+    """The vision tower, aligner and image layout (docs/VISION.md §V.A; HF ``vision_config`` names).
 
     Defaults are the released values. ``patch_dim`` = 3·ps² (588), ``head_dim`` = C/h_v (64), ``cell`` = ps·r (42).
     """
@@ -48,7 +53,7 @@ class VisionConfig:
     max_image_tokens: int = 1024
     min_pixels: int = 295936
     max_wh_ratio: float | None = None
-    norm_eps: float = 1e-6  # not in the config: VISION.md §V.A constants
+    norm_eps: float = 1e-6  # not in the config: docs/VISION.md §V.A constants
     # The sharded model's run layout (set by `sharding.layout.ShardPlan.run_config`, never read from a file):
     # the fused rows of ``attn.wqkv`` (q, k, v) and ``mlp.w1`` (gate, up) are grouped rank by rank, so a rank's
     # contiguous row block holds all three (two) parts of its own heads (columns); each group holds
@@ -58,7 +63,7 @@ class VisionConfig:
     group_mlp: int = 0
     RUN_LAYOUT = ("norm_eps", "shard_groups", "group_heads", "group_mlp")  # fields no config file holds
 
-    # The reference's flat ``ModelArgs`` names (VISION.md §V.A) → the HF ``vision_config`` names.
+    # The reference's flat ``ModelArgs`` names (docs/VISION.md §V.A) → the HF ``vision_config`` names.
     FLAT_NAMES = {"vision_n_layers": "num_hidden_layers", "vision_dim": "hidden_size",
                   "vision_n_heads": "num_attention_heads", "vision_inter_dim": "intermediate_size",
                   "vision_patch_size": "patch_size", "vision_rope_theta": "rope_theta",
@@ -68,8 +73,10 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "VisionConfig | None":
         """A nested ``vision_config`` dict → VisionConfig; None when it has no layers (vision disabled)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"vision_config: {_shown(raw)} is {_kind(raw)}, wanted an object")
         names = {f.name for f in dataclasses.fields(cls)} - set(cls.RUN_LAYOUT)
-        kwargs = {k: v for k, v in raw.items() if k in names}
+        kwargs = {k: _checked(f"vision_config.{k}", v, _field_types(cls)[k]) for k, v in raw.items() if k in names}
         cfg = cls(**kwargs)
         if cfg.num_hidden_layers == 0:
             return None
@@ -80,6 +87,8 @@ class VisionConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.RUN_LAYOUT}
 
     def validate(self) -> None:
+        for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
+            _require(getattr(self, name) >= 1, f"vision_config.{name} must be at least 1, got {getattr(self, name)}")
         _require(self.hidden_size % self.num_attention_heads == 0 and self.head_dim % 4 == 0,
                  f"vision hidden_size {self.hidden_size} / num_attention_heads {self.num_attention_heads} must be "
                  f"a whole head dim divisible by 4 (2-D RoPE)")
@@ -168,7 +177,7 @@ class ModelConfig:
     image_token_id: int | None = None
     image_pad_token_id: int | None = None
     tie_word_embeddings: bool = False
-    # Engram (`MODEL.md` §B.12).
+    # Engram (`docs/MODEL.md` §B.12).
     engram_layer_ids: tuple[int, ...] = ()
     engram_num_embeddings: tuple[int, ...] = ()
     engram_max_ngram_size: int = 4
@@ -177,7 +186,7 @@ class ModelConfig:
     engram_vocab_size: int = 16000000
     engram_compressed_vocab_size: int = 99092
     engram_pad_token_id: int = 2
-    # DSpark draft stages (`MODEL.md` §B.13).
+    # DSpark draft stages (`docs/MODEL.md` §B.13).
     num_nextn_predict_layers: int = 0
     dspark_block_size: int = 5
     dspark_noise_token_id: int = 128799
@@ -187,53 +196,56 @@ class ModelConfig:
     dspark_num_experts_per_tok: int = 3
     # The quantization_config of the file (None for a plain-float checkpoint).
     quantization: dict[str, Any] | None = field(default=None, compare=False)
-    # The image path (VISION.md); None: text only.
+    # The image path (docs/VISION.md); None: text only.
     vision: VisionConfig | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from an official config dict (nested under ``text_config`` or flat); validates."""
+        """Build from an official config dict (nested under ``text_config`` or flat); checks every known field's
+        JSON type (`_checked`: the error names the field, its value and the type wanted), then validates.
+        Unknown keys (``architectures``, ``torch_dtype``, ...) are left alone."""
         if not isinstance(raw, dict):
-            raise ConfigError("config must be a JSON object")
+            raise ConfigError(f"the config is {_kind(raw)}, wanted a JSON object")
         model_type = raw.get("model_type", "deepseek_v41")
         if model_type not in ("deepseek_v41", "deepseek_v41_text"):
             raise ConfigError(f"model_type {model_type!r} is not DeepSeek-V4.1 (expected 'deepseek_v41')")
-        text = dict(raw.get("text_config") or {})
+        text = raw.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise ConfigError(f"text_config: {_shown(text)} is {_kind(text)}, wanted an object")
         merged = {**{k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}, **text}
-        names = {f.name for f in dataclasses.fields(cls)}
+        hints = _field_types(cls)
         kwargs: dict[str, Any] = {}
         for key, value in merged.items():
             if key == "quantization_config":
-                kwargs["quantization"] = value
+                kwargs["quantization"] = _quantization(value)
             elif key == "rope_scaling":
                 kwargs["rope_scaling"] = _rope_scaling(value)
-            elif key in names and key not in ("quantization", "vision"):
-                kwargs[key] = tuple(value) if isinstance(value, list) else value
-        try:
-            kwargs["vision"] = _vision_from_raw(raw)
-        except TypeError as e:
-            raise ConfigError(f"vision_config: {e}") from None
-        try:
-            cfg = cls(**kwargs)
-        except TypeError as e:  # pragma: no cover - defensive
-            raise ConfigError(str(e)) from None
+            elif key in hints and key not in ("quantization", "vision", "rope_scaling"):
+                kwargs[key] = _checked(key, value, hints[key])
+        kwargs["vision"] = _vision_from_raw(raw)
+        cfg = cls(**kwargs)
         cfg.validate()
         return cfg
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        """Read ``path`` (a ``config.json`` or a checkpoint directory holding one)."""
+        """Read ``path`` (a ``config.json`` or a checkpoint directory holding one); a ConfigError names the file."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config file at {path}")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(read_text(path, "config file"))
+        except TextFileError as e:
+            raise ConfigError(str(e)) from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """A flat official-style dict (what ``make_tiny`` writes as ``config.json``)."""
@@ -260,9 +272,10 @@ class ModelConfig:
 
     # ------------------------------------------------------------- validation
     def validate(self) -> None:
-        """Raise ConfigError naming the first rule the config breaks (`MODEL.md` §B.9)."""
+        """Raise ConfigError naming the first rule the config breaks (`docs/MODEL.md` §B.9)."""
         n = self.num_hidden_layers
-        _require(n >= 1, "num_hidden_layers must be at least 1")
+        for name in _POSITIVE_FIELDS:
+            _require(getattr(self, name) >= 1, f"{name} must be at least 1, got {getattr(self, name)}")
         _require(self.scoring_func == "sqrtsoftplus",
                  f"scoring_func {self.scoring_func!r} is not supported (V4.1 uses 'sqrtsoftplus')")
         _require(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (expected 'silu')")
@@ -470,18 +483,112 @@ def _rope_scaling(value: Any) -> RopeScaling | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise ConfigError("rope_scaling must be an object or null")
+        raise ConfigError(f"rope_scaling: {_shown(value)} is {_kind(value)}, wanted an object or null")
     kind = value.get("rope_type", value.get("type", "yarn"))
     if kind != "yarn":
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (V4.1 uses 'yarn')")
     if value.get("mscale") not in (None, 1, 1.0) or value.get("mscale_all_dim") not in (None, 0, 1, 1.0):
         raise ConfigError("rope_scaling with an mscale amplitude factor is not supported")
-    return RopeScaling(
-        factor=float(value.get("factor", 16.0)),
-        original_max_position_embeddings=int(value.get("original_max_position_embeddings", 65536)),
-        beta_fast=float(value.get("beta_fast", 32.0)),
-        beta_slow=float(value.get("beta_slow", 1.0)),
-    )
+    hints = _field_types(RopeScaling)  # int / float fields: held as that type (16 and 16.0 alike)
+    return RopeScaling(**{k: hints[k](_checked(f"rope_scaling.{k}", v, hints[k])) for k, v in value.items()
+                          if k in hints})
+
+
+def _quantization(value: Any) -> dict[str, Any] | None:
+    """``quantization_config``: null or an object whose format names (when given) are strings."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"quantization_config: {_shown(value)} is {_kind(value)}, wanted an object or null")
+    for key in ("quant_method", "expert_dtype", "scale_fmt", "activation_scheme"):
+        if key in value:
+            _checked(f"quantization_config.{key}", value[key], str)
+    if "weight_block_size" in value:
+        _checked("quantization_config.weight_block_size", value["weight_block_size"], tuple[int, ...])
+    return value
+
+
+# Sizes and counts that divide or index something: a 0 (or a negative) would fail deep inside the model.
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                    "q_lora_rank", "o_lora_rank", "o_groups", "max_position_embeddings", "index_n_heads",
+                    "index_head_dim", "index_topk", "n_routed_experts", "moe_intermediate_size", "hc_mult")
+
+
+@functools.cache
+def _field_types(cls) -> dict[str, Any]:
+    """A config dataclass's field name → its resolved type annotation."""
+    return typing.get_type_hints(cls)
+
+
+def _checked(name: str, value: Any, hint: Any) -> Any:
+    """``value`` of the config field ``name`` as the dataclass holds it (a JSON list as a tuple), or a ConfigError
+    naming the field, the value and the JSON type wanted (e.g. ``num_hidden_layers: "ten" is a string, wanted an
+    integer``). JSON's true/false are not integers here (Python's bool is an int), an integer is a number."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if isinstance(value, (list, tuple)) and any(typing.get_origin(h) is tuple for h in options):
+            return _checked(name, value, next(h for h in options if typing.get_origin(h) is tuple))
+        if any(_is(value, h) for h in options):
+            return value
+    elif typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)):
+        (item, _) = typing.get_args(hint)  # tuple[int, ...]
+        return tuple(_checked(f"{name}[{i}]", v, item) for i, v in enumerate(value))
+    elif _is(value, hint):
+        return value
+    got = f"{name} is null" if value is None else f"{name}: {_shown(value)} is {_kind(value)}"
+    raise ConfigError(f"{got}, wanted {_wanted(hint)}")
+
+
+def _is(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) is dict:
+        return isinstance(value, dict)
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, (list, tuple)) and all(_is(v, typing.get_args(hint)[0]) for v in value)
+    return False
+
+
+_WANTED = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string", type(None): "null"}
+
+
+def _wanted(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_wanted(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_wanted(typing.get_args(hint)[0]).removeprefix('an ').removeprefix('a ')}s"
+    if typing.get_origin(hint) is dict:
+        return "an object"
+    return _WANTED.get(hint, str(hint))
+
+
+def _kind(value: Any) -> str:
+    """The JSON type of ``value``, with its article."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number" if math.isfinite(value) else "not a finite number"
+    return {str: "a string", list: "a list", tuple: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _shown(value: Any) -> str:
+    """``value`` as JSON, cut to a readable length."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _require(ok: bool, message: str) -> None:
@@ -504,17 +611,34 @@ def config_names() -> list[str]:
 
 
 def load_named(name_or_path: str) -> ModelConfig:
-    """``tiny`` / ``dsv41_flash`` (``configs/``, inside the installed package) or a path to a config.json /
-    checkpoint dir; an existing path wins over a name."""
-    p = Path(name_or_path)
-    named = CONFIG_DIR / f"{name_or_path}.json"
-    if not p.exists() and named.is_file():
-        with importlib.resources.as_file(named) as file:
+    """The one way every command (generate, serve, plan, make_tiny, profile, the benchmarks) reads ``--config``:
+    a name of ``configs/`` (``tiny``, ``tiny_engram``, ``tiny_vision``, ``dsv41_flash``; inside the installed
+    package) or a path to a config.json / checkpoint directory; an existing path wins over a name. A ConfigError
+    names what is wrong (an unknown name lists the known ones)."""
+    if _is_name(name_or_path):
+        with importlib.resources.as_file(CONFIG_DIR / f"{name_or_path}.json") as file:
             return ModelConfig.from_json(file)
-    if not p.exists() and len(p.parts) == 1 and not p.suffix:
-        raise ConfigError(f"no config named {name_or_path!r} (known: {', '.join(config_names())}) and no file "
-                          f"at {name_or_path}")
-    return ModelConfig.from_json(p)
+    return ModelConfig.from_json(_config_path(name_or_path))
+
+
+def config_label(name_or_path: str) -> str:
+    """How to name the config ``name_or_path`` in messages: ``configs/tiny.json`` for a name, else the path."""
+    return f"configs/{name_or_path}.json" if _is_name(name_or_path) else str(name_or_path)
+
+
+def _is_name(name_or_path: str) -> bool:
+    return not Path(name_or_path).exists() and (CONFIG_DIR / f"{name_or_path}.json").is_file()
+
+
+def _config_path(name_or_path: str) -> Path:
+    """The existing file (or checkpoint directory) ``name_or_path`` that is not a name (see `load_named`)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    known = ", ".join(config_names())
+    if len(p.parts) == 1 and not p.suffix:
+        raise ConfigError(f"no config named {name_or_path!r} (known: {known}) and no file at {name_or_path}")
+    raise ConfigError(f"no config file at {name_or_path} (the named configs: {known})")
 
 
 def yarn_inv_freq(cfg: ModelConfig, layer_ratio: int) -> list[float]:

@@ -30,7 +30,7 @@ examples:
   python -m dsv41_jax.generate --prompt-ids 0,5,6,7 --greedy --logits-out run.npz
   python -m dsv41_jax.generate --prompts-file prompts.jsonl --temperature 0.7 --top-p 0.9 --seed 1
   python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi"
-  python -m dsv41_jax.generate --config configs/tiny_engram.json --prompt-ids 5,6,7,5,6,7 --greedy
+  python -m dsv41_jax.generate --config tiny_engram --prompt-ids 5,6,7,5,6,7 --greedy
   python -m dsv41_jax.generate --chat --image photo.png --prompt "What is in this picture?"
 
 Engram layers (the released config has two) run by default: their n-gram rows are hashed on the host from the
@@ -41,21 +41,30 @@ sent with it), or auto (default: the planner picks device when it fits the devic
 host; the choice is printed). --skip-engram runs without them: the output is then NOT the model's (a warning
 says so).
 
---prompts-file holds one JSON object per line: {"prompt": "text"}, {"prompt_ids": [0, 5, 6]} or
+--prompts-file holds one JSON object per line (UTF-8): {"prompt": "text"}, {"prompt_ids": [0, 5, 6]} or
 {"messages": [{"role": "user", "content": "Hi"}]} (OpenAI-style messages: roles system, user, assistant, tool;
-assistant "reasoning_content" and "tool_calls", tool "tool_call_id"), optionally with "tools" (OpenAI function
-specs); each may add "max_new_tokens" and "images": ["a.png", ...]. Chat prompts use DeepSeek-V4.1's own format
-(dsv41_jax/chat.py); with --json their replies are also split into "reasoning_content", "content" and
-"tool_calls" (and "unparsed_tool_call_text" when tool-call markup does not parse).
+assistant "reasoning_content" and "tool_calls", tool "tool_call_id"), the messages optionally with "tools"
+(OpenAI function specs); each may add "max_new_tokens" and "images": ["a.png", ...]; other keys are refused.
+Chat prompts use DeepSeek-V4.1's own format (dsv41_jax/chat.py); with --json their replies are also split into
+"reasoning_content", "content" and "tool_calls" (and "unparsed_tool_call_text" when tool-call markup does not
+parse).
 The tokenizer is the checkpoint's tokenizer.json when --checkpoint has one, else the packaged DeepSeek-V4 one.
 
-Images (--image, "images"): each becomes one image span (VISION.md). Where it goes: at each <｜deepseek_image｜>
+Images (--image, "images"): each becomes one image span (docs/VISION.md). Where it goes: at each <｜deepseek_image｜>
 in the text or the image token id in raw ids (their count must equal the number of images); otherwise, with
 --chat / "messages", at the start of the (last) user message, images joined to the text by blank lines as the V4
 chat encoder renders image blocks; otherwise right after BOS. Without --checkpoint, images switch the embedded
 model to configs/tiny_vision.json (tiny plus a tiny vision tower, random weights).
 Without --checkpoint the embedded tiny model runs: configs/tiny.json (or --config) with random weights
 (seed 0). Its vocabulary is 512 ids, so text prompt ids are folded into it (id mod 512) and the output is noise.
+--config takes a named config (tiny, tiny_engram, tiny_vision, dsv41_flash) or a config.json path.
+
+Flags that would change nothing in a run are refused, not ignored: --thinking, --reasoning-effort and --system
+without a chat prompt, --chat with raw ids, sampling flags with --greedy, --seed without sampling, speculation
+flags without speculation, --decode-chunk with engram layers or --logits-out, --skip-engram and
+--engram-tables for a model without engram layers. Prompt plus new tokens must fit the model's context.
+The first run of a shape compiles its programs (minutes for a large model on a CPU); they are kept in the
+compile cache, and later runs load them in seconds.
 """
 
 
@@ -69,6 +78,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+# Flags whose default is filled in after parsing, so the checks can tell a flag given (``args.given``) from one
+# left at its default: a flag given where it changes nothing is refused (`check_unused_flags`).
+FILLED_DEFAULTS = {"top_k": 0, "top_p": 1.0, "seed": 0, "draft_tokens": 5}
+
+
+class _GenerateParser(_Parser):
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.given = {name for name in FILLED_DEFAULTS if getattr(parsed, name, None) is not None}
+        for name, value in FILLED_DEFAULTS.items():
+            if getattr(parsed, name, None) is None:
+                setattr(parsed, name, value)
+        return parsed, rest
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -77,6 +101,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def _finite_number(flag: str):
+    """An argparse type: a finite float (inf and nan are refused here; the range is checked with the others)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            wanted = "a finite number >= 0" if flag == "--temperature" else "a finite number in (0, 1]"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}")
+        return value
+    return parse
 
 
 def _reasoning_effort(text: str):
@@ -95,8 +133,8 @@ def _reasoning_effort(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m dsv41_jax.generate", description="Generate text with DeepSeek-V4.1 in JAX.",
-                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _GenerateParser(prog="python -m dsv41_jax.generate", description="Generate text with DeepSeek-V4.1 in JAX.",
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("prompts (at least one; they run together as a batch)")
     src.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="prompt text (repeatable)")
     src.add_argument("--prompts-file", metavar="FILE", help="one JSON object per line (see below)")
@@ -112,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each --prompt")
     model = p.add_argument_group("model")
     model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
-    model.add_argument("--config", metavar="FILE", help="config.json for the random-weight model (default: tiny)")
+    model.add_argument("--config", metavar="NAME|FILE",
+                       help="the random-weight model's config: tiny, tiny_engram, tiny_vision, dsv41_flash, or a "
+                            "config.json path (default: tiny; tiny_vision for image prompts); with --checkpoint, "
+                            "overrides its config.json")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                        help="activations and weights (default: bfloat16)")
     model.add_argument("--expert-format", choices=("auto", "dequantized", "fp4"), default="auto",
@@ -126,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--skip-engram", action="store_true",
                        help="run a config with engram layers without them (NOT the model's output)")
     model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
-                       help="the release's fp8/fp4 rounding points inside the model (MODEL.md §C.2; default on). "
+                       help="the release's fp8/fp4 rounding points inside the model (docs/MODEL.md §C.2; default on). "
                             "--no-quant-rounding: for comparisons only — sharded and segmented float32 runs then "
                             "agree with one device to ~1e-5 (with them on, an fp4 boundary flip can move later "
                             "logits by up to ~1 on random weights)")
@@ -139,27 +180,34 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-context", type=_positive_int, metavar="N",
                        help="cache capacity per sequence (default: fits the longest prompt + new tokens)")
     gen = p.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="(default 32)")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N",
+                     help="(default 32; prompt + new tokens must fit the context: --max-context, else the model's "
+                          "max_position_embeddings)")
     gen.add_argument("--greedy", action="store_true", help="argmax (the default when --temperature is 0)")
-    gen.add_argument("--temperature", type=float, default=None,
-                     help="sampling temperature (default 0 = greedy; 1.0 when --top-k/--top-p is given)")
-    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely (0 = off)")
-    gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--temperature", type=_finite_number("--temperature"), default=None, metavar="T",
+                     help="sampling temperature, a finite number >= 0 (default 0 = greedy; 1.0 when --top-k/--top-p "
+                          "is given)")
+    gen.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K most likely (0 = off)")
+    gen.add_argument("--top-p", type=_finite_number("--top-p"), default=None, metavar="P",
+                     help="nucleus sampling mass in (0, 1] (1 = off)")
     gen.add_argument("--decode-chunk", type=_positive_int, default=1, metavar="K",
                      help="decode steps per device program call (default 1). K > 1 compiles one more program (the "
-                          "step under a scan) and lets the host dispatch and read once per K tokens: on a 2-layer "
-                          "H200 cut the loop went from 49%% to 97%% of the step rate at K = 8; streamed text then "
-                          "arrives K tokens at a time. Engram models decode one step at a time")
+                          "step under a scan) and lets the host dispatch and read once per K tokens (a faster loop "
+                          "where the host's work per token is the bottleneck); streamed text then arrives K tokens "
+                          "at a time. Refused with engram layers and with --logits-out (they decode one step at a "
+                          "time)")
     gen.add_argument("--speculate", choices=("auto", "off", "dspark"), default="auto",
-                     help="DSpark speculative decoding (MODEL.md §B.13): draft with the checkpoint's mtp.* stages, "
-                          "verify K+1 rows in one step. auto (default): on when --checkpoint has the stages and the "
-                          "run allows it (no --logits-out, no --decode-chunk); dspark: "
-                          "on (the random tiny model too), refusing what it cannot run; off: never")
-    gen.add_argument("--draft-tokens", type=int, default=5, metavar="K",
-                     help="draft tokens a round with --speculate, 1..5 (default 5, what the stages are trained for)")
+                     help="DSpark speculative decoding (docs/MODEL.md §B.13): draft with the checkpoint's mtp.* "
+                          "stages, verify K+1 rows in one step. auto (default): on when --checkpoint has the stages "
+                          "and the run allows it (no --logits-out, no --decode-chunk); dspark: on (the random tiny "
+                          "model too), refusing what it cannot run; off: never")
+    gen.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                     help="draft tokens a round when speculating, 1..5 (default 5, what the stages are trained for)")
     gen.add_argument("--speculate-baseline", action="store_true",
-                     help="with speculation, also decode the same requests without it and report both rates")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed, 0 .. 2^32 - 1 (prompt i uses (seed + i) mod 2^32)")
+                     help="with speculation, also decode the same requests without it and report both rates "
+                          "(refused when speculation does not run)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling seed, 0 .. 2^32 - 1 (default 0; prompt i uses (seed + i) mod 2^32)")
     model.add_argument("--compile-cache", metavar="DIR",
                        help="persistent compilation cache: a second run of the same command loads its programs "
                             "instead of compiling (default: $DSV41_JAX_COMPILE_CACHE or ~/.cache/dsv41_jax/xla; "
@@ -198,16 +246,24 @@ def _parse_ids(text: str, label: str) -> tuple[int, ...]:
         raise UsageError(f"{label}: {text!r} is not a comma-separated list of integer ids") from None
 
 
+PROMPT_KEYS = ("prompt", "prompt_ids", "messages", "tools", "max_new_tokens", "images")  # a --prompts-file line's
+
+
 def _file_prompt(obj, where: str) -> PromptSpec:
     from .chat import ChatFormatError, message_from_openai, tool_function  # noqa: PLC0415
 
     if not isinstance(obj, dict):
         raise UsageError(f"{where}: expected a JSON object")
+    unknown = sorted(set(obj) - set(PROMPT_KEYS))
+    if unknown:
+        raise UsageError(f"{where}: unknown key \"{unknown[0]}\" (a line takes {', '.join(PROMPT_KEYS)})")
     given = [k for k in ("prompt", "prompt_ids", "messages") if k in obj]
     if len(given) != 1:
         raise UsageError(f"{where}: give exactly one of \"prompt\", \"prompt_ids\", \"messages\"")
+    if "tools" in obj and "messages" not in obj:
+        raise UsageError(f"{where}: \"tools\" go with \"messages\" (a chat prompt); this line has \"{given[0]}\"")
     max_new = obj.get("max_new_tokens")
-    if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
+    if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
         raise UsageError(f"{where}: max_new_tokens must be a positive integer")
     images = obj.get("images", [])
     if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
@@ -234,12 +290,47 @@ def _file_prompt(obj, where: str) -> PromptSpec:
     return PromptSpec(messages=messages, max_new_tokens=max_new, label=where, tools=tuple(tools), images=images)
 
 
-def check_chat_flags(args) -> None:
-    """--system needs --chat, --reasoning-effort needs --thinking (each would be silently ignored otherwise)."""
+def check_chat_flags(args, specs: Sequence[PromptSpec]) -> None:
+    """Chat flags that no prompt of the run takes are refused (each would be silently ignored otherwise): --chat
+    formats text prompts (never raw ids), --system is a system message before them, --thinking and
+    --reasoning-effort apply to chat prompts (--chat's, or "messages" lines)."""
+    raw = next((s for s in specs if s.ids is not None), None)
+    if args.chat and raw is not None:
+        raise UsageError(f"--chat formats text prompts, but {raw.label} gives raw token ids (no chat format is "
+                         f"applied to them): drop --chat, or give the prompt as text")
+    texts = any(s.text is not None for s in specs)
+    if args.chat and not texts:
+        raise UsageError("--chat formats --prompt texts and \"prompt\" lines, and there are none (\"messages\" lines "
+                         "are chat prompts already): drop --chat")
     if args.system is not None and not args.chat:
         raise UsageError("--system needs --chat (it is a system message of the chat format)")
+    if args.thinking and not any(chat_messages(s, args) is not None for s in specs):
+        raise UsageError("--thinking applies to chat prompts, and there are none: add --chat (or give \"messages\" "
+                         "in --prompts-file)")
     if args.reasoning_effort is not None and not args.thinking:
         raise UsageError("--reasoning-effort needs --thinking (the effort is only given to a thinking model)")
+
+
+def check_sampling_flags(args) -> None:
+    """Sampling settings in range; flags that change nothing are refused: --temperature/--top-k/--top-p with
+    --greedy, --top-k/--top-p at temperature 0 (greedy), --seed when nothing samples."""
+    from .sampling import SamplingParams  # noqa: PLC0415
+
+    temperature = sampling_temperature(args)
+    if temperature < 0:  # inf and nan are refused by the argument parser
+        raise UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
+    SamplingParams(temperature, args.top_k, args.top_p, args.seed).validate()
+    filters = [f for f, name in (("--top-k", "top_k"), ("--top-p", "top_p")) if name in args.given]
+    if args.greedy:
+        given = ["--temperature"] * (args.temperature is not None) + filters
+        if given:
+            raise UsageError(f"--greedy takes the most likely token: {given[0]} would change nothing (drop one)")
+    elif temperature == 0 and filters:
+        raise UsageError(f"{filters[0]} changes nothing in a greedy run (temperature 0): give --temperature > 0 "
+                         f"to sample, or drop it")
+    if "seed" in args.given and temperature == 0:
+        raise UsageError("--seed seeds sampling, and this run is greedy: give --temperature (or --top-k/--top-p) "
+                         "to sample, or drop --seed")
 
 
 def chat_messages(spec: PromptSpec, args) -> tuple | None:
@@ -264,10 +355,10 @@ def gather_prompts(args) -> list[PromptSpec]:
                              f"several prompts their images with \"images\" in --prompts-file")
         specs = [dataclasses.replace(specs[0], images=tuple(args.image))]
     if args.prompts_file:
+        from .textfile import read_text  # noqa: PLC0415
+
         path = Path(args.prompts_file)
-        if not path.is_file():
-            raise UsageError(f"prompts file {path} does not exist")
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for n, line in enumerate(read_text(path, "prompts file").splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -315,7 +406,7 @@ def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int,
     return out, folded
 
 
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the V4 chat encoder's text for an image block (VISION.md §V.B.5)
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the V4 chat encoder's text for an image block (docs/VISION.md §V.B.5)
 
 
 def _image_ids(spec: PromptSpec, tokenizer, args, model_vocab: int, image_id: int) -> tuple[tuple[int, ...], bool]:
@@ -370,7 +461,7 @@ def open_images(specs: Sequence[PromptSpec]) -> list[list]:
 
 
 def image_prompts(opened: Sequence[list], prompt_ids, cfg) -> list:
-    """Per prompt: None, or its `vision.preprocess.ImagePrompt` (images laid out, VISION.md §V.B)."""
+    """Per prompt: None, or its `vision.preprocess.ImagePrompt` (images laid out, docs/VISION.md §V.B)."""
     from .vision.preprocess import expand_prompt, prepare_image  # noqa: PLC0415
 
     return [expand_prompt(ids, [prepare_image(im, cfg.vision) for im in images], cfg.image_token_id)
@@ -494,13 +585,11 @@ def open_checkpoint_inputs(args) -> ModelInputs:
     of the whole model); routed experts fp4 when stored so (``--expert-format auto``)."""
     from sharding.load import checkpoint_source  # noqa: PLC0415
 
-    from .checkpoint import open_checkpoint  # noqa: PLC0415
-    from .config import ModelConfig  # noqa: PLC0415
+    from .checkpoint import checkpoint_dir, open_checkpoint  # noqa: PLC0415
+    from .config import load_named  # noqa: PLC0415
 
-    path = Path(args.checkpoint)
-    if not path.is_dir():
-        raise UsageError(f"checkpoint directory {path} does not exist")
-    cfg_override = ModelConfig.from_json(args.config) if args.config else None
+    path = checkpoint_dir(args.checkpoint)
+    cfg_override = load_named(args.config) if args.config else None
     vision = _wants_images(args)
     engram = not args.skip_engram
     ckpt = open_checkpoint(path, cfg_override, vision=vision, engram=engram)
@@ -539,7 +628,7 @@ def open_checkpoint_inputs(args) -> ModelInputs:
 
 def load_model_inputs(args) -> ModelInputs:
     """From --checkpoint, or --config / tiny with random weights."""
-    from .config import ConfigError, ModelConfig, load_named  # noqa: PLC0415
+    from .config import ConfigError, config_label, load_named  # noqa: PLC0415
 
     if args.checkpoint:
         return open_checkpoint_inputs(args)
@@ -548,10 +637,7 @@ def load_model_inputs(args) -> ModelInputs:
     from .make_tiny import check_random_size, random_weights  # noqa: PLC0415
 
     if args.config:
-        if not Path(args.config).is_file():
-            raise UsageError(f"config file {args.config} does not exist")
-        cfg = ModelConfig.from_json(args.config)
-        name = args.config
+        cfg, name = load_named(args.config), config_label(args.config)
         if _wants_images(args) and cfg.vision is None:
             raise UsageError(f"--config {args.config} has no vision_config: it cannot read images")
     elif _wants_images(args):  # tiny plus a tiny vision tower (the text weights are tiny's)
@@ -680,10 +766,10 @@ def summary_line(t) -> str:
     return (f"prompt {t.prompt_tokens} tokens ({len(t.segments)} segment{'s' if len(t.segments) != 1 else ''}) · "
             f"prefill {t.prefill_s:.2f} s = {t.prefill_tok_s:,.1f} tok/s · "
             f"decode {t.generated_tokens} tokens in {t.decode_s:.2f} s = {t.decode_tok_s:,.1f} tok/s · "
-            f"compile {t.compile_s:.1f} s ({_programs(t)})")
+            f"compile {t.compile_s:.1f} s ({programs_note(t)})")
 
 
-def _programs(t) -> str:
+def programs_note(t) -> str:
     loaded = f", {t.programs_loaded} loaded from the cache" if t.programs_loaded else ""
     return f"{t.programs_compiled} program{'s' if t.programs_compiled != 1 else ''}{loaded}"
 
@@ -719,7 +805,8 @@ def sampling_temperature(args) -> float:
 
 
 def make_requests(specs, prompt_ids, cfg, args) -> tuple[list, int]:
-    """(requests, max_context): new tokens cut to fit the context (said on stderr), seeds seed + i."""
+    """(requests, max_context), seeds seed + i. A prompt whose new tokens do not fit the context (--max-context,
+    else the model's max_position_embeddings) is refused, with how many would fit."""
     from .engine import Request  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
 
@@ -732,12 +819,16 @@ def make_requests(specs, prompt_ids, cfg, args) -> tuple[list, int]:
     if longest > max_context:
         raise UsageError(f"the prompt has {longest} tokens, longer than the context of {max_context} tokens"
                          + ("" if args.max_context else " (the model's max_position_embeddings)"))
-    fitted = [min(m, max_context - len(p) + 1) for m, p in zip(max_news, prompt_ids)]
-    if fitted != max_news:
-        _say(f"note: max new tokens cut to {min(fitted)} to fit the context of {max_context} tokens")
+    for spec, p, m in zip(specs, prompt_ids, max_news):
+        if len(p) + m - 1 > max_context:  # the last new token is never fed back: it needs no cache row
+            flag = f"{spec.label}: max_new_tokens" if spec.max_new_tokens else "--max-new-tokens"
+            limit = (f"--max-context {max_context:,}" if args.max_context else
+                     f"the model's context limit of {max_context:,} tokens (max_position_embeddings)")
+            raise UsageError(f"{flag} {m:,}: the {len(p):,}-token prompt and its new tokens pass {limit}; at most "
+                             f"{max_context - len(p) + 1:,} new tokens fit")
     temperature = sampling_temperature(args)
     requests = [Request(p, m, SamplingParams(temperature, args.top_k, args.top_p, (args.seed + i) % 2**32))
-                for i, (p, m) in enumerate(zip(prompt_ids, fitted))]
+                for i, (p, m) in enumerate(zip(prompt_ids, max_news))]
     return requests, max_context
 
 
@@ -748,8 +839,7 @@ def generate_with_output(engine, requests, tokenizer, args):
     longest = max(len(r.prompt_ids) for r in requests)
     record = bool(args.logits_out)
     stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
-    if not args.json:
-        _say("compiling ...")
+    _say_compiling(requests)
     count_before, loaded_before = engine.compile_count, engine.programs_loaded
     compile_s = engine.precompile(len(requests), longest, record_logits=record,
                                   images=any(r.images is not None for r in requests),
@@ -764,6 +854,15 @@ def generate_with_output(engine, requests, tokenizer, args):
     result.timings.programs_compiled = engine.compile_count - count_before
     result.timings.programs_loaded = engine.programs_loaded - loaded_before
     return result
+
+
+def _say_compiling(requests, what: str = "the programs") -> None:
+    """The one line said before the run compiles (`compiler.compiling_note`)."""
+    from .compiler import compiling_note  # noqa: PLC0415
+
+    longest = max(len(r.prompt_ids) for r in requests)
+    prompts = f"{len(requests)} prompt{'s' if len(requests) > 1 else ''}"
+    _say(compiling_note(f"{what} for {prompts} of up to {longest:,} tokens"))
 
 
 def chat_reply_fields(tokenizer, token_ids, thinking: bool) -> dict:
@@ -810,16 +909,14 @@ def report(result, tokenizer, args, description: str, max_context: int, folded: 
 
 
 def run(args) -> int:
+    specs = gather_prompts(args)  # the checks that need no JAX first: a mistake is refused at once
+    check_chat_flags(args, specs)
+    check_logits_out(args.logits_out)
+    check_sampling_flags(args)
     from .compile_cache import enable as enable_compile_cache  # noqa: PLC0415
     from .engine import Engine, check_requests, planned_segments  # noqa: PLC0415
-    from .sampling import SamplingParams  # noqa: PLC0415
     from .tokenizer import load_tokenizer  # noqa: PLC0415
 
-    check_chat_flags(args)
-    specs = gather_prompts(args)
-    SamplingParams(sampling_temperature(args), args.top_k, args.top_p, args.seed).validate()
-    if args.logits_out and not Path(args.logits_out).resolve().parent.is_dir():
-        raise UsageError(f"--logits-out: directory {Path(args.logits_out).parent} does not exist")
     opened = open_images(specs)
     check_world(args.world)
     cache_dir = enable_compile_cache(args.compile_cache)
@@ -828,6 +925,7 @@ def run(args) -> int:
     inputs = load_model_inputs(args)
     cfg, description = inputs.cfg, inputs.description
     speculate = inputs.dspark
+    check_unused_flags(args, cfg, speculate)
     _say(f"model: {description}" + (f" · DSpark speculation, {args.draft_tokens} draft tokens" if speculate else ""))
     for feature in cfg.unsupported_features():
         if not (speculate and feature.startswith("DSpark")):
@@ -860,12 +958,50 @@ def run(args) -> int:
     return 0
 
 
+def check_logits_out(path: str | None) -> None:
+    """--logits-out: refuse before the run a file that could not be written at its end."""
+    if not path:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"--logits-out {out} is a directory: give a file name (FILE.npz)")
+    if not out.resolve().parent.is_dir():
+        raise UsageError(f"--logits-out: directory {out.parent} does not exist")
+
+
+def check_unused_flags(args, cfg, speculate: bool) -> None:
+    """Flags given where they change nothing in this run are refused (never silently ignored): speculation's
+    without speculation, --decode-chunk where decoding runs one step at a time, the engram flags for a model
+    without engram layers."""
+    if not speculate:
+        for flag, given in (("--speculate-baseline", args.speculate_baseline),
+                            ("--draft-tokens", "draft_tokens" in args.given)):
+            if given:
+                why = ("--speculate off" if args.speculate == "off" else
+                       "the random-weight model speculates only with --speculate dspark" if not args.checkpoint else
+                       "speculative decoding is off for this run (said above)" if cfg.num_nextn_predict_layers else
+                       "the checkpoint has no DSpark stages")
+                raise UsageError(f"{flag} goes with speculative decoding, which does not run: {why}")
+    if args.decode_chunk > 1:
+        if args.logits_out:
+            raise UsageError("--decode-chunk: --logits-out records every decode step one at a time; drop one of them")
+        if cfg.engram_layer_ids and not args.skip_engram:
+            raise UsageError("--decode-chunk: a model with engram layers decodes one step at a time (each step's "
+                             "rows are hashed on the host first); drop --decode-chunk")
+    if not cfg.engram_layer_ids:
+        if args.skip_engram:
+            raise UsageError("--skip-engram: this model has no engram layers to skip")
+        if args.engram_tables != "auto":
+            raise UsageError(f"--engram-tables {args.engram_tables}: this model has no engram layers")
+
+
 def speculate_with_output(engine, requests, tokenizer, args):
     """`speculative.Speculator` with streamed text; the speculation line (and the plain rate with
     --speculate-baseline) on stderr. Its programs compile on first use (inside the prefill and first round)."""
     from .speculative import Speculator  # noqa: PLC0415
 
     stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
+    _say_compiling(requests, "the speculative programs (on first use, timed apart)")
     result = Speculator(engine).generate(requests, args.draft_tokens, on_tokens=stream)
     stream.close()
     baseline = engine.generate(requests).timings if args.speculate_baseline else None
@@ -881,8 +1017,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .sampling import SamplingError  # noqa: PLC0415
     from .tokenizer import TokenizerError  # noqa: PLC0415
 
+    from .textfile import TextFileError  # noqa: PLC0415
+
     errors: list[type[BaseException]] = [UsageError, ConfigError, EngineInputError, SamplingError, TokenizerError,
-                                         CompileCacheError]
+                                         CompileCacheError, TextFileError]
     for module, name in (("dsv41_jax.checkpoint", "CheckpointError"), ("dsv41_jax.planner", "PlanRefused"),
                          ("dsv41_jax.vision.preprocess", "ImageError"),
                          ("dsv41_jax.engram", "EngramError"),
@@ -896,7 +1034,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def cli_main(parser, run_args, argv: Sequence[str] | None, interrupted: str | None = "interrupted") -> int:
     """A command's entry (generate, serve): parse ``argv``, ask for ``--world`` simulated devices, ``run_args(args)``;
-    returns the exit status (2 for bad input, with one line on stderr; 130 on Ctrl-C, saying ``interrupted``)."""
+    returns the exit status (2 for bad input, with one line on stderr; 130 on Ctrl-C, saying ``interrupted``).
+    ``argv`` None (this process's own command line): XLA's slow-compile banners are kept off its stderr
+    (`xla_log`)."""
+    if argv is None:
+        from .xla_log import hide_slow_compile_banners  # noqa: PLC0415
+
+        hide_slow_compile_banners()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or an argument error (2, one line already printed)

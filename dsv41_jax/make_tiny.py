@@ -2,7 +2,7 @@
 
     python -m dsv41_jax.make_tiny OUT [--config FILE|tiny] [--seed N] [--quantize none|fp8|fp4] [--dspark] [--force]
 
-``--quantize`` picks how the matrices the release quantises are stored (`MODEL.md` §E.1):
+``--quantize`` picks how the matrices the release quantises are stored (`docs/MODEL.md` §E.1):
 
 * ``none``: every matrix bf16 (no ``quantization_config``);
 * ``fp8``:  dense matrices fp8 (e4m3, 32×32 ue8m0 scales), routed experts bf16;
@@ -66,7 +66,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0, *, dspark: bool = False) -> 
     the pre/post/comb mixes stay near uniform); router bias and attention sinks near 0; embedding N(0, 1).
     Values are already on the grid of their plain storage (bf16 or f32), so ``write_checkpoint(...,
     "none")`` stores them exactly. A config with a ``vision_config`` also gets the image path's tensors
-    (VISION.md §V.F), drawn after the text ones (so the text weights equal those of the same config without it).
+    (docs/VISION.md §V.F), drawn after the text ones (so the text weights equal those of the same config without it).
     """
     rng = np.random.default_rng(seed)
     vision = cfg.has_vision
@@ -224,16 +224,32 @@ def _config_dict(cfg: ModelConfig, quantize: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
+EXAMPLES = """\
+examples:
+  python -m dsv41_jax.make_tiny /tmp/tiny                          # configs/tiny.json, every matrix bf16
+  python -m dsv41_jax.make_tiny /tmp/tiny-fp4 --quantize fp4       # the release's layout: fp8 dense, fp4 experts
+  python -m dsv41_jax.make_tiny /tmp/tiny-e --config tiny_engram   # with engram layers (and their token map)
+  python -m dsv41_jax.make_tiny /tmp/tiny-v --config tiny_vision   # with a vision tower
+  python -m dsv41_jax.make_tiny /tmp/tiny-d --dspark --seed 3 --force   # with the DSpark stages (mtp.*)
+  python -m dsv41_jax.generate --checkpoint /tmp/tiny --prompt "Hi"     # then run it
+
+The weights are random (the output is not language): for tests, parity runs and trying the CLIs without the
+release. A config whose random weights would pass 4 GiB (e.g. dsv41_flash) is refused.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsv41_jax.make_tiny",
-                                     description="Write a random DeepSeek-V4.1 checkpoint in the official format.")
+                                     description="Write a random DeepSeek-V4.1 checkpoint in the official format.",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="output directory (must be empty or absent unless --force)")
-    parser.add_argument("--config", default="tiny", help="config name in configs/ or a config.json path")
+    parser.add_argument("--config", default="tiny",
+                        help="tiny, tiny_engram, tiny_vision, or a config.json path (default: tiny)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--quantize", choices=QUANTIZE_MODES, default="none",
                         help="none: all bf16; fp8: dense fp8; fp4: dense fp8 + fp4 experts (the release)")
     parser.add_argument("--dspark", action="store_true",
-                        help="also write the config's DSpark draft stages (mtp.*, MODEL.md §B.13)")
+                        help="also write the config's DSpark draft stages (mtp.*, docs/MODEL.md §B.13)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = parser.parse_args(argv)
     out = Path(args.out)

