@@ -20,7 +20,8 @@ Tolerances (logits are O(4)):
   is compared teacher-forced (both sides get mlx-lm's input streams): outputs agree within one bf16 ulp except
   a small fraction; (b) end to end, our bf16 logits must be as close to mlx-lm's f32 logits as mlx-lm's bf16
   logits are (factor 1.5), and our bf16 logits must be nearer to mlx-lm's bf16 logits (median) than those
-  are to the f32 ones.
+  are to the f32 ones — each as the median over several prompts of a per-prompt ratio, since one prompt's
+  ratio is as chaotic as the amplification.
   Both compile without XLA's "excess precision" (see ``model_helpers.EXACT_BF16``), so every bf16 rounding
   point is where mlx-lm has it; with XLA's default some bf16 intermediates stay f32 (more precise, ~40 % of a
   layer's outputs then differ from mlx-lm by one bf16 ulp).
@@ -184,28 +185,55 @@ def _f32_angle_cos_sin(positions, inv_freq):
     return jnp.cos(angle), jnp.sin(angle)
 
 
+BF16_PROMPTS = 8  # prompts whose per-prompt error ratios the bf16 end-to-end comparison takes the median of
+
+
 @pytest.mark.parametrize("options", [BF16_OFF, BF16_ON], ids=["off", "on"])
 def test_bf16_end_to_end_as_accurate_as_mlx(checkpoints, monkeypatch, options):
-    """Both sides form RoPE angles as mlx-lm does (f32 p·f_i): mlx-lm's f32 "truth" and its bf16 run share that
-    angle's rounding (up to 2e-6 rad at p = 55), ours would not, and this random model amplifies any such
-    perturbation in bf16 (measured: median 0.036 instead of 0.026 to the truth) — this test is about where
-    bf16 rounds, not about angle precision (tests/model/test_numerics.py checks that against float64)."""
+    """Over BF16_PROMPTS prompts, the median of (our bf16 error) / (mlx-lm's bf16 error), each the median |Δ| to
+    mlx-lm's f32 logits, is at most 1.5, and the median of (ours vs mlx-lm's bf16) / (mlx-lm's bf16 error) at most 1.
+
+    A median over prompts, not one prompt: with the rounding points off, one prompt's ratio is heavy-tailed both
+    ways (measured over 24 prompts on 4 checkpoints: 0.57 … 2.7, log-σ 0.3; 3 of 24 above 1.5), because a last-bit
+    f32 change (GEMM summation order, XLA contracting a·b + c into an FMA or not) flips bf16 roundings that this
+    random model amplifies, so which run lands nearer the f32 one is partly luck. The median over a checkpoint's
+    6 prompts stayed within 0.87 … 1.12 on each checkpoint, with the HC product as the split bf16 GEMM or the f32
+    one and with XLA's CPU backend at -O0 or its default. With the points on, the fp4/fp8 grids absorb most
+    flips (one prompt: 0.91 … 1.12).
+
+    Both sides form RoPE angles as mlx-lm does (f32 p·f_i): mlx-lm's f32 "truth" and its bf16 run share that
+    angle's rounding (up to 2e-6 rad at p = 55), ours would not; this test is about where bf16 rounds, not about
+    angle precision (tests/model/test_numerics.py checks that against float64)."""
     import model_helpers
     from dsv41_jax.model import rope
     monkeypatch.setattr(rope, "rope_cos_sin", _f32_angle_cos_sin)
-    monkeypatch.setattr(model_helpers, "forward_fn", model_helpers.forward_fn.__wrapped__)  # trace afresh
-    path, cfg, _ = checkpoints["tiny1"]
-    ref, ours = run_both(checkpoints["tiny1"], options, 1, monkeypatch)
-    truth = mlx_oracle.mlx_reference(path, prompt(1, cfg), 0, dtype="float32",
-                                     quant_rounding=options.quant_rounding)["prefill"]
-    ours_err = np.median(np.abs(ours["prefill"] - truth))
-    mlx_err = np.median(np.abs(ref["prefill"] - truth))
-    vs_mlx = np.abs(ours["prefill"] - ref["prefill"])
-    print(f"\nbf16 rounding {options.quant_rounding}: median|Δ| to mlx-lm f32: ours {ours_err:.3f}, mlx-lm bf16 "
-          f"{mlx_err:.3f}; ours vs mlx-lm bf16: median {np.median(vs_mlx):.3f} max {vs_mlx.max():.3f}; "
-          f"selections differing {ours['selection_diff']:.1%}")
-    assert ours_err <= 1.5 * mlx_err
-    assert np.median(vs_mlx) <= mlx_err  # nearer to mlx-lm's bf16 run than bf16 is to f32 (observed ≤ 1/2)
+    # trace afresh (with the patched angle), once for all prompts
+    monkeypatch.setattr(model_helpers, "forward_fn", functools.lru_cache(model_helpers.forward_fn.__wrapped__))
+    path, cfg, flat = checkpoints["tiny1"]
+    state = model_state(cfg, options, flat)
+    recorder = SelectionRecorder(monkeypatch)
+    ours_ratio, vs_mlx_ratio, selections = [], [], []
+    for seed in range(BF16_PROMPTS):
+        ids = prompt(seed, cfg)
+        truth = mlx_oracle.mlx_reference(path, ids, 0, dtype="float32",
+                                         quant_rounding=options.quant_rounding)["prefill"]
+        first = len(recorder.calls)
+        ref = mlx_oracle.mlx_reference(path, ids, 0, dtype="bfloat16",
+                                       quant_rounding=options.quant_rounding)["prefill"]
+        runner = Runner(cfg, options, state, rows=PROMPT, max_context=MAX_CONTEXT)
+        (ours,), picks = runner.step([ids])
+        mlx_err = np.median(np.abs(ref - truth))
+        ours_ratio.append(np.median(np.abs(ours - truth)) / mlx_err)
+        vs_mlx_ratio.append(np.median(np.abs(ours - ref)) / mlx_err)
+        selections.append(selection_diff([np.asarray(picks[layer])[0] for layer in sorted(picks)],
+                                         recorder.calls[first:first + len(picks)]))
+    print(f"\nbf16 rounding {options.quant_rounding}, {BF16_PROMPTS} prompts: median|Δ| to mlx-lm f32, ours / "
+          f"mlx-lm bf16: median {np.median(ours_ratio):.2f} ({' '.join(f'{r:.2f}' for r in ours_ratio)}); "
+          f"ours vs mlx-lm bf16 / mlx-lm bf16 to f32: median {np.median(vs_mlx_ratio):.2f}; "
+          f"selections differing {np.mean(selections):.1%}")
+    assert np.median(ours_ratio) <= 1.5
+    # nearer to mlx-lm's bf16 run than bf16 is to f32 (measured: medians 0.26 … 0.56)
+    assert np.median(vs_mlx_ratio) <= 1.0
 
 
 def test_bf16_each_layer_teacher_forced(checkpoints):
