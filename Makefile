@@ -16,7 +16,7 @@ VENV := .venv
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test test-all test-gpu clean
+.PHONY: run lint test test-all test-gpu clean
 
 $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
@@ -38,7 +38,10 @@ run: $(RUN_STAMP)
 TEST_WORKERS ?= 2
 PYTEST_CPU = $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-test: $(TEST_STAMP)
+lint: $(TEST_STAMP)
+	$(VENV)/bin/python -m ruff check .
+
+test: lint
 	$(PYTEST_CPU) -m "not slow"
 
 test-all: $(TEST_STAMP)

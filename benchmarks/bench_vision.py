@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import load_named
+from dsv41_jax.vision import tower
 from dsv41_jax.vision.batch import build_batch
 from dsv41_jax.vision.preprocess import PreparedImage, plan_image
-from dsv41_jax.vision import tower
 from dsv41_jax.vision.tower import Aligner, VisionTower
 
 PEAK_FLOPS = 989e12  # H200 SXM bf16 dense

@@ -36,8 +36,26 @@ import numpy as np
 
 from .config import ModelConfig
 from .planner import SHORT_ROWS, segment_sizes
-from .runtime import (ENCODE, INIT, STEP, STEPS, Call, Chunk, EngineInputError, FlatState, ModelLike, Program,
-                      ProgramTable, Runtime, StepOut, image_rows, keeps_going, merge, segment_images, stop_ids)
+from .runtime import (
+    ENCODE,
+    INIT,
+    STEP,
+    STEPS,
+    Call,
+    Chunk,
+    EngineInputError,
+    FlatState,
+    ModelLike,
+    Program,
+    ProgramTable,
+    Runtime,
+    StepOut,
+    image_rows,
+    keeps_going,
+    merge,
+    segment_images,
+    stop_ids,
+)
 from .sampling import SamplingParams
 
 __all__ = ["DECODE_AHEAD", "ENCODE", "INIT", "STEP", "STEPS", "Call", "Chunk", "Engine", "EngineInputError",

@@ -1015,9 +1015,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .config import ConfigError  # noqa: PLC0415
     from .engine import EngineInputError  # noqa: PLC0415
     from .sampling import SamplingError  # noqa: PLC0415
-    from .tokenizer import TokenizerError  # noqa: PLC0415
-
     from .textfile import TextFileError  # noqa: PLC0415
+    from .tokenizer import TokenizerError  # noqa: PLC0415
 
     errors: list[type[BaseException]] = [UsageError, ConfigError, EngineInputError, SamplingError, TokenizerError,
                                          CompileCacheError, TextFileError]

@@ -27,9 +27,25 @@ import math
 import sys
 
 from dsv41_jax.config import ConfigError, load_named
-from dsv41_jax.planner import (PLANNED_ONLY, WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, SegmentPlan,
-                               VisionPlan, admit, buffer_plan, engram_bytes_per_rank, engram_placement, kernel_tiles,
-                               plan_segment, plan_vision, planned_only, prefill_rows)
+from dsv41_jax.planner import (
+    PLANNED_ONLY,
+    WORLDS,
+    GiB,
+    MemoryBudget,
+    PlanOptions,
+    PlanRefused,
+    SegmentPlan,
+    VisionPlan,
+    admit,
+    buffer_plan,
+    engram_bytes_per_rank,
+    engram_placement,
+    kernel_tiles,
+    plan_segment,
+    plan_vision,
+    planned_only,
+    prefill_rows,
+)
 
 EXPERT_FORMATS = ("f32", "bf16", "fp8", "fp4")
 DENSE_FORMATS = ("f32", "bf16", "fp8")

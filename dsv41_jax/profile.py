@@ -34,8 +34,19 @@ from pathlib import Path
 
 from dsv41_jax import with_flags
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
-from dsv41_jax.planner import (WORLDS, GiB, MemoryBudget, PlanOptions, PlanRefused, admit, cache_pool_bytes,
-                               engram_bytes_per_rank, kernel_tiles, param_bytes_per_rank, plan_segment)
+from dsv41_jax.planner import (
+    WORLDS,
+    GiB,
+    MemoryBudget,
+    PlanOptions,
+    PlanRefused,
+    admit,
+    cache_pool_bytes,
+    engram_bytes_per_rank,
+    kernel_tiles,
+    param_bytes_per_rank,
+    plan_segment,
+)
 from dsv41_jax.profiling.cut import cut_layers, kept_layers, one_rank
 from dsv41_jax.profiling.flops import step_flops
 
@@ -208,10 +219,9 @@ def run(req: Request, on_step=None) -> dict:
     """
     import jax
 
+    from dsv41_jax.compile_cache import enable as enable_compile_cache
     from dsv41_jax.model import ModelOptions
     from dsv41_jax.profiling import build, measure
-
-    from dsv41_jax.compile_cache import enable as enable_compile_cache
 
     cache_dir = enable_compile_cache(req.compile_cache)
     hasher = None

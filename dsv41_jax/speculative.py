@@ -111,7 +111,7 @@ def _probs(logits, sampling: SamplingArrays):
     shape = logits.shape
     rows = logits.reshape(shape[0], -1, shape[-1])
     k = rows.shape[1]
-    rep = lambda x: jnp.repeat(x, k, axis=0)  # noqa: E731
+    rep = lambda x: jnp.repeat(x, k, axis=0)
     f = filtered_logits(rows.reshape(-1, shape[-1]), rep(sampling.temperature), rep(sampling.top_k),
                         rep(sampling.top_p))
     return jax.nn.softmax(f, axis=-1).reshape(shape)

@@ -109,7 +109,7 @@ class DeepSeekTokenizer:
         """Text of ``ids`` (the library's own decoder; incomplete UTF-8 becomes U+FFFD)."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one tokenizer per process; ids are small ints
+    @functools.lru_cache(maxsize=None)
     def token_bytes(self, token_id: int, skip_special: bool = True) -> bytes:
         """The bytes token ``token_id`` stands for (b"" for special tokens when skipped, or unknown ids)."""
         if token_id in self._added_text:

@@ -17,8 +17,14 @@
 from sharding.context import activate, constrain
 from sharding.layout import ShardPlan, Split
 from sharding.mesh import TP, ShardingError, make_mesh, replicated, request_host_devices
-from sharding.prepare import (ShardedTransformer, cache_sharding, logits_sharding, param_bytes_per_device,
-                              prepare, state_sharding)
+from sharding.prepare import (
+                              ShardedTransformer,
+                              cache_sharding,
+                              logits_sharding,
+                              param_bytes_per_device,
+                              prepare,
+                              state_sharding,
+)
 
 __all__ = ["TP", "ShardPlan", "ShardedTransformer", "ShardingError", "Split", "activate", "cache_sharding",
            "constrain", "logits_sharding", "make_mesh", "param_bytes_per_device", "prepare", "replicated",

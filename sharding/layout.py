@@ -21,9 +21,20 @@ import numpy as np
 
 from dsv41_jax.planner import Split
 from sharding.mesh import ShardingError
-from sharding.rules import (ALIGNER_HIDDEN, ENGRAM_ROWS, EXPERT_MLP, EXPERT_MLP_CODES, EXPERT_MLP_SCALES,
-                            SHARED_MLP, VISION_GATE_UP, VISION_HEADS, VISION_MLP, VISION_QKV, VOCAB,
-                            check_layout)
+from sharding.rules import (
+    ALIGNER_HIDDEN,
+    ENGRAM_ROWS,
+    EXPERT_MLP,
+    EXPERT_MLP_CODES,
+    EXPERT_MLP_SCALES,
+    SHARED_MLP,
+    VISION_GATE_UP,
+    VISION_HEADS,
+    VISION_MLP,
+    VISION_QKV,
+    VOCAB,
+    check_layout,
+)
 
 
 @dataclass(frozen=True)

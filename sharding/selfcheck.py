@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import sharding
     from dsv41_jax.config import load_named
+    from dsv41_jax.loading import load_weights
     from dsv41_jax.make_tiny import random_weights
     from dsv41_jax.model.cache import init_cache
-    from dsv41_jax.loading import load_weights
     from dsv41_jax.model.transformer import ModelOptions, Transformer
 
     if len(jax.devices()) < args.world:

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from mlx_oracle import to_numpy, greedy_trace, prompt_chunks  # tests/ is on sys.path (conftest)
+from mlx_oracle import greedy_trace, prompt_chunks, to_numpy  # tests/ is on sys.path (conftest)
 
 try:
     import mlx.core as mx

@@ -38,8 +38,8 @@ except ImportError:  # the test extra is not installed
     HAVE_MLX_VLM = False
 
 # The same switch the engram oracle uses (it also covers engram's rounding); one definition.
-from mlx_oracle import to_numpy  # noqa: E402
-from mlx_vlm_oracle import rounding_off as fake_quant_off  # noqa: E402,F401  (test_vision_model's)
+from mlx_oracle import to_numpy
+from mlx_vlm_oracle import rounding_off as fake_quant_off  # noqa: F401  (test_vision_model's)
 
 
 def load_vlm(ckpt_dir: str | Path, exact_gelu: bool = True):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import bench_hc_product as bench  # noqa: E402
+import bench_hc_product as bench
 
-from dsv41_jax.model import norms  # noqa: E402
+from dsv41_jax.model import norms
 
 
 def test_quick_run_prints_both_ways_and_restores_the_threshold(capsys):

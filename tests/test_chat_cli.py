@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_chat import ENCODE, PARSE
+from test_engine import mini_config
+from test_tokenizer import v41_like_tokenizer_dir
 
 from dsv41_jax import engine, generate, make_tiny
 from dsv41_jax.generate import chat_reply_fields, main
 from dsv41_jax.tokenizer import DeepSeekTokenizer
-from test_chat import ENCODE, PARSE
-from test_engine import mini_config
-from test_tokenizer import v41_like_tokenizer_dir
 
 RUN = ["--max-new-tokens", "3", "--greedy", "--dtype", "float32", "--json"]
 

@@ -14,9 +14,9 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ has no __init__.py: make mlx_oracle importable
 
-from dsv41_jax import checkpoint, make_tiny, param_specs  # noqa: E402
-from dsv41_jax.checkpoint import CheckpointError, load_checkpoint, open_checkpoint  # noqa: E402
-from dsv41_jax.config import load_named  # noqa: E402
+from dsv41_jax import checkpoint, make_tiny, param_specs
+from dsv41_jax.checkpoint import CheckpointError, load_checkpoint, open_checkpoint
+from dsv41_jax.config import load_named
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def test_inventory_matches_spec_counts_and_roles(cfg):
     shapes = param_specs.model_tensors(cfg)
     # MODEL.md §A.3: mlx-lm builds TINY with 5,299,500 parameters (no engram / DSpark).
     assert sum(math.prod(s) for s in shapes.values()) == 5_299_500
-    layers_with = lambda suffix: sorted(int(n.split(".")[1]) for n in shapes if n.endswith(suffix))  # noqa: E731
+    layers_with = lambda suffix: sorted(int(n.split(".")[1]) for n in shapes if n.endswith(suffix))
     # §A.3 roles: 2, 4, 6 full (6 ratio 1: no gate), 8 reindex, others window / reuse.
     assert layers_with("compressor.wkv.weight") == [2, 4, 6]
     assert layers_with("compressor.wgate.weight") == [2, 4]

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_engine import mini_config
 
 from dsv41_jax import generate, make_tiny, profile
 from dsv41_jax.checkpoint import CheckpointError, open_checkpoint
-from test_engine import mini_config
 
 REPO = Path(__file__).resolve().parent.parent
 

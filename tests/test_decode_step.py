@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from compile_events import backend_compiles
+from flax import nnx
 from test_engine import mini_config
+
 from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, Request, fixed_segments
@@ -124,7 +124,7 @@ def test_one_program_per_decode_step(setup):
     greedy = engine.generate([Request(prompts[1], 3)])
     (argmax,) = [exe for key, exe in engine.runtime.table.compiled.items() if key not in seen]
     assert greedy.timings.programs_compiled == 1
-    vocab_sorts = lambda exe: [line for line in exe.as_text().splitlines()  # noqa: E731
+    vocab_sorts = lambda exe: [line for line in exe.as_text().splitlines()
                                if " sort(" in line and f"[1,{engine.vocab_size}]" in line.split(" sort(")[0]]
     assert vocab_sorts(step) and not vocab_sorts(argmax)
     _, compiles = _backend_compiles(lambda: engine.generate([Request(prompts[1][2:], 4)]))

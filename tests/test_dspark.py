@@ -135,7 +135,7 @@ def _greedy_draft(model, bonus, offset):
     cfg = model.cfg
     b = bonus.shape[0]
     rings = tuple(jnp.zeros((b, cfg.sliding_window, cfg.head_dim), jnp.float32) for _ in model.mtp)
-    greedy = lambda j, row: jnp.argmax(row, -1).astype(jnp.int32)  # noqa: E731
+    greedy = lambda j, row: jnp.argmax(row, -1).astype(jnp.int32)
     d = draft(model.mtp, model.embed, model.head, bonus, rings, offset, cfg, cfg.dspark_block_size, greedy)
     before = [bonus, *[d.tokens[:, j] for j in range(cfg.dspark_block_size - 1)]]
     return d, d.logits - jnp.stack([model.mtp[-1].markov_head.bias(p) for p in before], 1)

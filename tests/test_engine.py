@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_events import backend_compiles
 from flax import nnx
 
-from compile_events import backend_compiles
 from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments

@@ -19,8 +19,8 @@ from dsv41_jax import generate
 from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, Request
-from dsv41_jax.loading import build_model
 from dsv41_jax.engram import Hasher
+from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.sampling import SamplingParams

@@ -17,22 +17,22 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mlx_vlm_vision_oracle import HAVE_MLX_VLM  # noqa: E402
+from mlx_vlm_vision_oracle import HAVE_MLX_VLM
 
 if not HAVE_MLX_VLM:
     pytest.skip("mlx-vlm (test extra) is not installed", allow_module_level=True)
-import mlx.nn as nn  # noqa: E402
-from mlx_vlm_oracle import load_vlm_model  # noqa: E402
-from mlx_vlm_vision_oracle import fake_quant_off, vlm_prefill  # noqa: E402
+import mlx.nn as nn
+from mlx_vlm_oracle import load_vlm_model
+from mlx_vlm_vision_oracle import fake_quant_off, vlm_prefill
 
-from dsv41_jax.checkpoint import load_checkpoint  # noqa: E402
-from dsv41_jax.config import load_named  # noqa: E402
-from dsv41_jax.engine import Engine, Request  # noqa: E402
-from dsv41_jax.engram import Hasher  # noqa: E402
-from dsv41_jax.loading import build_model  # noqa: E402
-from dsv41_jax.make_tiny import random_weights, write_checkpoint  # noqa: E402
-from dsv41_jax.model.transformer import ModelOptions  # noqa: E402
-from dsv41_jax.vision.preprocess import expand_prompt, load_image  # noqa: E402
+from dsv41_jax.checkpoint import load_checkpoint
+from dsv41_jax.config import load_named
+from dsv41_jax.engine import Engine, Request
+from dsv41_jax.engram import Hasher
+from dsv41_jax.loading import build_model
+from dsv41_jax.make_tiny import random_weights, write_checkpoint
+from dsv41_jax.model.transformer import ModelOptions
+from dsv41_jax.vision.preprocess import expand_prompt, load_image
 
 _ENGRAM = ("engram_layer_ids", "engram_num_embeddings", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
            "engram_vocab_size", "engram_compressed_vocab_size", "engram_pad_token_id")

@@ -28,8 +28,8 @@ from flax import nnx
 from dsv41_jax import engram
 from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.config import load_named
-from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.loading import build_model
+from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model import EngramInput, ModelOptions, init_cache
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -10,8 +10,15 @@ import pytest
 
 from dsv41_jax import engram, plan
 from dsv41_jax.config import load_named
-from dsv41_jax.planner import GiB, MemoryBudget, PlanOptions, PlanRefused, check_memory, engram_bytes_per_rank, \
-    engram_placement
+from dsv41_jax.planner import (
+    GiB,
+    MemoryBudget,
+    PlanOptions,
+    PlanRefused,
+    check_memory,
+    engram_bytes_per_rank,
+    engram_placement,
+)
 
 ROW = 256 + 256 // 32
 FLASH = load_named("dsv41_flash")

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
+from test_engine import mini_config
 
 from dsv41_jax import compile_cache, compiler, make_tiny
 from dsv41_jax.engine import Engine, Request, fixed_segments
 from dsv41_jax.loading import build_model
 from dsv41_jax.model.transformer import ModelOptions
-from test_engine import mini_config
 
 
 @pytest.fixture

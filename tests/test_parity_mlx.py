@@ -39,12 +39,12 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
-from model_helpers import EXACT_BF16, Runner, assert_close_with_rounding_flips, model_state  # noqa: E402
+from model_helpers import EXACT_BF16, Runner, assert_close_with_rounding_flips, model_state
 
-from dsv41_jax.checkpoint import load_checkpoint  # noqa: E402
-from dsv41_jax.config import load_named  # noqa: E402
-from dsv41_jax.model import ModelOptions, init_cache  # noqa: E402
-from dsv41_jax.make_tiny import random_weights, write_checkpoint  # noqa: E402
+from dsv41_jax.checkpoint import load_checkpoint
+from dsv41_jax.config import load_named
+from dsv41_jax.make_tiny import random_weights, write_checkpoint
+from dsv41_jax.model import ModelOptions, init_cache
 
 mlx_oracle = pytest.importorskip("mlx_oracle")
 if not mlx_oracle.HAVE_MLX:
@@ -205,6 +205,7 @@ def test_bf16_end_to_end_as_accurate_as_mlx(checkpoints, monkeypatch, options):
     angle's rounding (up to 2e-6 rad at p = 55), ours would not; this test is about where bf16 rounds, not about
     angle precision (tests/model/test_numerics.py checks that against float64)."""
     import model_helpers
+
     from dsv41_jax.model import rope
     monkeypatch.setattr(rope, "rope_cos_sin", _f32_angle_cos_sin)
     # trace afresh (with the patched angle), once for all prompts
@@ -242,6 +243,7 @@ def test_bf16_each_layer_teacher_forced(checkpoints):
     near-tied expert choice)."""
     from flax import nnx
     from model_helpers import _graph
+
     from dsv41_jax.model.attention import CsaState, Segment
 
     path, cfg, flat = checkpoints["tiny1"]

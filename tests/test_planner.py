@@ -10,9 +10,21 @@ import sys
 import pytest
 
 from dsv41_jax.config import load_named
-from dsv41_jax.planner import (MemoryBudget, PlanOptions, PlanRefused, activation_row_bytes, admit, buffer_plan,
-                               check_memory, kv_bytes, max_context, param_bytes_per_rank, plan_segment,
-                               segment_sizes, window_bytes)
+from dsv41_jax.planner import (
+    MemoryBudget,
+    PlanOptions,
+    PlanRefused,
+    activation_row_bytes,
+    admit,
+    buffer_plan,
+    check_memory,
+    kv_bytes,
+    max_context,
+    param_bytes_per_rank,
+    plan_segment,
+    segment_sizes,
+    window_bytes,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 FULL = load_named("dsv41_flash")

@@ -85,8 +85,8 @@ def test_profile_fp4_experts_as_released(capsys):
     device holds are the planner's fp4 count exactly (world 2), the step runs, and decoded experts have the right spread."""
     import numpy as np
 
-    from dsv41_jax.model import ModelOptions
     from dsv41_jax.formats import decode_fp4
+    from dsv41_jax.model import ModelOptions
     from dsv41_jax.profiling import build
 
     report = _run(capsys, "--world", "2", "--rows", "16", "--position", "0", "--expert-format", "fp4")

@@ -11,7 +11,6 @@ and seeded) through 2 slots, so slots are reused. Float32, rounding points off.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named

@@ -56,10 +56,10 @@ class _Tokenizer:
 class _Worker:
     """Answers each request with ids 10, 11, ... (max_tokens of them) at once."""
 
-    class slots:  # noqa: N801 - the attribute path the app reads (worker.slots.engine.check)
+    class slots:
         active, slots = 0, 4
 
-        class engine:  # noqa: N801
+        class engine:
             @staticmethod
             def check(requests):
                 check_requests(requests, VOCAB, CONTEXT)

@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from compile_events import backend_compiles, branching_programs
+from test_engine import mini_config
+
 from dsv41_jax import make_tiny
 from dsv41_jax.engine import Engine, Request, fixed_segments
 from dsv41_jax.loading import build_model
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.sampling import SamplingParams, sample, sampling_arrays
 from dsv41_jax.serve.slots import Job, SlotEngine
-from test_engine import mini_config
 
 SLOTS = 3
 

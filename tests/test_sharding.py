@@ -235,7 +235,7 @@ def test_kernel_expert_specs_are_the_parameter_rules(layout, fp4):
 
     e, f, d = 4, 64, 32
     if fp4:
-        u8 = lambda *s: np.zeros(s, np.uint8)  # noqa: E731
+        u8 = lambda *s: np.zeros(s, np.uint8)
         weights = ExpertWeights(u8(e, f, d // 2), u8(e, f, d // 2), u8(e, d, f // 2),
                                 u8(e, f, d // 32), u8(e, f, d // 32), u8(e, d, f // 32))
         names = {"w1": "w1.codes", "w3": "w3.codes", "w2": "w2.codes", "w1_scale": "w1.scales",
@@ -256,8 +256,9 @@ def test_kernel_expert_specs_are_the_parameter_rules(layout, fp4):
 def test_the_mesh_and_layout_travel_in_jax_and_flax_contexts():
     """Issue #13: ``context.activate`` sets JAX's context mesh (readable inside jit: get_abstract_mesh) and Flax's
     logical-axis rules; outside it neither is set and ``constrain`` is the identity."""
-    import sharding.context as context
     from flax.core.spmd import get_logical_axis_rules
+
+    import sharding.context as context
 
     mesh = make_mesh(2)
     seen = {}

@@ -38,17 +38,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_sharding_model import greedy as greedy_run  # tests/ is on sys.path (conftest)
 
 import sharding
 from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
-from dsv41_jax.planner import WORLDS
 from dsv41_jax.model.transformer import ModelOptions
+from dsv41_jax.planner import WORLDS
 from dsv41_jax.profiling.cut import cut_layers
 from sharding.load import checkpoint_source
-from test_sharding_model import greedy as greedy_run  # tests/ is on sys.path (conftest)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT, NEW = 12, 3

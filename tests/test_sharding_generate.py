@@ -21,16 +21,14 @@ and the decode steps.
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from test_engine import mini_config
-
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_IDS = ",".join(str((37 * i + 11) % 509 + 3) for i in range(48))  # 48 distinct-ish ids in 3 … 511

@@ -25,15 +25,15 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from test_engine import mini_config
 
 import sharding
 from dsv41_jax import planner
 from dsv41_jax.config import load_named
+from dsv41_jax.loading import load_weights
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model.cache import init_cache
-from dsv41_jax.loading import load_weights
 from dsv41_jax.model.transformer import ModelOptions, Transformer
-from test_engine import mini_config
 
 OPTIONS = ModelOptions(dtype="float32", quant_rounding=False)
 BATCH, PROMPT, NEW = 2, 48, 4  # ≥ 48 prompt tokens: the window evicts and the indexer selects (MODEL.md §A.3)

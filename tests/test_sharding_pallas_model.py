@@ -16,16 +16,15 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from test_sharding_model import collectives
 
 import sharding
 from dsv41_jax import planner
 from dsv41_jax.config import load_named
+from dsv41_jax.loading import load_weights
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model.cache import init_cache
-from dsv41_jax.loading import load_weights
 from dsv41_jax.model.transformer import ModelOptions, Transformer
-from test_sharding_model import collectives
-
 
 OPTIONS = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="pallas", moe_impl="pallas",
                        hc_impl="pallas")

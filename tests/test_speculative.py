@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
-import pytest
-from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
+from compile_events import branching_programs
+from flax import nnx
 from jax.scipy.special import gammaincc
 
-from compile_events import branching_programs
+from dsv41_jax import speculative
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions, Transformer
 from dsv41_jax.sampling import SamplingParams, filtered_logits, sampling_arrays
-from dsv41_jax import speculative
 from dsv41_jax.speculative import Speculator, accept
 
 MAX_CONTEXT = 96

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_speculative import MAX_CONTEXT, _forced_accept_all_then_partial, _oracle, _same, spec_config, stage_drafts
 
 from dsv41_jax import make_tiny
 from dsv41_jax.engine import Engine, Request, fixed_segments
@@ -19,8 +20,6 @@ from dsv41_jax.loading import build_model
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.param_specs import is_engram_table
 from dsv41_jax.speculative import Speculator
-from test_speculative import (MAX_CONTEXT, _forced_accept_all_then_partial, _oracle, _same, spec_config,
-                              stage_drafts)
 
 
 @pytest.fixture(scope="module")

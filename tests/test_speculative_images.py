@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from PIL import Image
+from test_speculative import MAX_CONTEXT, _oracle, _same, stage_drafts  # tests/ is on sys.path
 
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, Request, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions, Transformer
 from dsv41_jax.speculative import Speculator
 from dsv41_jax.vision.preprocess import expand_prompt, load_image, prepare_image
-from test_speculative import MAX_CONTEXT, _oracle, _same, stage_drafts  # tests/ is on sys.path
 
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_speculative import MAX_CONTEXT, _oracle, _same, spec_config, spec_requests, stage_drafts
 
 from dsv41_jax import make_tiny
 from dsv41_jax.engine import Engine, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.speculative import Speculator
-from test_speculative import MAX_CONTEXT, _oracle, _same, spec_config, spec_requests, stage_drafts
 
 
 @pytest.mark.devices(2)

@@ -3,10 +3,10 @@ and the checkpoint's own tokenizer files winning over the packaged ones (the cha
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import shutil
+
+import pytest
 
 from dsv41_jax.tokenizer import DeepSeekTokenizer, TokenizerError, default_tokenizer_path, load_tokenizer
 

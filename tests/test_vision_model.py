@@ -22,20 +22,20 @@ from flax import nnx
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mlx_vlm_vision_oracle import HAVE_MLX_VLM  # noqa: E402
+from mlx_vlm_vision_oracle import HAVE_MLX_VLM
 
 if not HAVE_MLX_VLM:
     pytest.skip("mlx-vlm (test extra) is not installed", allow_module_level=True)
-from mlx_vlm_vision_oracle import fake_quant_off, load_vlm, vlm_encode, vlm_prefill  # noqa: E402
+from mlx_vlm_vision_oracle import fake_quant_off, load_vlm, vlm_encode, vlm_prefill
 
-from dsv41_jax.checkpoint import load_checkpoint  # noqa: E402
-from dsv41_jax.config import load_named  # noqa: E402
-from dsv41_jax.engine import Engine, Request  # noqa: E402
-from dsv41_jax.loading import build_model  # noqa: E402
-from dsv41_jax.make_tiny import random_weights, write_checkpoint  # noqa: E402
-from dsv41_jax.model.transformer import ModelOptions  # noqa: E402
-from dsv41_jax.vision.batch import build_batch  # noqa: E402
-from dsv41_jax.vision.preprocess import expand_prompt, load_image, prepare_image  # noqa: E402
+from dsv41_jax.checkpoint import load_checkpoint
+from dsv41_jax.config import load_named
+from dsv41_jax.engine import Engine, Request
+from dsv41_jax.loading import build_model
+from dsv41_jax.make_tiny import random_weights, write_checkpoint
+from dsv41_jax.model.transformer import ModelOptions
+from dsv41_jax.vision.batch import build_batch
+from dsv41_jax.vision.preprocess import expand_prompt, load_image, prepare_image
 
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
 CFG = load_named("tiny_vision")

@@ -96,11 +96,12 @@ def test_workspace_bounds_xla_temporaries(tower):
     H200 44.5 MB (the scores beside a 32 MiB cuBLAS workspace, ``v.gemm``); two chunks, CPU 37.3 MB of 82.1,
     H200 55.6 MB (one chunk's scores live at a time)."""
     import jax
-    from dsv41_jax.runtime import ENCODE, FlatState
+    from PIL import Image
+
     from dsv41_jax.loading import build_model
+    from dsv41_jax.runtime import ENCODE, FlatState
     from dsv41_jax.vision.batch import build_batch
     from dsv41_jax.vision.preprocess import prepare_image
-    from PIL import Image
 
     cfg = TOWERS[tower]
     assert planner.patch_buckets(cfg.vision)[-1] == {"one_chunk": 1024, "two_chunks": 2048}[tower]

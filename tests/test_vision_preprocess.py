@@ -18,8 +18,20 @@ import pytest
 from PIL import Image
 
 from dsv41_jax.config import load_named
-from dsv41_jax.vision.preprocess import (END, IMAGE, NEWLINE, START, TEXT, ImageError, expand_prompt,
-                                         load_image, open_image, plan_image, prepare_image, span_roles)
+from dsv41_jax.vision.preprocess import (
+    END,
+    IMAGE,
+    NEWLINE,
+    START,
+    TEXT,
+    ImageError,
+    expand_prompt,
+    load_image,
+    open_image,
+    plan_image,
+    prepare_image,
+    span_roles,
+)
 
 P = pytest.importorskip("mlx_vlm.models.deepseek_v41.processing_deepseek_v41")
 from mlx_vlm.models.deepseek_v41.config import ModelConfig as MlxConfig  # noqa: E402

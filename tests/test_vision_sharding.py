@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 
 import jax
-
 import numpy as np
 import pytest
 from flax import nnx

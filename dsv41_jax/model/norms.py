@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 HIGHEST = jax.lax.Precision.HIGHEST

@@ -21,22 +21,83 @@ every name importable from here (``from dsv41_jax.planner import plan_segment``)
 * ``vision``: the tower's patch / token buckets and its plan (VISION.md §V.G).
 """
 
-from .options import (BMQ_MAX, CAP_2K, CAP_4K, INDEX_BUDGET, KEY_TILE, MIN_BLOCK, MOE_TILE, PLANNED_ONLY,
-                      RESCORE_BYTES_PER_KEY, ROPE_EXTRA, ROUTER_ROWS, SHORT_ROWS, STREAM_BUDGET, STREAM_SPLIT_KEYS,
-                      TBO_MIN_ROWS, WORLDS, GiB, KiB, MemoryBudget, MiB, PlanOptions, PlanRefused, context_limit,
-                      planned_only, prefill_rows)
 from .admission import Admission, Split, admit, split_blocks
+from .memory import check_memory, engram_placement, fits_4k, max_context, memory_need, plan_segment, segment_sizes
+from .options import (
+                      BMQ_MAX,
+                      CAP_2K,
+                      CAP_4K,
+                      INDEX_BUDGET,
+                      KEY_TILE,
+                      MIN_BLOCK,
+                      MOE_TILE,
+                      PLANNED_ONLY,
+                      RESCORE_BYTES_PER_KEY,
+                      ROPE_EXTRA,
+                      ROUTER_ROWS,
+                      SHORT_ROWS,
+                      STREAM_BUDGET,
+                      STREAM_SPLIT_KEYS,
+                      TBO_MIN_ROWS,
+                      WORLDS,
+                      GiB,
+                      KiB,
+                      MemoryBudget,
+                      MiB,
+                      PlanOptions,
+                      PlanRefused,
+                      context_limit,
+                      planned_only,
+                      prefill_rows,
+)
 from .rules import decoder_start
-from .sizes import (cache_pool_bytes, engram_bytes_per_rank, index_key_bytes, kv_bytes, kv_row_bytes,
-                    param_bytes_per_rank, tensor_bytes_per_param, tensor_rank_shape, weight_bytes, window_bytes)
-from .segment import (DECODE_HEAD_TILE, DECODE_SMALL_ROWS, BufferPlan, DecodePlan, IndexPath, KernelTiles, ReplayPart,
-                      SegmentPlan, activation_row_bytes, buffer_plan, index_paths, kernel_tiles, moe_bound_floats,
-                      plan_decode_window, plan_shape, ring_rows, stash_row_bytes)
-from .memory import (check_memory, engram_placement, fits_4k, max_context, memory_need, plan_segment,
-                     segment_sizes)
-from .vision import (MIN_PATCH_BUCKET, MIN_TOKEN_BUCKET, PATCH_BUCKET_ROUND, VISION_QUERY_CHUNK, VisionPlan,
-                     max_patches, patch_bucket, patch_buckets, plan_vision, token_bucket, token_buckets,
-                     vision_param_bytes_per_rank, vision_tensor_rank_shape, vision_workspace)
+from .segment import (
+                      DECODE_HEAD_TILE,
+                      DECODE_SMALL_ROWS,
+                      BufferPlan,
+                      DecodePlan,
+                      IndexPath,
+                      KernelTiles,
+                      ReplayPart,
+                      SegmentPlan,
+                      activation_row_bytes,
+                      buffer_plan,
+                      index_paths,
+                      kernel_tiles,
+                      moe_bound_floats,
+                      plan_decode_window,
+                      plan_shape,
+                      ring_rows,
+                      stash_row_bytes,
+)
+from .sizes import (
+                      cache_pool_bytes,
+                      engram_bytes_per_rank,
+                      index_key_bytes,
+                      kv_bytes,
+                      kv_row_bytes,
+                      param_bytes_per_rank,
+                      tensor_bytes_per_param,
+                      tensor_rank_shape,
+                      weight_bytes,
+                      window_bytes,
+)
+from .vision import (
+                      MIN_PATCH_BUCKET,
+                      MIN_TOKEN_BUCKET,
+                      PATCH_BUCKET_ROUND,
+                      VISION_QUERY_CHUNK,
+                      VisionPlan,
+                      max_patches,
+                      patch_bucket,
+                      patch_buckets,
+                      plan_vision,
+                      token_bucket,
+                      token_buckets,
+                      vision_param_bytes_per_rank,
+                      vision_tensor_rank_shape,
+                      vision_workspace,
+)
 
 __all__ = ["BMQ_MAX", "CAP_2K", "CAP_4K", "DECODE_HEAD_TILE", "DECODE_SMALL_ROWS", "INDEX_BUDGET", "KEY_TILE",
            "MIN_BLOCK", "MIN_PATCH_BUCKET", "MIN_TOKEN_BUCKET", "MOE_TILE", "PATCH_BUCKET_ROUND", "PLANNED_ONLY",

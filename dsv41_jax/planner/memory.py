@@ -76,7 +76,7 @@ def check_memory(cfg: ModelConfig, world: int, options: PlanOptions, budget: Mem
     rank, terms, total = _binding_rank(cfg, adm, options, budget)
     if total <= budget.usable_bytes:
         return
-    g = lambda b: f"{b / GiB:,.1f} GiB"  # noqa: E731
+    g = lambda b: f"{b / GiB:,.1f} GiB"
     width = adm.expert_widths[rank]
     tokens = budget.kv_tokens if budget.kv_tokens is not None else options.slots * context_limit(cfg, options)
     raise PlanRefused("R10", f"world {world} refused on rank {rank}: {options.experts} experts need "

@@ -14,8 +14,22 @@ from pallas_kernels.indexer.tiling import tiling as index_kernel_tiling
 from pallas_kernels.indexer.tiling import workspace_bytes as index_kernel_workspace
 
 from .admission import Admission, admit
-from .options import (KEY_TILE, MOE_TILE, RESCORE_BYTES_PER_KEY, ROPE_EXTRA, ROUTER_ROWS, SHORT_ROWS, STREAM_BUDGET,
-                      STREAM_SPLIT_KEYS, MemoryBudget, MiB, PlanOptions, PlanRefused, context_limit, prefill_rows)
+from .options import (
+    KEY_TILE,
+    MOE_TILE,
+    RESCORE_BYTES_PER_KEY,
+    ROPE_EXTRA,
+    ROUTER_ROWS,
+    SHORT_ROWS,
+    STREAM_BUDGET,
+    STREAM_SPLIT_KEYS,
+    MemoryBudget,
+    MiB,
+    PlanOptions,
+    PlanRefused,
+    context_limit,
+    prefill_rows,
+)
 from .rules import check_position, check_shape, decoder_start, segment_label
 from .sizes import cache_pool_bytes, kv_row_bytes, weight_bytes
 

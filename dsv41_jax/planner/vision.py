@@ -10,7 +10,6 @@ from dsv41_jax.config import ModelConfig
 
 from .options import PlanOptions, PlanRefused
 
-
 # The tower's static shapes and memory (VISION.md §V.G). Images are padded to a few patch buckets (powers of
 # two from 64, and the largest image's count rounded up to 512: release 64 … 8,192, 9,216) and token buckets
 # (powers of two from 16 up to T_max), so a handful of tower programs serve every image size.

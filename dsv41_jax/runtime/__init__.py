@@ -39,8 +39,7 @@ runtime (a copy of an `Engine`) may differ in them.
 """
 
 from .model import ModelLike, VocabMaps
-from .programs import (ENCODE, INIT, STEP, STEPS, Chunk, StepOut, image_rows, keeps_going, segment_images,
-                       stop_ids)
+from .programs import ENCODE, INIT, STEP, STEPS, Chunk, StepOut, image_rows, keeps_going, segment_images, stop_ids
 from .runtime import EngineInputError, Runtime
 from .table import Call, FlatState, Program, ProgramTable, abstract, merge
 

@@ -29,14 +29,24 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Union, get_args, get_origin
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..chat import ROLES, ChatFormatError, ContentDelta, ReasoningDelta, ReplyStream, ToolCallEvent, UnparsedDelta, \
-    effort_budget, message_from_openai
+from ..chat import (
+    ROLES,
+    ChatFormatError,
+    ContentDelta,
+    ReasoningDelta,
+    ReplyStream,
+    ToolCallEvent,
+    UnparsedDelta,
+    effort_budget,
+    message_from_openai,
+)
 from ..engine import EngineInputError, Request
 from ..sampling import SamplingParams
 from .errors import BadRequest, ErrorGuard, error_body, error_response, log_internal_error, read_json_object, shown

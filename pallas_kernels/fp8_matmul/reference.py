@@ -15,9 +15,8 @@ A result rounded to bf16 adds that rounding, at most 2^-8 of its magnitude.
 
 from __future__ import annotations
 
-import numpy as np
-
 import ml_dtypes
+import numpy as np
 
 from dsv41_jax.formats import BLOCK, scale_values
 

@@ -14,18 +14,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
 from dsv41_jax.formats import fp8_dequantize
 from pallas_kernels.fp8_matmul import Fp8Weight, fp8_matmul
 from pallas_kernels.fp8_matmul import kernel as fp8_kernel
-from pallas_kernels.fp8_matmul.ops import (DECODE_ROWS, KernelConfig, _check_config, check_offsets,
-                                           default_config)
+from pallas_kernels.fp8_matmul.ops import DECODE_ROWS, KernelConfig, _check_config, check_offsets, default_config
 from pallas_kernels.fp8_matmul.reference import dequantize, error_bound, grouped_matmul
 from pallas_kernels.registry import IMPLEMENTATIONS
 

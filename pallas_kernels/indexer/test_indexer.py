@@ -223,6 +223,7 @@ def test_two_level_group_selection_equals_one_level(per_super):
     included: small-integer maxima (ties everywhere), −∞ tails, a row of equal maxima, a row with fewer
     finite groups than it needs; 8 of 700 groups."""
     from jax import lax
+
     from pallas_kernels.indexer.kernel import best_groups
     rng = np.random.default_rng(per_super)
     m = rng.integers(0, 6, (2, 3, 700)).astype(np.float32)

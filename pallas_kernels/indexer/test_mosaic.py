@@ -199,10 +199,10 @@ def _patch_interpreter_wgmma():
     global _PATCHED
     if _PATCHED:
         return
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
-    from jax._src.pallas.mosaic.interpret import utils as iu
-    from jax._src.state.types import TransposeTransform
     import numpy as np
+    from jax._src.pallas.mosaic.interpret import utils as iu
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
+    from jax._src.state.types import TransposeTransform
 
     def read(key_arr, transforms, gtid, info, sm):
         transforms = tuple(gc._remove_noop_transforms(transforms))

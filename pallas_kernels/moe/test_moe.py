@@ -8,19 +8,17 @@ import dataclasses
 import functools
 import re
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
 from dsv41_jax.formats import decode_fp4
-from pallas_kernels.moe import ExpertWeights, routed_experts
-from pallas_kernels.moe import grouping
+from pallas_kernels.moe import ExpertWeights, grouping, routed_experts
+from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import max_tiles, plan_tiles
 from pallas_kernels.moe.ops import _as_words, _plane_chunks, _weighted_gather_sum, default_config
-from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.reference import routed_experts_reference
 from pallas_kernels.registry import IMPLEMENTATIONS
 

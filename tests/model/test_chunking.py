@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from model_helpers import Runner, assert_close_with_rounding_flips, model_state, split_sizes
 
 from dsv41_jax.config import load_named
@@ -119,9 +118,9 @@ def test_query_row_blocks_give_the_same_result(setup, monkeypatch):
     monkeypatch.setattr(indexer, "SCORE_BUDGET_BYTES", 20_000)  # → blocks of 4–16 rows at 56 rows
     options = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="xla", moe_impl="xla")
     # a distinct (equal) options object would hit the same jit cache: build the program afresh
-    from model_helpers import _graph
     import jax
     from flax import nnx
+    from model_helpers import _graph
 
     graphdef = _graph(cfg, options)
     fn = jax.jit(lambda st, x, c, n: nnx.merge(graphdef, st).forward(x, c, n))

@@ -12,7 +12,6 @@ scores sit that close at the K-th place, so the picks are compared as sets, exac
 from __future__ import annotations
 
 import numpy as np
-
 from model_helpers import Runner, model_state
 
 from dsv41_jax.config import load_named

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from model_helpers import Runner, model_state
 
 from dsv41_jax.config import load_named
@@ -111,7 +110,7 @@ def test_the_ops_take_the_plans_tiles(monkeypatch):
     tiles = planner.kernel_tiles(cfg, 1)
     assert model.options.tiles == tiles
     graphdef, state = nnx.split(model)
-    forward = lambda state, ids, cache: nnx.merge(graphdef, state)(ids, cache)  # noqa: E731
+    forward = lambda state, ids, cache: nnx.merge(graphdef, state)(ids, cache)
     cache = init_cache(cfg, batch=1, max_context=32, dtype="float32")
     # traced only (eval_shape): what the model passes the ops, without running the interpreted kernels
     jax.eval_shape(forward, state, jnp.arange(3, 11)[None], cache)   # a prefill segment of 8 rows

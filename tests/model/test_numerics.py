@@ -12,16 +12,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from jaxpr_walk import equations
 
 from dsv41_jax.config import load_named, yarn_inv_freq
-from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.loading import load_weights
+from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model import ModelOptions, Transformer, WeightsError, init_cache
-from pallas_kernels.hc_mix.xla import sinkhorn
-from dsv41_jax.model.quant import fake_quant_fp4, fake_quant_fp8, round_e2m1
 from dsv41_jax.model.norms import SPLIT_MIN_ROWS, f32_matmul
+from dsv41_jax.model.quant import fake_quant_fp4, fake_quant_fp8, round_e2m1
 from dsv41_jax.model.rope import DIGITS, apply_rope, inv_frequencies, rope_cos_sin
-from jaxpr_walk import equations
+from pallas_kernels.hc_mix.xla import sinkhorn
 
 
 def _blocks(x, block):

@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxpr_walk import equations, scan_xs
 
 from dsv41_jax.config import load_named
 from dsv41_jax.loading import build_model, param_name
 from dsv41_jax.model import ModelOptions, Transformer, WeightsError, init_cache
 from dsv41_jax.param_specs import layer_names
-from jaxpr_walk import equations, scan_xs
 
 F32 = ModelOptions(dtype="float32", quant_rounding=True)
 
