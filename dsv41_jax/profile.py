@@ -17,7 +17,8 @@ model to K layers that keep its layer roles (``profiling/cut.py``); ``--engram``
 layers (the first one in any cut), their tables on the devices (``--engram-table-rows`` rows each), and feeds
 every step the rows the engine's host hash gives its random ids (the tokenizer package supplies the token
 map). The cache holds random entries with its offset at the position, sized position + rows. On CPU,
-``--world N`` simulated devices are requested before JAX starts. ``--compile-only`` allocates nothing (abstract weights): analyses of models too big to run.
+``--world N`` simulated devices are requested before JAX starts. ``--compile-only`` allocates nothing (abstract
+weights): analyses of models too big to run.
 ``--rank-of W`` times one rank's share of world W on one device (``profiling/cut.one_rank``): a world-W step
 without its collectives, where fewer than W GPUs are at hand.
 """
