@@ -1,13 +1,13 @@
-"""Compile time of the decode and prefill steps, scanned vs unrolled layers (issue 14, "Layers scanned").
+"""Compile time of the decode and prefill steps, scanned vs unrolled layers.
 
-    python benchmarks/bench_compile.py                        # H200: the 40-layer flash model, world 1
+    python benchmarks/bench_compile.py                        # a GPU: the 40-layer flash model, world 1
     python benchmarks/bench_compile.py --layers 8 --rows 256  # a cut
     python benchmarks/bench_compile.py --config tiny --impl xla --rows 16   # CPU smoke run
     python benchmarks/bench_compile.py --modes scanned --steps decode       # one step only (an option's A/B)
 
 Weights are abstract (shapes with shardings, `profiling.build.build_model(abstract=True)`): nothing is allocated,
 so the whole model compiles on one device. Per step and mode it prints the seconds of tracing + lowering
-(`jax.jit(...).lower`) and of XLA's compile, their sum against the issue's bound (decode ≤ 15 s, prefill ≤ 25 s)
+(`jax.jit(...).lower`) and of XLA's compile, their sum against the bound (decode ≤ 15 s, prefill ≤ 25 s)
 and the ratio, the program's size (custom calls = Pallas kernels, fusions, while loops), and what a second run
 takes: the executable loaded from `compiler`'s store (a temporary directory; bound ≤ 3 s). The first compile
 is always cold (the store starts empty; JAX's own cache is off).
@@ -26,9 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41_jax import compile_cache, compiler
+from dsv41_jax import compile_cache, compiler, runspec
 from dsv41_jax.config import load_named
-from dsv41_jax.model import ModelOptions
 from dsv41_jax.profiling import build
 from dsv41_jax.profiling.cut import cut_layers
 
@@ -80,7 +79,7 @@ def _option(text: str) -> tuple[str, object]:
 def compile_step(cfg, options, rows: int, xla_options: dict | None = None) -> dict:
     """Trace + lower and compile one step of ``rows`` rows (1 = decode) over abstract weights, then load it back
     from the executable store as a second run would (``load_s``; None when the store is off)."""
-    model, mesh = build.build_model(cfg, 1, options, abstract=True)
+    model, mesh = runspec.device_model(cfg, runspec.RunSpec(), options, abstract=True)
     cache = build.build_cache(cfg, mesh, batch=1, position=0, rows=rows, dtype=options.dtype, abstract=True)
     graphdef, state = nnx.split(model)
 
@@ -96,7 +95,8 @@ def compile_step(cfg, options, rows: int, xla_options: dict | None = None) -> di
     compiler.compile(jax.jit(step, donate_argnums=1), args, timings=second, **kw)  # a second run
     text = compiled.as_text()
     return {"trace_s": cold["lower_s"], "compile_s": cold["compile_s"], "load_s": second.get("load_s"),
-            "custom_calls": text.count("custom-call("), "fusions": text.count(" fusion("), "while": text.count(" while(")}
+            "custom_calls": text.count("custom-call("), "fusions": text.count(" fusion("),
+            "while": text.count(" while(")}
 
 
 def main(argv=None) -> int:
@@ -109,8 +109,7 @@ def main(argv=None) -> int:
 def _run(a, modes) -> int:
     cfg = load_named(a.config)
     cfg = cut_layers(cfg, a.layers or cfg.num_hidden_layers)
-    base = ModelOptions(dtype="bfloat16", attention_impl=a.impl, moe_impl=a.impl, indexer_impl=a.impl,
-                        hc_impl=a.impl)
+    base = runspec.model_options(runspec.RunSpec(impl=a.impl))
     units = cfg.layer_units()
     groups = sum(len(step) == 2 for step in cfg.layer_steps())
     print(f"{a.config}: {cfg.num_hidden_layers} layers, {len(units)} units "
@@ -133,7 +132,8 @@ def _run(a, modes) -> int:
                              "second_run_bound_s": SECOND_RUN_BOUND_S})
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump({"config": a.config, "layers": cfg.num_hidden_layers, "xla_options": a.xla_options, "units": [list(u) for u in units],
+            json.dump({"config": a.config, "layers": cfg.num_hidden_layers, "xla_options": a.xla_options,
+                       "units": [list(u) for u in units],
                        "impl": a.impl, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": rows_out}, f, indent=1)
     return 0

@@ -1,11 +1,12 @@
-"""Decode against its weight-read floor (issue #14, "Measured, not asserted"): the engine's own one-row step program
+"""Decode against its weight-read floor: the engine's own one-row step program
 on a cut of the model with random weights drawn on the devices (`dsv41_jax.profiling.build`), a random cache
 filled to the position, for each world, expert format, batch and position.
 
     python benchmarks/bench_decode.py                          # H200: flash 2-layer cut, worlds 1/2(/4), the grid
     python benchmarks/bench_decode.py --quick                  # one world, batch 1, position 0, bf16, 32 tokens
     python benchmarks/bench_decode.py --config tiny --quick    # CPU smoke run (tests/test_bench_decode.py)
-    python benchmarks/bench_decode.py --worlds 1 --rank-of 2,4 # one H200: one rank's share of worlds 2 and 4
+    python benchmarks/bench_decode.py --worlds 1 --rank-of 2,4 # one GPU: one rank's share of worlds 2 and 4
+    python benchmarks/bench_decode.py --worlds none --rank-of 8 --layers 40 --experts 24   # rank cases only
 
 Per case it prints:
 
@@ -24,7 +25,8 @@ Per case it prints:
 
 ``--rank-of W``: also one rank's share of world W on one device (`dsv41_jax.profiling.cut.one_rank`: H/W heads,
 the widest rank's expert and vocabulary slices, the replicated parts whole), shown as world ``1/W``: a world-W
-step without its collectives, where fewer than W GPUs are at hand.
+step without its collectives, where fewer than W GPUs are at hand. ``--worlds none`` runs only those cases (no
+whole-world case, which may not fit one device).
 
 With ``--trace DIR`` also ``kernels``: the share of the step inside the first device's kernels and copies, from a
 ``jax.profiler`` trace of a few chained steps per case (`dsv41_jax.profiling.trace.device_timeline`), with XLA's
@@ -47,14 +49,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dsv41_jax import runspec
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.engine import Engine, Request
-from dsv41_jax.model import ModelOptions
 from dsv41_jax.planner import PlanRefused
 from dsv41_jax.profiling import build, trace
 from dsv41_jax.profiling.args import comma_ints, rank_of_worlds, world_label
 from dsv41_jax.profiling.cut import cut_layers, one_rank
 from dsv41_jax.profiling.floors import H200_BYTES_PER_S, cache_bytes, weight_bytes
+from dsv41_jax.runspec import RunSpec
 from dsv41_jax.sampling import SamplingParams
 
 TRACE_STEPS = 3
@@ -68,10 +71,11 @@ def parse_args(argv):
     p.add_argument("--config", default="dsv41_flash", help="tiny, dsv41_flash, or a config.json / checkpoint dir")
     p.add_argument("--layers", type=int, default=2, help="cut the model to K layers (keeps its layer roles)")
     p.add_argument("--experts", type=int, default=None, metavar="E",
-                   help="routed experts per layer (default: the config's). The whole 40-layer model fits one "
-                        "H200 in bf16 with 24: its scanned units and their loops run as in the release, and at "
-                        "batch 1 a step reads as many experts a layer as with 384")
-    p.add_argument("--worlds", default=None, help="comma-separated worlds (default: 1, 2, 4 as devices allow)")
+                   help="routed experts per layer (default: the config's). Fewer let the whole model fit one "
+                        "device: its scanned units and their loops run as in the release, and at batch 1 a step "
+                        "reads as many experts a layer as with all of them")
+    p.add_argument("--worlds", default=None,
+                   help="comma-separated worlds (default: 1, 2, 4 as devices allow); none: only the --rank-of cases")
     p.add_argument("--rank-of", default="", metavar="W[,W2]",
                    help="also time one rank's share of these worlds on one device (world column 1/W; no collectives)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
@@ -83,7 +87,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=64, help="chained steps timed for the step-only rate")
     p.add_argument("--impl", choices=("reference", "pallas"), default=None,
                    help="kernels (default: pallas on GPU, reference elsewhere)")
-    p.add_argument("--bandwidth", type=float, default=H200_BYTES_PER_S, help="bytes/s of the floor (H200: 4.3e12)")
+    p.add_argument("--bandwidth", type=float, default=H200_BYTES_PER_S,
+                   help=f"bytes/s of the floor (default {H200_BYTES_PER_S:.2g}, the H200's)")
     p.add_argument("--quick", action="store_true", help="first world, batch 1, position 0, bf16, 32 tokens")
     p.add_argument("--json-out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--trace", default=None, metavar="DIR", help="trace a few steps per case under DIR: the share "
@@ -98,10 +103,15 @@ def parse_args(argv):
         if bad or not a.formats:
             raise ValueError(f"--formats takes bf16 and/or fp4, got {a.formats}")
         devices = len(jax.devices())
-        a.worlds = comma_ints(a.worlds, "--worlds") if a.worlds else [w for w in (1, 2, 4) if w <= devices]
-        if max(a.worlds) > devices:
-            raise ValueError(f"--worlds {max(a.worlds)} needs {max(a.worlds)} devices, {devices} present")
         a.rank_of = rank_of_worlds(a.rank_of)
+        if a.worlds == "none":
+            a.worlds = []
+            if not any(w > 1 for w in a.rank_of):
+                raise ValueError("--worlds none runs only the --rank-of cases: give --rank-of W (W > 1)")
+        else:
+            a.worlds = comma_ints(a.worlds, "--worlds") if a.worlds else [w for w in (1, 2, 4) if w <= devices]
+        if a.worlds and max(a.worlds) > devices:
+            raise ValueError(f"--worlds {max(a.worlds)} needs {max(a.worlds)} devices, {devices} present")
         if a.tokens < 1 or a.steps < 1 or a.layers < 1:
             raise ValueError("--tokens, --steps and --layers must be at least 1")
         if a.experts is not None and a.experts < 1:
@@ -111,7 +121,7 @@ def parse_args(argv):
     if a.quick:
         a.worlds, a.batches, a.positions, a.formats = a.worlds[:1], [1], [0], ["bf16"]
         a.tokens, a.steps = min(a.tokens, 32), min(a.steps, 16)
-    a.impl = a.impl or ("pallas" if jax.default_backend() == "gpu" else "reference")
+    a.impl = runspec.kernel_impl(a.impl or "auto")
     return a
 
 
@@ -212,10 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     for world, rank_of, case_cfg in cases:
         name = f"world {world}" if not rank_of else f"one rank of world {rank_of}"
         for fmt in a.formats:
-            options = ModelOptions(dtype="bfloat16", attention_impl=a.impl, moe_impl=a.impl, indexer_impl=a.impl,
-                                   hc_impl=a.impl, expert_format=FORMATS[fmt])
+            spec = RunSpec(world=world, impl=a.impl, expert_format=FORMATS[fmt])
             t0 = time.perf_counter()
-            model, mesh = build.build_model(case_cfg, world, options)
+            model, mesh = runspec.device_model(case_cfg, spec, runspec.model_options(spec, FORMATS[fmt]))
             print(f"{name} {fmt}: model drawn in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
                   flush=True)
             for batch in a.batches:

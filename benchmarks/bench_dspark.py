@@ -1,4 +1,4 @@
-"""DSpark speculative decoding costs (issue 17, "Measured"): the 1-row decode step, the 6-row verify step, the
+"""DSpark speculative decoding costs: the 1-row decode step, the 6-row verify step, the
 draft round and what acceptance lengths would buy, on a cut of the model with random weights drawn on the devices
 (`dsv41_jax.profiling.build`) and a random cache filled to the position.
 
@@ -10,7 +10,7 @@ Per world it prints (device-bound: each program chained ``--steps`` times, one w
 
 * ``step1 ms``: the engine's one-row decode step (`Engine.step_seconds`: forward + sampling + stop flags);
 * ``step6 ms``: the same program over 6 rows a sequence (what a verify step of 5 drafts costs the target), and
-  ``ratio`` = step6 / step1 (issue target ≤ 1.3);
+  ``ratio`` = step6 / step1 (target ≤ 1.3);
 * ``round ms``: one whole speculative round, the program ``generate --speculate`` runs (`speculative.ROUND`:
   the verify forward with taps and every row's logits, acceptance, rollback and the next draft);
 * ``draft ms``: the draft round alone (`speculative.first_drafts`: three stages, head, Markov head), ``stage ms``
@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax import runspec
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.engine import Engine, Request
-from dsv41_jax.model import ModelOptions
 from dsv41_jax.profiling import build
 from dsv41_jax.profiling.cut import cut_layers
 from dsv41_jax.runtime import Program, merge
@@ -124,10 +124,8 @@ def _chained(fn, first_args, next_args, steps: int) -> float:
 
 
 def measure(cfg, full_layers: int, world: int, args) -> dict:
-    impl = args.impl if args.impl != "auto" else ("pallas" if jax.default_backend() == "gpu" else "reference")
-    options = ModelOptions(dtype="bfloat16", attention_impl=impl, moe_impl=impl, indexer_impl=impl, hc_impl=impl,
-                           dspark=True)
-    model, mesh = build.build_model(cfg, world, options)
+    spec = runspec.RunSpec(world=world, impl=args.impl)
+    model, mesh = runspec.device_model(cfg, spec, runspec.model_options(spec, dspark=True))
     b, k, steps = args.batch, args.draft_tokens, args.steps
     capacity = args.position + (k + 1) * (3 * steps + 8)
     engine = Engine(model, cfg, max_context=capacity, eos_ids=(), mesh=mesh)

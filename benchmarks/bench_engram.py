@@ -3,7 +3,7 @@ rows + ue8m0 scales, dequantised bf16 ``wkv``):
 
 1. **device tables** (world 1): a full-width engram layer with random device-side weights (release table size by
    default), median ms for a prefill segment and a decode step, against ``--prefill-step-ms`` /
-   ``--decode-step-ms`` (default: the README's 2-layer H200 profile, 28.65 / 2.58 ms): the share it adds; and
+   ``--decode-step-ms`` (default: a 2-layer profile's step times, docs/BENCHMARKS.md): the share it adds; and
    its ``wkv`` GEMM alone, held bf16 vs held as stored (fp8) and decoded in the step.
 2. **host hashing** per call (`dsv41_jax.engram.Hasher`, median of many calls): a decode step's hash with the
    history terms prefetched on the worker thread during the (simulated) device step, and inline.
@@ -19,7 +19,7 @@ rows + ue8m0 scales, dequantised bf16 ``wkv``):
     python benchmarks/bench_engram.py                       # release table size on the device (98 GB)
     python benchmarks/bench_engram.py --table-rows 50000000 # a smaller device table (gather cost ~ the same)
 
-The issue's bounds: ≤ 5 % of a 2,048-row prefill step, ≤ 0.1 ms per decode step (device tables).
+The bounds: ≤ 5 % of a 2,048-row prefill step, ≤ 0.1 ms per decode step (device tables).
 """
 
 from __future__ import annotations

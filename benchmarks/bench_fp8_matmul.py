@@ -303,7 +303,7 @@ def main() -> int:
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", flush=True)
 
     key = jax.random.key(0)
-    weights, cases, checks = {}, [], []
+    weights, cases = {}, []
     for i, p in enumerate(projs):
         copies = 2 if args.dry_run else copies_for(p)
         weights[p.name] = make_weights(jax.random.fold_in(key, i), p, copies)

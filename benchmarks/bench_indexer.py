@@ -1,6 +1,6 @@
 """Benchmark: the indexer's scores + top-k (k = 512), XLA path vs the fused Pallas kernel (bf16 and e4m3 MMA).
 
-Shapes (issue 15): 32 index heads × 128 dims; segments of 2,048 rows and decode windows of 1 / 8 / 64 rows whose
+Shapes: 32 index heads × 128 dims; segments of 2,048 rows and decode windows of 1 / 8 / 64 rows whose
 last row sits at position 0 / 100K / 300K / 1M (a 2,048-row segment "at 1M" ends at 1,048,576), ratio 1 and 2
 (N = ⌈end / r⌉ keys). q and keys are drawn on a grid exact in bf16 and e4m3 (multiples of 1/2 within ±6, the
 fp4 rounding points' kind of values), w ~ N(0, 1). Prints one table: median time, useful TFLOP/s
@@ -114,7 +114,7 @@ def bench_one(rows: int, position: int, ratio: int, repeats: int, gemm: float) -
     if rows * n <= XLA_TIMED_MAX:
         try:
             xla_ms = time_ms(xla_fn(rows, n, ratio), (q, w, keys, positions), max(1, repeats // 2))
-        except Exception as exc:  # an out-of-memory or compile failure is reported, not fatal
+        except Exception as exc:  # noqa: BLE001 - an out-of-memory or compile failure is reported, not fatal
             print(f"  xla {rows}×{n}: failed: {str(exc).splitlines()[0][:160]}", flush=True)
     out.append({**base, "impl": "xla", "ms": xla_ms, "equal": "ref"})
     exact8 = bool(fp8_exact(q, keys))
@@ -128,7 +128,7 @@ def bench_one(rows: int, position: int, ratio: int, repeats: int, gemm: float) -
             fn = kernel_fn(rows, n, ratio, dtype)
             row["ms"] = time_ms(fn, (q, w, keys, positions), repeats)
             row["equal"] = equal_rows(fn(q, w, keys, positions), q, w, keys, positions, ratio)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing case is reported, the grid goes on
             print(f"  {row['impl']} {rows}×{n}: failed: {str(exc).splitlines()[0][:200]}", flush=True)
             row["equal"] = "failed"
         out.append(row)

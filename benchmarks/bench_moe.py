@@ -5,7 +5,7 @@ PYTHONPATH=. python benchmarks/bench_moe.py [--quick] [--xla] [--breakdown] [--j
 PYTHONPATH=. python benchmarks/bench_moe.py --decode | --decode-sweep     # decode shapes only (1 and 8 rows)
 PYTHONPATH=. python benchmarks/bench_moe.py --prefill-sweep [bf16|fp4]   # 2,048 rows only, block sizes swept
 
-Shape (PLANNER.md §E, issue 7): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
+Shape (PLANNER.md §E): E = 384 experts, D = 5,120, top-6, 2,048 rows (12,288 pairs) at widths
 F = 576 (world 4), 1,152 (world 2), 2,304 (world 1), bf16 and fp4 weights; decode: 1 and 8 rows. The floor is the
 bytes of the touched experts' weights over 4.3 TB/s (the copy bandwidth measured on this H200 kind). Decode
 shapes are timed as many calls in one program (a host dispatch a call, ~50 µs, would hide them). Prints GPU
@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.moe import ExpertWeights, routed_experts
+from pallas_kernels.moe import ExpertWeights, ops, routed_experts
+from pallas_kernels.moe import kernel as kern
+from pallas_kernels.moe.grouping import plan_tiles
 from pallas_kernels.moe.kernel import KernelConfig
 from pallas_kernels.moe.ops import _check_blocks, default_config
 from pallas_kernels.moe.reference import routed_experts_reference
@@ -193,7 +195,7 @@ def gpu_checks(key) -> list[str]:
         for impl in IMPLEMENTATIONS:
             try:
                 err = rel_err(runs[impl](x, ids, w, wts), ref)
-            except Exception as exc:  # report and go on
+            except Exception as exc:  # noqa: BLE001 - a failing check is reported, the others go on
                 print(f"check {name} {impl}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
                 err = float("nan")
             ok = err <= 1e-2
@@ -205,10 +207,6 @@ def gpu_checks(key) -> list[str]:
 def piece_fns(cfg: KernelConfig):
     """The op's pieces for ``cfg``, each jitted: plan(ids), x_in(x) (fp4: chunks in plane order), gate_up(plan, x_in,
     weights), down(plan, act, weights), gather_sum(y_pairs, pair_pos, pair_valid, topk_weights)."""
-    from pallas_kernels.moe import kernel as kern
-    from pallas_kernels.moe import ops
-    from pallas_kernels.moe.grouping import plan_tiles
-
     def gate_up(p, xx, ww):
         ww = ops._as_words(ww) if ww.is_fp4 else ww  # fp4 codes as the kernels read them (16-bit words)
         return kern.gate_up(p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
@@ -255,7 +253,7 @@ def bench_case(rows_out, label, width, fp4, rows, bandwidth, key, configs, with_
             fn = pallas_fn(cfg)
             seconds = timed(fn, x, ids, w, wts)
             outs[cfg_name] = fn(x, ids, w, wts)
-        except Exception as exc:  # a config that fails to compile should not end the run
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile should not end the run
             print(f"{label} {cfg_name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
         rows_out.append(dict(case=label, impl=f"pallas {cfg_name}", ms=seconds * 1e3, floor_ms=floor * 1e3,
@@ -340,7 +338,7 @@ def main() -> int:
 
     fp4_base = default_config(ROWS * K, make_weights(key, 576, True, 2))  # the blocks of F = 576, D = 5,120
     fp4_configs = [("default", None)]
-    if not args.quick:  # the blocks before the decoded weights became the GEMMs' first operand (2026-12-03)
+    if not args.quick:  # the blocks from before the decoded weights became the GEMMs' first operand
         fp4_configs.append(("weights-second", dataclasses.replace(
             fp4_base, fp4_weights_first=False, block_k=64, gate_up_stages=4, down_block_k=0)))
     section("2048 rows F=576 bf16", 576, False, ROWS, [("default", None)], with_xla=args.xla, seed=1)
@@ -390,7 +388,7 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
             _check_blocks(cfg, wts)
             add(part, name, timed_chained(fn, *args), floor)
             return True
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing piece is reported, the run goes on
             print(f"{label} {part} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             return False
 

@@ -1,10 +1,11 @@
-"""Prefill against its floors (issue #22, "Measured, not asserted"): one segment of ``--rows`` rows through a cut
+"""Prefill against its floors: one segment of ``--rows`` rows through a cut
 of the model with random weights made on the devices, for each world, cut, segment size and expert format, via
 ``python -m dsv41_jax.profile`` (its build, compile, timing and trace), in one run.
 
-    python benchmarks/bench_prefill.py                            # H200s: flash cuts 2/16/40, worlds 1/2/4, 2K/4K rows
+    python benchmarks/bench_prefill.py                            # GPUs: flash cuts 2/16/40, worlds 1/2/4, 2K/4K rows
     python benchmarks/bench_prefill.py --worlds 1 --layers 2 --rows 2048 --formats bf16
-    python benchmarks/bench_prefill.py --worlds 1 --rank-of 2,4 --layers 2 --rows 2048   # one H200: worlds 2, 4 per rank
+    python benchmarks/bench_prefill.py --worlds 1 --rank-of 2,4 --layers 2 --rows 2048   # one GPU: worlds 2, 4 per rank
+    python benchmarks/bench_prefill.py --worlds none --rank-of 8 --layers 40            # the rank cases only
     python benchmarks/bench_prefill.py --config tiny --quick      # CPU smoke run (tests/test_bench_prefill.py)
 
 Per case it prints:
@@ -20,7 +21,8 @@ Per case it prints:
   XLA's command buffers are then off for the whole run, as in ``profile --trace``.
 
 ``--rank-of W``: also one rank's share of world W on one device (``profile --rank-of``, `profiling/cut.one_rank`),
-shown as world ``1/W``: a world-W step without its collectives, where fewer than W GPUs are at hand.
+shown as world ``1/W``: a world-W step without its collectives, where fewer than W GPUs are at hand; ``--worlds
+none`` runs only those cases.
 
 A case that does not fit the devices (e.g. the 40-layer model in bf16 on one H200) is reported and skipped.
 """
@@ -34,7 +36,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+
+from dsv41_jax import profile
+from dsv41_jax.config import ConfigError
+from dsv41_jax.planner import PlanRefused
+from dsv41_jax.profile import UsageError
+from dsv41_jax.profiling import floors
 from dsv41_jax.profiling.args import comma_ints, rank_of_worlds, world_label
+from sharding.mesh import request_host_devices
 
 FORMATS = {"bf16": "dequantized", "fp4": "fp4"}
 
@@ -45,20 +55,22 @@ def parse_args(argv):
     p.add_argument("--config", default="dsv41_flash", help="tiny, dsv41_flash, or a config.json / checkpoint dir")
     p.add_argument("--layers", default="2,16,40", help="comma-separated cuts (K layers keeping the layer roles)")
     p.add_argument("--worlds", default="1,2,4", help="comma-separated worlds (those above the device count are "
-                   "skipped)")
+                   "skipped); none: only the --rank-of cases")
     p.add_argument("--rows", default="2048,4096", help="comma-separated segment sizes")
     p.add_argument("--position", type=int, default=0, help="start position of the segment")
     p.add_argument("--formats", default="bf16,fp4", help="routed expert formats: bf16, fp4")
     p.add_argument("--row-parallel-rows", default="0", metavar="N[,N2]",
                    help="comma-separated: segments of >= N rows run the HC mixes and norms row-parallel at world > 1 "
-                        "(the planner's row_parallel_rows; 0 = off), one row per value (issue #22: A/B it)")
+                        "(the planner's row_parallel_rows; 0 = off), one row per value (an A/B)")
     p.add_argument("--rank-of", default="", metavar="W[,W2]",
                    help="also time one rank's share of these worlds on one device (world column 1/W; no collectives)")
     p.add_argument("--impl", choices=("xla", "pallas"), default=None,
                    help="kernels (default: pallas on a GPU, xla elsewhere)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case (median reported)")
-    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s of the read floor (H200: 4.3e12)")
-    p.add_argument("--flops", type=float, default=None, help="FLOP/s of the compute floor (H200 bf16: 6.68e14)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help=f"bytes/s of the read floor (default {floors.H200_BYTES_PER_S:.2g}, the H200's)")
+    p.add_argument("--flops", type=float, default=None,
+                   help=f"FLOP/s of the compute floor (default {floors.H200_BF16_FLOPS:.3g}, the H200's bf16 GEMM)")
     p.add_argument("--trace", default=None, metavar="DIR", help="trace directory (default: a new one under /tmp)")
     p.add_argument("--no-trace", action="store_true", help="no trace: no kernel share or per-part split")
     p.add_argument("--quick", action="store_true", help="first world, first cut, first segment size, bf16")
@@ -66,7 +78,9 @@ def parse_args(argv):
     a = p.parse_args(argv)
     try:
         a.layers = comma_ints(a.layers, "--layers")
-        a.worlds = comma_ints(a.worlds, "--worlds")
+        a.worlds = [] if a.worlds == "none" else comma_ints(a.worlds, "--worlds")
+        if not a.worlds and not any(w > 1 for w in rank_of_worlds(a.rank_of)):
+            raise ValueError("--worlds none runs only the --rank-of cases: give --rank-of W (W > 1)")
         a.rows = comma_ints(a.rows, "--rows")
         a.row_parallel_rows = comma_ints(a.row_parallel_rows, "--row-parallel-rows", minimum=0)
         a.rank_of = rank_of_worlds(a.rank_of)
@@ -89,9 +103,6 @@ def parse_args(argv):
 def run_case(a, *, world: int, layers: int, rows: int, fmt: str, trace_dir: Path | None,
              row_parallel_rows: int = 0, rank_of: int = 0) -> dict:
     """One prefill case through ``profile``: its step's time, floors (``profile``'s ``floor``) and trace split."""
-    from dsv41_jax import profile
-    from dsv41_jax.profiling import floors
-
     argv = ["--config", a.config, "--world", str(world), "--layers", str(layers), "--rows", str(rows),
             "--position", str(a.position), "--impl", a.impl, "--repeats", str(a.repeats),
             "--expert-format", FORMATS[fmt], "--compile-cache", "off", "--row-parallel-rows", str(row_parallel_rows),
@@ -115,8 +126,8 @@ def run_case(a, *, world: int, layers: int, rows: int, fmt: str, trace_dir: Path
             "parts_ms": {p["part"]: p["seconds"] * 1e3 for p in t.get("parts", [])}}
 
 
-HEADER = (f"{'world':>5} {'layers':>6} {'rows':>5} {'experts':>7} {'rp':>5} {'step ms':>8} {'read ms':>8} {'comp ms':>8} "
-          f"{'ratio':>6} {'tok/s':>9} {'kernels':>7}  split (ms)")
+HEADER = (f"{'world':>5} {'layers':>6} {'rows':>5} {'experts':>7} {'rp':>5} {'step ms':>8} {'read ms':>8} "
+          f"{'comp ms':>8} {'ratio':>6} {'tok/s':>9} {'kernels':>7}  split (ms)")
 
 
 def fmt_row(r: dict) -> str:
@@ -131,20 +142,12 @@ def fmt_row(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from sharding import request_host_devices
-
-    request_host_devices(max(a.worlds))  # CPU: simulated devices, before JAX starts
+    request_host_devices(max(a.worlds, default=1))  # CPU: simulated devices, before JAX starts
     if not a.no_trace:
-        from dsv41_jax.profile import _one_kernel_per_op  # noqa: PLC0415 - before JAX starts its backend
-        _one_kernel_per_op()
-    import jax
-
-    from dsv41_jax.config import ConfigError
-    from dsv41_jax.planner import PlanRefused
-    from dsv41_jax.profile import UsageError
+        profile.one_kernel_per_op()
 
     devices = len(jax.devices())
-    a.impl = a.impl or ("pallas" if jax.default_backend() == "gpu" else "xla")
+    a.impl = a.impl or ("pallas" if jax.default_backend() == "gpu" else "xla")  # not runspec's: xla, not reference
     trace_root = None if a.no_trace else Path(a.trace or tempfile.mkdtemp(prefix="bench_prefill_"))
     dev = jax.devices()[0]
     print(f"bench_prefill {time.strftime('%Y-%m-%d')} · {dev.platform} {getattr(dev, 'device_kind', '')} · "

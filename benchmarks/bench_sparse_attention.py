@@ -1,7 +1,7 @@
 """Benchmark: fused sparse prefill attention, the op's implementations (``pallas_kernels.registry``): the Pallas
 kernel per tiling vs the XLA implementation (jitted), both checked against the float32 gather oracle.
 
-Shapes (issue #6): T = 2,048 query rows, Dh = 512, 128 window + 512 compressed keys per row, local heads
+Shapes: T = 2,048 query rows, Dh = 512, 128 window + 512 compressed keys per row, local heads
 64/32/16/8, one sequence at a deep position. Prints the measured ceilings of the device, then one table row
 per (heads, implementation, tiling): median time, useful TFLOP/s, bytes/s (two counts, see below), and the
 error against the float32 oracle (``reference.py``) on the same inputs.
@@ -144,7 +144,7 @@ def bench_heads(shape: Shape, tilings, num_sets: int, repeats: int, with_xla: bo
         try:
             err = relative_error(jax.jit(fn)(*arg_sets[0]), ref)
             ms = time_ms(fn, arg_sets, repeats)
-        except Exception as exc:  # a tiling that does not compile is reported, not fatal
+        except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
             print(f"  H={shape.heads} {tiling.label()}: failed: {str(exc).splitlines()[0][:200]}", flush=True)
             continue
         rows.append({"heads": shape.heads, "impl": "pallas", "tiling": tiling.label(), "ms": ms, "rel_err": err,
@@ -161,7 +161,8 @@ def bench_heads(shape: Shape, tilings, num_sets: int, repeats: int, with_xla: bo
 
 
 def print_table(rows, ceilings):
-    print(f"\npercentages against: copy {ceilings['copy_TBps']:.2f} TB/s, bf16 GEMM {ceilings['gemm_TFLOPs']:.0f} TFLOP/s")
+    print(f"\npercentages against: copy {ceilings['copy_TBps']:.2f} TB/s, "
+          f"bf16 GEMM {ceilings['gemm_TFLOPs']:.0f} TFLOP/s")
     header = ("heads", "impl", "tiling", "ms", "TFLOP/s", "%GEMM", "floor TB/s", "%copy", "keys TB/s",
               "vs xla", "rel err")
     print("| " + " | ".join(header) + " |")

@@ -21,6 +21,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from . import runspec
+from .chat import (
+    REASONING_EFFORT_LEVELS,
+    ChatFormatError,
+    Message,
+    chat_ids,
+    encode_messages,
+    message_from_openai,
+    parse_reply,
+    tool_function,
+)
+from .cli import Parser, UsageError, cli_main, positive_int, say
+from .compile_cache import enable as enable_compile_cache
+from .runspec import RunSpec
+from .textfile import read_text
+from .vision.preprocess import expand_prompt, open_image, prepare_image
+
 EXAMPLES = """\
 examples:
   python -m dsv41_jax.generate --prompt "The capital of France is" --max-new-tokens 16
@@ -68,22 +89,13 @@ compile cache, and later runs load them in seconds.
 """
 
 
-class UsageError(ValueError):
-    """A user mistake: printed as one line, exit status 2."""
-
-
 # ----------------------------------------------------------------------------------------------- arguments
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 # Flags whose default is filled in after parsing, so the checks can tell a flag given (``args.given``) from one
 # left at its default: a flag given where it changes nothing is refused (`check_unused_flags`).
 FILLED_DEFAULTS = {"top_k": 0, "top_p": 1.0, "seed": 0, "draft_tokens": 5}
 
 
-class _GenerateParser(_Parser):
+class _GenerateParser(Parser):
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
         parsed.given = {name for name in FILLED_DEFAULTS if getattr(parsed, name, None) is not None}
@@ -91,16 +103,6 @@ class _GenerateParser(_Parser):
             if getattr(parsed, name, None) is None:
                 setattr(parsed, name, value)
         return parsed, rest
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 def _finite_number(flag: str):
@@ -118,8 +120,6 @@ def _finite_number(flag: str):
 
 
 def _reasoning_effort(text: str):
-    from .chat import REASONING_EFFORT_LEVELS  # noqa: PLC0415
-
     if text in REASONING_EFFORT_LEVELS:
         return text
     try:
@@ -175,12 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where engram tables live: device (split by hash column over the devices, e4m3 + "
                             "ue8m0 as stored) or host (memory-mapped, each call's rows gathered on the host); "
                             "auto (default): device when it fits at this --world, else host (printed)")
-    model.add_argument("--world", type=_positive_int, default=1, metavar="N",
+    model.add_argument("--world", type=positive_int, default=1, metavar="N",
                        help="devices to shard over (default 1: unsharded)")
-    model.add_argument("--max-context", type=_positive_int, metavar="N",
+    model.add_argument("--max-context", type=positive_int, metavar="N",
                        help="cache capacity per sequence (default: fits the longest prompt + new tokens)")
     gen = p.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N",
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
                      help="(default 32; prompt + new tokens must fit the context: --max-context, else the model's "
                           "max_position_embeddings)")
     gen.add_argument("--greedy", action="store_true", help="argmax (the default when --temperature is 0)")
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K most likely (0 = off)")
     gen.add_argument("--top-p", type=_finite_number("--top-p"), default=None, metavar="P",
                      help="nucleus sampling mass in (0, 1] (1 = off)")
-    gen.add_argument("--decode-chunk", type=_positive_int, default=1, metavar="K",
+    gen.add_argument("--decode-chunk", type=positive_int, default=1, metavar="K",
                      help="decode steps per device program call (default 1). K > 1 compiles one more program (the "
                           "step under a scan) and lets the host dispatch and read once per K tokens (a faster loop "
                           "where the host's work per token is the bottleneck); streamed text then arrives K tokens "
@@ -250,8 +250,6 @@ PROMPT_KEYS = ("prompt", "prompt_ids", "messages", "tools", "max_new_tokens", "i
 
 
 def _file_prompt(obj, where: str) -> PromptSpec:
-    from .chat import ChatFormatError, message_from_openai, tool_function  # noqa: PLC0415
-
     if not isinstance(obj, dict):
         raise UsageError(f"{where}: expected a JSON object")
     unknown = sorted(set(obj) - set(PROMPT_KEYS))
@@ -314,7 +312,7 @@ def check_chat_flags(args, specs: Sequence[PromptSpec]) -> None:
 def check_sampling_flags(args) -> None:
     """Sampling settings in range; flags that change nothing are refused: --temperature/--top-k/--top-p with
     --greedy, --top-k/--top-p at temperature 0 (greedy), --seed when nothing samples."""
-    from .sampling import SamplingParams  # noqa: PLC0415
+    from .sampling import SamplingParams  # noqa: PLC0415 - brings JAX: after the cheap checks
 
     temperature = sampling_temperature(args)
     if temperature < 0:  # inf and nan are refused by the argument parser
@@ -335,8 +333,6 @@ def check_sampling_flags(args) -> None:
 
 def chat_messages(spec: PromptSpec, args) -> tuple | None:
     """The chat messages of a prompt: its own, or --chat's system + user for text; None for a plain prompt."""
-    from .chat import Message  # noqa: PLC0415
-
     if spec.messages is not None:
         return spec.messages
     if args.chat and spec.text is not None:
@@ -355,8 +351,6 @@ def gather_prompts(args) -> list[PromptSpec]:
                              f"several prompts their images with \"images\" in --prompts-file")
         specs = [dataclasses.replace(specs[0], images=tuple(args.image))]
     if args.prompts_file:
-        from .textfile import read_text  # noqa: PLC0415
-
         path = Path(args.prompts_file)
         for n, line in enumerate(read_text(path, "prompts file").splitlines(), start=1):
             if not line.strip():
@@ -379,8 +373,6 @@ def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int,
              image_token_id: int | None = None) -> tuple[list[tuple[int, ...]], bool]:
     """Ids per prompt, and whether any text ids were folded into a smaller model vocabulary. A prompt with
     images gets one ``image_token_id`` per image (`_image_ids`)."""
-    from .chat import ChatFormatError, chat_ids  # noqa: PLC0415
-
     out, folded = [], False
     for s in specs:
         if s.images:
@@ -412,8 +404,6 @@ IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the V4 chat encoder's text for a
 def _image_ids(spec: PromptSpec, tokenizer, args, model_vocab: int, image_id: int) -> tuple[tuple[int, ...], bool]:
     """Ids of a prompt with images: one ``image_id`` where each image goes (see the --help epilog); text ids
     folded into a smaller model vocabulary never land on ``image_id`` (they step one below)."""
-    from .chat import ChatFormatError, encode_messages  # noqa: PLC0415
-
     n = len(spec.images)
     if spec.ids is not None:
         if sum(i == image_id for i in spec.ids) != n:
@@ -455,273 +445,38 @@ def _image_ids(spec: PromptSpec, tokenizer, args, model_vocab: int, image_id: in
 def open_images(specs: Sequence[PromptSpec]) -> list[list]:
     """Every prompt's images decoded (RGB), before anything slow runs: an unusable image (missing, unreadable,
     not an image, absurd size) is a one-line `ImageError`."""
-    from .vision.preprocess import open_image  # noqa: PLC0415
-
     return [[open_image(f) for f in spec.images] for spec in specs]
 
 
 def image_prompts(opened: Sequence[list], prompt_ids, cfg) -> list:
     """Per prompt: None, or its `vision.preprocess.ImagePrompt` (images laid out, docs/VISION.md §V.B)."""
-    from .vision.preprocess import expand_prompt, prepare_image  # noqa: PLC0415
-
     return [expand_prompt(ids, [prepare_image(im, cfg.vision) for im in images], cfg.image_token_id)
             if images else None for images, ids in zip(opened, prompt_ids)]
 
 
 # ----------------------------------------------------------------------------------------------- model
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def check_world(world: int) -> None:
-    """Exit-2 errors for a world the machine or the code cannot give."""
-    import jax  # noqa: PLC0415
-
-    available, backend = len(jax.devices()), jax.default_backend()
-    if world > available:
-        hint = ("; XLA_FLAGS (or a JAX already started) fixed fewer simulated CPU devices: set "
-                f"--xla_force_host_platform_device_count={world} there" if backend == "cpu" else "")
-        raise UsageError(f"--world {world} asks for {world} devices but only {available} {backend.upper()} "
-                         f"device{'s' if available != 1 else ''} exist{'s' if available == 1 else ''}{hint}")
-
-
-@dataclass(frozen=True)
-class ModelInputs:
-    """The config, the weights (model name → host array, or lazily read tensor) and how experts are held."""
-
-    cfg: object
-    weights: object
-    description: str
-    expert_format: str = "dequantized"
-    vision: bool = False  # the image path is loaded (prompts have images)
-    hasher: object = None  # the engram hasher (token map + layout) when engram layers run
-    engram_tables: str = "device"  # where the engram tables live ("device" | "host")
-    host_tables: object = None  # engram.HostTables with "host": memory maps of the tables
-    dspark: bool = False  # the DSpark stages are loaded (speculative decoding runs)
-
-
-@dataclass(frozen=True)
-class EngramSetup:
-    """How the engram layers run: the hasher (None: no engram layers, or --skip-engram) and where the tables
-    live ("device": split by hash column over the devices; "host": memory-mapped, rows gathered per call)."""
-
-    hasher: object = None
-    tables: str = "device"
-
-
-def engram_setup(cfg, args, checkpoint_dir=None, expert_format: str = "dequantized") -> EngramSetup:
-    """The engram hasher and table placement for the run, before any weight is read: ``--skip-engram`` gets a
-    loud warning; an unusable token map or table layout is refused; ``--engram-tables auto`` asks the planner
-    (device when R10 holds at this world with the tables split by hash column, else host); ``device`` is
-    refused when a device's slab cannot fit. The choice is printed."""
-    from .engram import Hasher  # noqa: PLC0415
-
-    if not cfg.engram_layer_ids:
-        return EngramSetup()
-    layers = list(cfg.engram_layer_ids)
-    if args.skip_engram:
-        _say(f"WARNING: --skip-engram: running WITHOUT the engram layers {layers}; the output is NOT the model's")
-        return EngramSetup()
-    hasher = Hasher(cfg, checkpoint_dir=checkpoint_dir)
-    from .planner import engram_bytes_per_rank  # noqa: PLC0415
-
-    tables = args.engram_tables
-    how = "--engram-tables"
-    if tables == "auto":
-        tables, how = _planned_engram_tables(cfg, args, expert_format), "chosen by the planner"
-    need = engram_bytes_per_rank(cfg, args.world, tables="device")
-    limit = _device_memory_bytes()
-    if tables == "device" and limit and need["tables"] > 0.9 * limit:
-        raise UsageError(f"the engram tables need {need['tables'] / 2**30:,.1f} GiB on every device at --world "
-                         f"{args.world} (split by hash column, {need['columns']} columns a layer), more than the "
-                         f"{limit / 2**30:,.1f} GiB a device has: use --engram-tables host, or a larger --world")
-    if tables == "device":
-        split = f", split by hash column ({need['columns']} columns a layer each)" if args.world > 1 else ""
-        where = f"tables on the devices{split}, {need['tables'] / 2**30:,.2f} GiB a device"
-    else:
-        host = engram_bytes_per_rank(cfg, args.world, tables="host")
-        where = (f"tables on the host (memory-mapped, {host['host_tables'] / 2**30:,.2f} GiB; each call's rows "
-                 f"gathered there and sent with it)")
-    _say(f"engram layers {layers}: {where} ({how})")
-    return EngramSetup(hasher, tables)
-
-
-def _planned_engram_tables(cfg, args, expert_format: str) -> str:
-    """The planner's placement for the weights as this run holds them (dense matrices in --dtype, experts fp4
-    or in --dtype) within the device's memory (the H200 budget when the backend does not report it)."""
-    from .planner import MemoryBudget, PlanOptions, engram_placement  # noqa: PLC0415
-
-    held = "f32" if args.dtype == "float32" else "bf16"
-    options = PlanOptions(experts="fp4" if expert_format == "fp4" else held, dense=held)
-    limit = _device_memory_bytes()
-    budget = MemoryBudget(usable_bytes=int(limit)) if limit else MemoryBudget()
-    return engram_placement(cfg, args.world, options, budget)
-
-
-def _without_tables(weights):
-    """The weights minus the engram tables (``--engram-tables host``: they stay memory-mapped on the host)."""
-    from .param_specs import is_engram_table  # noqa: PLC0415
-
-    return {k: v for k, v in weights.items() if not is_engram_table(k)}
+def run_spec(args, images: bool = False) -> RunSpec:
+    """The model setup this command line asks for (``images``: prompts have images)."""
+    blockers = (["--logits-out records one-row decode steps"] if args.logits_out else []) + (
+        ["--decode-chunk is the plain decode loop's"] if args.decode_chunk != 1 else [])
+    return RunSpec(checkpoint=args.checkpoint, config=args.config, world=args.world, dtype=args.dtype,
+                   expert_format=args.expert_format, impl=args.impl, quant_rounding=args.quant_rounding,
+                   skip_engram=args.skip_engram, engram_tables=args.engram_tables, images=images,
+                   speculate=args.speculate, draft_tokens=args.draft_tokens, speculation_off=tuple(blockers))
 
 
 def _device_memory_bytes() -> int | None:
-    """Bytes of the first device's memory when the backend reports it (GPUs), else None (CPU)."""
-    import jax  # noqa: PLC0415
-
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - backends without memory statistics
-        return None
-    return stats.get("bytes_limit")
+    return runspec.device_memory_bytes()
 
 
-def _wants_images(args) -> bool:
-    return bool(getattr(args, "wants_images", False))
+def engram_setup(cfg, args, checkpoint_dir=None, expert_format: str = "dequantized") -> runspec.EngramSetup:
+    """`runspec.engram_setup` for this command line."""
+    return runspec.engram_setup(cfg, run_spec(args), checkpoint_dir, expert_format, memory=_device_memory_bytes)
 
 
-def open_checkpoint_inputs(args) -> ModelInputs:
-    """--checkpoint: headers validated now, tensors read one at a time while the model is built (no host copy
-    of the whole model); routed experts fp4 when stored so (``--expert-format auto``)."""
-    from sharding.load import checkpoint_source  # noqa: PLC0415
-
-    from .checkpoint import checkpoint_dir, open_checkpoint  # noqa: PLC0415
-    from .config import load_named  # noqa: PLC0415
-
-    path = checkpoint_dir(args.checkpoint)
-    cfg_override = load_named(args.config) if args.config else None
-    vision = _wants_images(args)
-    engram = not args.skip_engram
-    ckpt = open_checkpoint(path, cfg_override, vision=vision, engram=engram)
-    fmt = args.expert_format
-    if fmt == "auto":
-        fmt = ckpt.stored_expert_format
-    setup = engram_setup(ckpt.cfg, args, checkpoint_dir=path, expert_format=fmt)
-    has_stages = ckpt.cfg.num_nextn_predict_layers > 0 and any(
-        line.startswith("skipped") and "DSpark" in line for line in ckpt.skipped)
-    dspark = wants_speculation(args, ckpt.cfg, has_stages)
-    if dspark:  # the mtp.* tensors join the inventory (all of them, or auto falls back to plain decoding)
-        from .checkpoint import CheckpointError  # noqa: PLC0415
-
-        try:
-            ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram, dspark=True)
-        except CheckpointError as e:
-            if args.speculate == "dspark" or "fp4" in str(e):
-                raise
-            _say(f"note: speculative decoding off: the checkpoint's DSpark stages are incomplete ({e})")
-            dspark = False
-    if fmt != "dequantized" and not dspark:  # refuses non-fp4 experts
-        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram)
-    for line in ckpt.skipped:
-        if not line.startswith("not run by this engine"):
-            _say(f"note: {line}")
-    experts = ", fp4 experts" if fmt == "fp4" else ""
-    weights = checkpoint_source(ckpt, dtype=args.dtype)
-    host_tables = None
-    if setup.tables == "host" and setup.hasher is not None:
-        from .engram import HostTables  # noqa: PLC0415
-
-        weights, host_tables = _without_tables(weights), HostTables.from_checkpoint(ckpt, ckpt.cfg)
-    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision, setup.hasher, setup.tables,
-                       host_tables, dspark)
-
-
-def load_model_inputs(args) -> ModelInputs:
-    """From --checkpoint, or --config / tiny with random weights."""
-    from .config import ConfigError, config_label, load_named  # noqa: PLC0415
-
-    if args.checkpoint:
-        return open_checkpoint_inputs(args)
-    if args.expert_format == "fp4":
-        raise UsageError(f"--expert-format {args.expert_format} needs --checkpoint (packed experts come from one)")
-    from .make_tiny import check_random_size, random_weights  # noqa: PLC0415
-
-    if args.config:
-        cfg, name = load_named(args.config), config_label(args.config)
-        if _wants_images(args) and cfg.vision is None:
-            raise UsageError(f"--config {args.config} has no vision_config: it cannot read images")
-    elif _wants_images(args):  # tiny plus a tiny vision tower (the text weights are tiny's)
-        cfg, name = load_named("tiny_vision"), "configs/tiny_vision.json"
-    else:
-        cfg, name = load_named("tiny"), "configs/tiny.json"
-    if cfg.vocab_size <= 0:
-        raise ConfigError("vocab_size must be positive")
-    try:
-        check_random_size(cfg)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    setup = engram_setup(cfg, args)
-    dspark = wants_speculation(args, cfg, cfg.num_nextn_predict_layers > 0, random=True)
-    weights = random_weights(cfg, seed=0, dspark=dspark)
-    if args.skip_engram:
-        weights = {k: v for k, v in weights.items() if ".engram." not in k}
-    host_tables = None
-    if setup.tables == "host" and setup.hasher is not None:
-        from .engram import HostTables  # noqa: PLC0415
-
-        weights, host_tables = _without_tables(weights), HostTables.from_weights(weights, cfg)
-    return ModelInputs(cfg, weights, f"{name} with RANDOM weights (seed 0): the output is not language",
-                       vision=_wants_images(args), hasher=setup.hasher, engram_tables=setup.tables,
-                       host_tables=host_tables, dspark=dspark)
-
-
-def wants_speculation(args, cfg, has_stages: bool, random: bool = False) -> bool:
-    """Whether this run decodes with DSpark (--speculate): auto = on for a checkpoint with the stages when
-    nothing in the run needs what speculation does not support; dspark = on or a UsageError naming why not. A CLI
-    without --speculate (serve: its slot loop does not speculate) never does."""
-    speculate = getattr(args, "speculate", "off")
-    if speculate == "off" or (speculate == "auto" and random):
-        return False
-    blockers = []
-    if not has_stages:
-        blockers.append("the model has no DSpark stages (mtp.*)")
-    if args.logits_out:
-        blockers.append("--logits-out records one-row decode steps")
-    if args.decode_chunk != 1:
-        blockers.append("--decode-chunk is the plain decode loop's")
-    if not 1 <= args.draft_tokens <= min(5, cfg.dspark_block_size):
-        raise UsageError(f"--draft-tokens must be in 1..{min(5, cfg.dspark_block_size)}, got {args.draft_tokens}")
-    if blockers and speculate == "dspark":
-        raise UsageError(f"--speculate dspark: {blockers[0]}")
-    if blockers and has_stages:
-        _say(f"note: speculative decoding off: {blockers[0]}")
-    return not blockers
-
-
-def kernel_impl(args) -> str:
-    """--impl auto: the Pallas kernels on GPU, the reference ops elsewhere."""
-    if args.impl != "auto":
-        return args.impl
-    import jax  # noqa: PLC0415
-
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
-
-
-def model_options(args, expert_format: str, vision: bool = False, engram_tables: str = "device",
-                  dspark: bool = False):
-    """ModelOptions for the run (engram layers unless --skip-engram); says so when float32 experts would be
-    computed in bf16 by the Pallas MoE."""
-    from .model.transformer import ModelOptions  # noqa: PLC0415
-
-    impl = kernel_impl(args)
-    if impl == "pallas" and args.dtype == "float32":
-        _say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
-             "takes bf16 activations); use --impl xla for float32 experts")
-    return ModelOptions(dtype=args.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
-                        quant_rounding=args.quant_rounding, vision=vision, indexer_impl=impl, hc_impl=impl,
-                        engram=not args.skip_engram, engram_tables=engram_tables, dspark=dspark)
-
-
-def build(inputs: ModelInputs, args):
-    """(model, mesh | None) for --world; the weights are placed tensor by tensor."""
-    from .loading import build_model  # noqa: PLC0415
-
-    options = model_options(args, inputs.expert_format, inputs.vision, inputs.engram_tables, inputs.dspark)
-    if args.world == 1:
-        return build_model(inputs.cfg, options, inputs.weights), None
-    import sharding  # noqa: PLC0415
-
-    return sharding.prepare(inputs.cfg, inputs.weights, args.world, options)
+def open_checkpoint_inputs(args) -> runspec.ModelInputs:
+    """`runspec.open_checkpoint_inputs` for this command line."""
+    return runspec.open_checkpoint_inputs(run_spec(args), memory=_device_memory_bytes)
 
 
 def default_max_context(cfg, longest_prompt: int, max_new: int) -> int:
@@ -752,9 +507,6 @@ def _progress(total_rows: int, enabled: bool):
     """A rich progress bar on stderr for a prompt of several segments, else a no-op; (callback, stop)."""
     if not enabled:
         return None, lambda: None
-    from rich.console import Console  # noqa: PLC0415
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
-
     bar = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     task = bar.add_task("prefill", total=total_rows)
@@ -788,7 +540,8 @@ def _timings_dict(t) -> dict:
     if hasattr(t, "rounds"):
         extra = {"speculative_rounds": t.rounds, "tokens_per_round": t.tokens_per_round,
                  "drafts_accepted": t.accepted}
-    return {**extra, "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens, "segments": list(t.segments),
+    return {**extra, "prompt_tokens": t.prompt_tokens, "generated_tokens": t.generated_tokens,
+            "segments": list(t.segments),
             "prefill_s": t.prefill_s, "prefill_tok_s": t.prefill_tok_s, "decode_s": t.decode_s,
             "decode_tok_s": t.decode_tok_s, "decode_steps": t.decode_steps, "compile_s": t.compile_s,
             "programs_compiled": t.programs_compiled, "programs_loaded": t.programs_loaded}
@@ -807,8 +560,8 @@ def sampling_temperature(args) -> float:
 def make_requests(specs, prompt_ids, cfg, args) -> tuple[list, int]:
     """(requests, max_context), seeds seed + i. A prompt whose new tokens do not fit the context (--max-context,
     else the model's max_position_embeddings) is refused, with how many would fit."""
-    from .engine import Request  # noqa: PLC0415
-    from .sampling import SamplingParams  # noqa: PLC0415
+    from .engine import Request  # noqa: PLC0415 - brings JAX: after the cheap checks
+    from .sampling import SamplingParams  # noqa: PLC0415 - brings JAX: after the cheap checks
 
     longest = max(len(p) for p in prompt_ids)
     max_news = [s.max_new_tokens or args.max_new_tokens for s in specs]
@@ -834,7 +587,7 @@ def make_requests(specs, prompt_ids, cfg, args) -> tuple[list, int]:
 
 def generate_with_output(engine, requests, tokenizer, args):
     """Compile, then generate with streamed text and the prefill progress bar; compile time folded in."""
-    from .engine import all_greedy  # noqa: PLC0415
+    from .engine import all_greedy  # noqa: PLC0415 - brings JAX: after the cheap checks
 
     longest = max(len(r.prompt_ids) for r in requests)
     record = bool(args.logits_out)
@@ -858,18 +611,16 @@ def generate_with_output(engine, requests, tokenizer, args):
 
 def _say_compiling(requests, what: str = "the programs") -> None:
     """The one line said before the run compiles (`compiler.compiling_note`)."""
-    from .compiler import compiling_note  # noqa: PLC0415
+    from .compiler import compiling_note  # noqa: PLC0415 - brings JAX: after the cheap checks
 
     longest = max(len(r.prompt_ids) for r in requests)
     prompts = f"{len(requests)} prompt{'s' if len(requests) > 1 else ''}"
-    _say(compiling_note(f"{what} for {prompts} of up to {longest:,} tokens"))
+    say(compiling_note(f"{what} for {prompts} of up to {longest:,} tokens"))
 
 
 def chat_reply_fields(tokenizer, token_ids, thinking: bool) -> dict:
     """A chat reply split as an OpenAI assistant message: reasoning_content, content, tool_calls (markers
     decoded as text, whatever the tokenizer counts as special; the parser stops at EOS)."""
-    from .chat import parse_reply  # noqa: PLC0415
-
     reply = parse_reply(tokenizer.decode(token_ids, skip_special=False), thinking=thinking)
     fields = {"reasoning_content": reply.reasoning, "content": reply.content,
               "tool_calls": [c.to_openai() for c in reply.tool_calls]}
@@ -885,7 +636,7 @@ def report(result, tokenizer, args, description: str, max_context: int, folded: 
     gens = result.generations
     if folded and not args.json:  # the tiny model's text is noise; its ids are the real output
         for i, g in enumerate(gens):
-            _say(f"generated ids{f' {i + 1}' if len(gens) > 1 else ''}: {' '.join(map(str, g.token_ids))}")
+            say(f"generated ids{f' {i + 1}' if len(gens) > 1 else ''}: {' '.join(map(str, g.token_ids))}")
     texts = [tokenizer.decode(g.token_ids) for g in gens]
     if args.json:
         chat = list(is_chat) + [False] * (len(gens) - len(is_chat))
@@ -900,12 +651,10 @@ def report(result, tokenizer, args, description: str, max_context: int, folded: 
         for i, (g, text) in enumerate(zip(gens, texts)):
             print(f"--- prompt {i + 1} ({len(g.prompt_ids)} tokens, {g.finish_reason}) ---\n{text}")
     if args.logits_out:
-        import numpy as np  # noqa: PLC0415
-
         np.savez(args.logits_out, prefill=result.prefill_logits, decode=result.decode_logits,
                  tokens=np.array(gens[0].token_ids, np.int64))
-        _say(f"logits of prompt 1 saved to {args.logits_out}")
-    _say(summary_line(result.timings))
+        say(f"logits of prompt 1 saved to {args.logits_out}")
+    say(summary_line(result.timings))
 
 
 def run(args) -> int:
@@ -913,38 +662,36 @@ def run(args) -> int:
     check_chat_flags(args, specs)
     check_logits_out(args.logits_out)
     check_sampling_flags(args)
-    from .compile_cache import enable as enable_compile_cache  # noqa: PLC0415
-    from .engine import Engine, check_requests, planned_segments  # noqa: PLC0415
-    from .tokenizer import load_tokenizer  # noqa: PLC0415
+    from .engine import Engine, check_requests  # noqa: PLC0415 - brings JAX: after the cheap checks
 
     opened = open_images(specs)
-    check_world(args.world)
+    runspec.check_world(args.world)
     cache_dir = enable_compile_cache(args.compile_cache)
-    _say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
-    args.wants_images = any(s.images for s in specs)
-    inputs = load_model_inputs(args)
+    say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
+    spec = run_spec(args, images=any(s.images for s in specs))
+    inputs = runspec.open_inputs(spec)
     cfg, description = inputs.cfg, inputs.description
     speculate = inputs.dspark
     check_unused_flags(args, cfg, speculate)
-    _say(f"model: {description}" + (f" · DSpark speculation, {args.draft_tokens} draft tokens" if speculate else ""))
+    say(f"model: {description}" + (f" · DSpark speculation, {args.draft_tokens} draft tokens" if speculate else ""))
     for feature in cfg.unsupported_features():
         if not (speculate and feature.startswith("DSpark")):
-            _say(f"note: not run by this engine: {feature}")
-    tokenizer, tokenizer_description = load_tokenizer(args.checkpoint)
-    _say(f"tokenizer: {tokenizer_description}")
+            say(f"note: not run by this engine: {feature}")
+    tokenizer, tokenizer_description = runspec.tokenizer(spec)
+    say(f"tokenizer: {tokenizer_description}")
     prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size, cfg.image_token_id)
     with_images = image_prompts(opened, prompt_ids, cfg)
     prompt_ids = [ip.ids if ip is not None else ids for ip, ids in zip(with_images, prompt_ids)]
     if folded:
-        _say(f"note: the model's vocabulary ({cfg.vocab_size} ids) is smaller than the tokenizer's "
-             f"({tokenizer.vocab_size:,}): text prompt ids are folded into it (id mod {cfg.vocab_size}); "
-             f"generated ids are decoded with the tokenizer as they are")
+        say(f"note: the model's vocabulary ({cfg.vocab_size} ids) is smaller than the tokenizer's "
+            f"({tokenizer.vocab_size:,}): text prompt ids are folded into it (id mod {cfg.vocab_size}); "
+            f"generated ids are decoded with the tokenizer as they are")
     requests, max_context = make_requests(specs, prompt_ids, cfg, args)
     requests = [dataclasses.replace(r, images=ip) for r, ip in zip(requests, with_images)]
     check_requests(requests, cfg.vocab_size, max_context)  # before the (slow) model build
-    plan = planned_segments(cfg, args.world)
+    plan = runspec.segment_plan(cfg, spec)
     plan(max(len(p) for p in prompt_ids))  # the planner may refuse the prompt
-    model, mesh = build(inputs, args)
+    model, mesh = runspec.build(inputs, spec)
     hasher, host_tables = inputs.hasher, inputs.host_tables
     del inputs
     engine = Engine(model, cfg, max_context=max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
@@ -998,65 +745,15 @@ def check_unused_flags(args, cfg, speculate: bool) -> None:
 def speculate_with_output(engine, requests, tokenizer, args):
     """`speculative.Speculator` with streamed text; the speculation line (and the plain rate with
     --speculate-baseline) on stderr. Its programs compile on first use (inside the prefill and first round)."""
-    from .speculative import Speculator  # noqa: PLC0415
+    from .speculative import Speculator  # noqa: PLC0415 - brings JAX: after the cheap checks
 
     stream = _Streamer(tokenizer, enabled=len(requests) == 1 and not args.json)
     _say_compiling(requests, "the speculative programs (on first use, timed apart)")
     result = Speculator(engine).generate(requests, args.draft_tokens, on_tokens=stream)
     stream.close()
     baseline = engine.generate(requests).timings if args.speculate_baseline else None
-    _say(speculation_line(result.timings, baseline))
+    say(speculation_line(result.timings, baseline))
     return result
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input (one line, exit 2), from whichever modules exist."""
-    from .compile_cache import CompileCacheError  # noqa: PLC0415
-    from .config import ConfigError  # noqa: PLC0415
-    from .engine import EngineInputError  # noqa: PLC0415
-    from .sampling import SamplingError  # noqa: PLC0415
-    from .textfile import TextFileError  # noqa: PLC0415
-    from .tokenizer import TokenizerError  # noqa: PLC0415
-
-    errors: list[type[BaseException]] = [UsageError, ConfigError, EngineInputError, SamplingError, TokenizerError,
-                                         CompileCacheError, TextFileError]
-    for module, name in (("dsv41_jax.checkpoint", "CheckpointError"), ("dsv41_jax.planner", "PlanRefused"),
-                         ("dsv41_jax.vision.preprocess", "ImageError"),
-                         ("dsv41_jax.engram", "EngramError"),
-                         ("dsv41_jax.model.transformer", "WeightsError"), ("sharding.mesh", "ShardingError")):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
-
-
-def cli_main(parser, run_args, argv: Sequence[str] | None, interrupted: str | None = "interrupted") -> int:
-    """A command's entry (generate, serve): parse ``argv``, ask for ``--world`` simulated devices, ``run_args(args)``;
-    returns the exit status (2 for bad input, with one line on stderr; 130 on Ctrl-C, saying ``interrupted``).
-    ``argv`` None (this process's own command line): XLA's slow-compile banners are kept off its stderr
-    (`xla_log`)."""
-    if argv is None:
-        from .xla_log import hide_slow_compile_banners  # noqa: PLC0415
-
-        hide_slow_compile_banners()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help (0) or an argument error (2, one line already printed)
-        return int(e.code or 0)
-    if args.world > 1:  # CPU: simulated devices, only effective before JAX initialises (sharding.mesh)
-        from sharding.mesh import request_host_devices  # noqa: PLC0415
-
-        request_host_devices(args.world)
-    try:
-        return run_args(args)
-    except user_errors() as e:
-        _say(f"error: {e}")
-        return 2
-    except KeyboardInterrupt:
-        if interrupted:
-            _say(interrupted)
-        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:

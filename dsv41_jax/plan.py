@@ -26,6 +26,10 @@ import json
 import math
 import sys
 
+from rich.console import Console
+from rich.table import Table
+
+from dsv41_jax.cli import Parser
 from dsv41_jax.config import ConfigError, load_named
 from dsv41_jax.planner import (
     PLANNED_ONLY,
@@ -49,13 +53,6 @@ from dsv41_jax.planner import (
 
 EXPERT_FORMATS = ("f32", "bf16", "fp8", "fp4")
 DENSE_FORMATS = ("f32", "bf16", "fp8")
-
-
-class _Parser(argparse.ArgumentParser):
-    """Argument mistakes print one line and exit 2, not the usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def _at_least(lowest: int):
@@ -83,11 +80,12 @@ def _positive(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m dsv41_jax.plan", description=__doc__.splitlines()[0],
+    p = Parser(prog="python -m dsv41_jax.plan", description=__doc__.splitlines()[0],
                 epilog="planned only (sized by the planner, run by no engine path yet): "
                        + "; ".join(f"{key}: {why}" for key, why in PLANNED_ONLY.items()))
     p.add_argument("--config", required=True, help="tiny, dsv41_flash, or a config.json / checkpoint directory")
-    p.add_argument("--world", type=_at_least(1), required=True, help=f"tensor-parallel world size ({', '.join(map(str, WORLDS))})")
+    p.add_argument("--world", type=_at_least(1), required=True,
+                   help=f"tensor-parallel world size ({', '.join(map(str, WORLDS))})")
     p.add_argument("--rank", type=_at_least(0), default=0)
     p.add_argument("--rows", type=_at_least(1), required=True, help="rows in the segment")
     p.add_argument("--position", type=_at_least(0), required=True, help="position of the segment's first row")
@@ -196,9 +194,6 @@ def _planned_only(plan: SegmentPlan, options: PlanOptions) -> tuple[str, ...]:
 
 def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, vision: VisionPlan | None,
                  engram_choice: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     def b(n: int) -> str:
         return f"{n:,} B ({n / (1 << 20):,.1f} MiB)" if n < GiB else f"{n:,} B ({n / GiB:,.2f} GiB)"
 

@@ -16,8 +16,9 @@ Weights are random and made on the devices, sharded (``profiling/build.py``); ``
 model to K layers that keep its layer roles (``profiling/cut.py``); ``--engram`` keeps the config's engram
 layers (the first one in any cut), their tables on the devices (``--engram-table-rows`` rows each), and feeds
 every step the rows the engine's host hash gives its random ids (the tokenizer package supplies the token
-map). The cache holds random entries with its offset at the position, sized position + rows. On CPU, ``--world N`` simulated devices are requested before JAX
-starts. ``--compile-only`` allocates nothing (abstract weights): analyses of models too big to run.
+map). The cache holds random entries with its offset at the position, sized position + rows. On CPU,
+``--world N`` simulated devices are requested before JAX starts. ``--compile-only`` allocates nothing (abstract
+weights): analyses of models too big to run.
 ``--rank-of W`` times one rank's share of world W on one device (``profiling/cut.one_rank``): a world-W step
 without its collectives, where fewer than W GPUs are at hand.
 """
@@ -26,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv41_jax import with_flags
+from dsv41_jax import runspec, with_flags
+from dsv41_jax.compile_cache import CompileCacheError
+from dsv41_jax.compile_cache import enable as enable_compile_cache
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
 from dsv41_jax.planner import (
     WORLDS,
@@ -47,8 +51,10 @@ from dsv41_jax.planner import (
     param_bytes_per_rank,
     plan_segment,
 )
+from dsv41_jax.profiling import trace
 from dsv41_jax.profiling.cut import cut_layers, kept_layers, one_rank
 from dsv41_jax.profiling.flops import step_flops
+from dsv41_jax.xla_log import hide_slow_compile_banners
 
 
 class UsageError(ValueError):
@@ -96,8 +102,8 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--engram-table-rows", type=int, default=None, metavar="N",
                    help="rows of each kept engram table (default: the config's; the release's are 98 GB each)")
     p.add_argument("--experts", type=int, default=None, metavar="E",
-                   help="routed experts per layer (default: the config's; the 40-layer model fits one H200 in "
-                        "bf16 with 24, its scanned units as in the release)")
+                   help="routed experts per layer (default: the config's; fewer let a full-depth model fit one "
+                        "device, its scanned units as in the release)")
     p.add_argument("--decode", action="store_true", help="also profile the decode step (one row)")
     p.add_argument("--impl", choices=("xla", "pallas", "reference"), default="xla", metavar="xla|pallas",
                    help="attention, MoE and indexer ops ('reference' = xla, deprecated)")
@@ -173,7 +179,6 @@ def parse_args(argv: list[str] | None) -> Request:
 
 def _check_writable(path: Path) -> None:
     """--json-out: refuse before the run a file whose directory is missing or not writable."""
-    import os
     folder = path.resolve().parent
     if not folder.is_dir():
         raise UsageError(f"--json-out: directory {folder} does not exist")
@@ -217,17 +222,16 @@ def run(req: Request, on_step=None) -> dict:
 
     ``on_step(report, entry)`` is called after each step, so a run cut short still shows what it measured.
     """
-    import jax
+    # JAX and what brings it: imported once main() has set XLA_FLAGS (simulated devices, command buffers).
+    import jax  # noqa: PLC0415 - after XLA_FLAGS are set (see above)
 
-    from dsv41_jax.compile_cache import enable as enable_compile_cache
-    from dsv41_jax.model import ModelOptions
-    from dsv41_jax.profiling import build, measure
+    from dsv41_jax.compiler import compiling_note  # noqa: PLC0415 - brings JAX (see above)
+    from dsv41_jax.engram import EngramError, Hasher  # noqa: PLC0415 - brings JAX (see above)
+    from dsv41_jax.profiling import build, measure  # noqa: PLC0415 - brings JAX (see above)
 
     cache_dir = enable_compile_cache(req.compile_cache)
     hasher = None
     if req.cfg.engram_layer_ids:
-        from dsv41_jax.engram import EngramError, Hasher
-
         try:
             hasher = Hasher(req.cfg)
         except EngramError as e:
@@ -235,17 +239,16 @@ def run(req: Request, on_step=None) -> dict:
     measure.COMPILER_OPTIONS.clear()
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
-    options = ModelOptions(dtype=req.dtype, attention_impl=req.impl, moe_impl=req.impl, indexer_impl=req.impl,
-                           hc_impl=req.impl, expert_format=req.expert_format, scan_layers=not req.unrolled,
-                           tiles=kernel_tiles(req.cfg, req.world, PlanOptions(row_parallel_rows=req.row_parallel_rows)))
+    spec = runspec.RunSpec(config=req.config_name, world=req.world, dtype=req.dtype, impl=req.impl,
+                           expert_format=req.expert_format, scan_layers=not req.unrolled)
+    tiles = kernel_tiles(req.cfg, req.world, PlanOptions(row_parallel_rows=req.row_parallel_rows))
+    options = runspec.model_options(spec, req.expert_format, tiles=tiles)
     _check_fits(req, jax.devices()[0])
-    from dsv41_jax.compiler import compiling_note
-
     steps = len(req.positions) * (2 if req.decode else 1)
     print(compiling_note(f"{steps} step program{'s' if steps > 1 else ''} of {req.config_name} (each compile is "
                          f"timed apart)"), file=sys.stderr, flush=True)
     start = time.perf_counter()
-    model, mesh = build.build_model(req.cfg, req.world, options, abstract=req.compile_only)
+    model, mesh = runspec.device_model(req.cfg, spec, options, abstract=req.compile_only)
     weights_on_device = build.bytes_per_device(_params(model))
     if not req.compile_only:
         jax.block_until_ready(jax.tree.leaves(_params(model)))
@@ -257,12 +260,12 @@ def run(req: Request, on_step=None) -> dict:
         cache = build.build_cache(req.cfg, mesh, batch=req.batch, position=position, rows=req.rows,
                                   dtype=req.dtype, abstract=req.compile_only)
         cache_bytes = build.bytes_per_device(cache)
-        makers = [("prefill", lambda: measure.prefill_step(model, cache, rows=req.rows, position=position,
-                                                             hasher=hasher))]
+        makers = [("prefill", lambda cache=cache: measure.prefill_step(model, cache, rows=req.rows,
+                                                                       position=position, hasher=hasher))]
         if req.decode:  # the last user of this cache: it is donated when it has a free row for every run
             donate = req.rows >= req.repeats + _EXTRA_DECODE_RUNS
-            makers.append(("decode", lambda: measure.decode_step(model, cache, position=position, hasher=hasher,
-                                                                 donate=donate)))
+            makers.append(("decode", lambda cache=cache: measure.decode_step(model, cache, position=position,
+                                                                             hasher=hasher, donate=donate)))
         for kind, make in makers:
             step = make()
             if not req.compile_only:
@@ -276,7 +279,7 @@ def run(req: Request, on_step=None) -> dict:
             if on_step is not None:
                 on_step(report, entry)
             del step
-        del cache
+        del cache, makers
     return report
 
 
@@ -284,7 +287,7 @@ _EXTRA_DECODE_RUNS = 5  # a decode step's runs beyond --repeats: the warm-up and
 
 
 def _params(model):
-    from flax import nnx
+    from flax import nnx  # noqa: PLC0415 - brings JAX: after XLA_FLAGS are set
     return nnx.state(model, nnx.Param)
 
 
@@ -365,7 +368,7 @@ def _step_report(req: Request, step, weights: int, cache: int) -> dict:
 def _floor(req: Request, model, entry: dict) -> dict:
     """The step's H200 floors (`profiling/floors.py`): the weights (and, decoding, the cache) one device reads,
     the spec's FLOPs per device; seconds at 4.3 TB/s and 668 TFLOP/s, and the measured median over the larger."""
-    from dsv41_jax.profiling import floors
+    from dsv41_jax.profiling import floors  # noqa: PLC0415 - brings JAX: after XLA_FLAGS are set
 
     rows = entry["rows"] * req.batch
     nbytes, _ = floors.weight_bytes(model, req.cfg, rows)
@@ -381,8 +384,6 @@ def _pair(predicted: int | None, xla: int | None) -> dict:
 
 
 def _trace(req: Request, step, jax, measure) -> dict:
-    from dsv41_jax.profiling import trace
-
     folder = req.trace_dir / f"{step.result.kind}_p{step.result.position}"
     steps = min(req.repeats, 3)
     with jax.profiler.trace(str(folder), create_perfetto_trace=True):
@@ -503,20 +504,17 @@ def main(argv: list[str] | None = None) -> int:
     """The command; ``argv`` None (this process's own command line): XLA's slow-compile banners are kept off its
     stderr (`xla_log`)."""
     if argv is None:
-        from dsv41_jax.xla_log import hide_slow_compile_banners
-
         hide_slow_compile_banners()
     try:
         req = parse_args(argv)
     except (UsageError, ConfigError, PlanRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from dsv41_jax.compile_cache import CompileCacheError
-    from sharding import ShardingError, request_host_devices
+    from sharding import ShardingError, request_host_devices  # noqa: PLC0415 - brings JAX: XLA_FLAGS are set here
 
     request_host_devices(req.world)  # CPU: simulated devices; only effective before JAX starts
     if req.trace_dir is not None:
-        _one_kernel_per_op()
+        one_kernel_per_op()
 
     def on_step(report: dict, entry: dict) -> None:
         if req.json_out is not None:
@@ -536,10 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(s["error"] for s in report["steps"]) else 0
 
 
-def _one_kernel_per_op() -> None:
+def one_kernel_per_op() -> None:
     """GPU: no CUDA-graph command buffers, so the trace has one kernel event per XLA op to attribute (inside a
     command buffer the kernels are not named by op). Must run before JAX starts; a no-op on CPU."""
-    import os
     os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), {"xla_gpu_enable_command_buffer": ""})
 
 

@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import pytest
 
 from dsv41_jax.config import load_named
@@ -47,7 +48,6 @@ def test_cache_bytes_counts_windows_picks_and_index_keys():
 def test_quick_smoke_run(tmp_path, capsys):
     """On the CPU or a GPU (``make test-gpu``): the rows, the floors, the traced steps' kernel share, and the device
     timeline where there is a device (a CPU trace has no device process)."""
-    import jax
 
     out = tmp_path / "decode.json"
     assert bench.main(["--config", "tiny", "--quick", "--tokens", "6", "--steps", "3", "--decode-chunks", "1,3",

@@ -51,7 +51,8 @@ def test_step_floor_is_the_larger_bound():
 
 @pytest.mark.parametrize("label,part", [
     ("L0/moe kernel.py:gate_up", "moe"), ("L1/moe grouping.py:_counted_tiles", "moe"),
-    ("L0/attn compressor.py:Compressor.__call__", "compressor"), ("L1/attn attention.py:Attention._compress", "compressor"),
+    ("L0/attn compressor.py:Compressor.__call__", "compressor"),
+    ("L1/attn attention.py:Attention._compress", "compressor"),
     ("L1/attn kernel.py:_maxima", "indexer"), ("L1/attn kernel.py:best_groups", "indexer"),
     ("L1/attn kernel.py:_rescore", "indexer"), ("L0/attn xla.py:select", "indexer"),
     ("L1/attn kernel.py:_row_maxima", "indexer"), ("L1/attn kernel.py:top_k_indices", "indexer"),

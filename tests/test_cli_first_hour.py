@@ -6,16 +6,22 @@ compile seconds kept out of the decode and prefill rates. Every refusal here com
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from dsv41_jax import compiler
 from dsv41_jax.config import config_names, load_named
+from dsv41_jax.generate import main
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
@@ -192,10 +198,7 @@ def test_first_image_run_keeps_compile_seconds_out_of_the_rates(tmp_path, monkey
     image is encoded), inside the prefill and decode loops. Each compile here is made 2 s slower: the rates must
     not see it, while compile_s counts it (decoding 3 tokens and prefilling 31 rows of a 2-layer model take a
     fraction of that)."""
-    import time
 
-    from dsv41_jax import compiler
-    from dsv41_jax.generate import main
 
     delay = 2.0
     compile_ = compiler.compile
@@ -223,9 +226,6 @@ def test_first_image_run_keeps_compile_seconds_out_of_the_rates(tmp_path, monkey
 def test_a_terminal_stays_a_terminal_of_its_size():
     """On a terminal the filter reads a raw pseudo-terminal of the terminal's size: progress bars (rich asks
     isatty) and every byte but the banner's pass unchanged, and a CLI that aborts still gets its last line out."""
-    import fcntl
-    import struct
-    import termios
 
     code = textwrap.dedent(f"""
         import os, sys

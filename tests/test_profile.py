@@ -6,13 +6,21 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import dsv41_jax.profile as profile
 from dsv41_jax.config import load_named
-from dsv41_jax.planner import param_bytes_per_rank
+from dsv41_jax.formats import decode_fp4
+from dsv41_jax.model import ModelOptions
+from dsv41_jax.param_specs import model_tensors
+from dsv41_jax.planner import admit, engram_bytes_per_rank, param_bytes_per_rank, tensor_rank_shape
 from dsv41_jax.profile import main
+from dsv41_jax.profiling import build, trace
 from dsv41_jax.profiling.cut import cut_layers, kept_layers, one_rank
 from dsv41_jax.profiling.flops import step_flops
+from dsv41_jax.profiling.trace import OpTime, by_component, by_layer, instruction_sources, part_of
 
 
 def _run(capsys, *args) -> dict:
@@ -82,12 +90,9 @@ def test_profile_tiny_world_1_and_4(capsys, tmp_path):
 @pytest.mark.devices(2)
 def test_profile_fp4_experts_as_released(capsys):
     """``--expert-format fp4``: experts drawn on the devices as packed codes + ue8m0 scales; the bytes each
-    device holds are the planner's fp4 count exactly (world 2), the step runs, and decoded experts have the right spread."""
-    import numpy as np
+    device holds are the planner's fp4 count exactly (world 2), the step runs, and decoded experts have the right
+    spread."""
 
-    from dsv41_jax.formats import decode_fp4
-    from dsv41_jax.model import ModelOptions
-    from dsv41_jax.profiling import build
 
     report = _run(capsys, "--world", "2", "--rows", "16", "--position", "0", "--expert-format", "fp4")
     cfg = cut_layers(load_named("tiny"), 4)
@@ -140,7 +145,6 @@ def test_a_cpu_run_larger_than_the_host_s_memory_is_refused(capsys, monkeypatch)
     """On a CPU the simulated devices share the host's memory: a run whose planned weights + caches exceed what
     the host has available is one line and exit 2, not the OOM killer (as the full-width 2-layer cut was, ~54 GiB
     on a 24 GiB host). Here the host is said to have 1 MiB, against tiny's 11 MiB at world 2 (two devices' share)."""
-    import dsv41_jax.profile as profile
 
     monkeypatch.setattr(profile, "available_host_bytes", lambda: 1 << 20)
     assert main(["--config", "tiny", "--world", "2", "--rows", "16"]) == 2
@@ -166,8 +170,6 @@ def test_one_rank_holds_a_rank_s_shards(world):
     """``one_rank`` (``--rank-of``): the one-device model of one rank of ``world`` has exactly the per-rank shapes
     the planner gives the widest rank's shards (``tensor_rank_shape``, MODEL.md §F.1: split heads, groups, expert
     width and vocabulary rows, at their padded widths) and every replicated tensor whole."""
-    from dsv41_jax.param_specs import model_tensors
-    from dsv41_jax.planner import admit, tensor_rank_shape
 
     full = cut_layers(load_named("dsv41_flash"), 2)
     adm = admit(full, world)
@@ -194,7 +196,6 @@ def test_cut_keeps_the_first_engram_layer_when_asked():
 def test_profile_keeps_engram_layers(capsys):
     """``--engram``: the engram layer runs in the profiled steps on the host's hashed rows, its table on the devices
     (split by hash column at world 2); the weights the devices hold, table included, are the planner's count."""
-    from dsv41_jax.planner import engram_bytes_per_rank
 
     argv = ["--config", "tiny_engram", "--layers", "3", "--world", "2", "--rows", "16", "--position", "0",
             "--json", "--repeats", "1", "--fast-compile", "--engram"]
@@ -225,10 +226,7 @@ def test_spec_flops_by_hand():
 
 def test_per_layer_view_from_the_model_scopes():
     """``Transformer`` names ``layer_N/attn`` and ``layer_N/moe``; the trace groups op times by them."""
-    import jax
-    import jax.numpy as jnp
 
-    from dsv41_jax.profiling.trace import OpTime, by_layer, instruction_sources
 
     def f(x):
         with jax.named_scope("layer_3"):
@@ -247,7 +245,6 @@ def test_per_layer_view_from_the_model_scopes():
 def test_ops_xla_made_are_named_by_their_shape():
     """An instruction without a stack frame (XLA made it: the 40-layer batch-8 decode trace has ~32 µs a layer of
     such concatenations) is labelled by its result shape, counted under "xla" and in no model part."""
-    from dsv41_jax.profiling.trace import OpTime, by_component, by_layer, instruction_sources, part_of
 
     text = """HloModule m
 ENTRY %main (a: bf16[1280,5120], b: bf16[512,5120]) -> (bf16[1792,5120], f32[2]) {
@@ -266,10 +263,7 @@ ENTRY %main (a: bf16[1280,5120], b: bf16[512,5120]) -> (bf16[1792,5120], f32[2])
 
 def test_scanned_run_scope():
     """A scanned run's ops sit under ``layers_A-B`` (`Transformer.forward`), inside the scan's body."""
-    import jax
-    import jax.numpy as jnp
 
-    from dsv41_jax.profiling.trace import instruction_sources
 
     def f(x):
         with jax.named_scope("layers_4-7"):
@@ -286,7 +280,6 @@ def test_trace_names_device_work_outside_the_program_s_ops():
     """A GPU trace's kernels that name no instruction of the program (a command buffer's copy kernels, a memcpy)
     are summed by name per step; spans that are not device activity (a module's execution) and the program's
     own ops are not; a CPU trace (no device process) has none."""
-    from dsv41_jax.profiling import trace
 
     gpu = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
            {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/device:GPU:1"}}]
@@ -314,7 +307,6 @@ def test_device_timeline_of_chained_calls():
     """Busy time counts overlapping activities once, gaps are what lies between them inside a call (those over 5
     µs apart) and, apart, between two calls; copies are memcpy kernels and memcpys; the warm-up call (the first,
     apart by a host wait) is dropped and the rest averaged per call; no device process (CPU) gives None."""
-    from dsv41_jax.profiling import trace
 
     meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}]
     act = lambda ts, dur, name="k": {"ph": "X", "pid": 7, "tid": 1, "name": name, "ts": ts, "dur": dur,

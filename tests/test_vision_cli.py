@@ -61,7 +61,8 @@ def test_chat_puts_images_first_in_the_user_message():
     assert tok.decode(ids[k + 3 + len(blank):]).startswith("\n\nDescribe it.")
     # Placeholders given in the text are used where they are.
     spec = PromptSpec(text=f"left {IMAGE_PLACEHOLDER} right", images=("a.png",))
-    ids, _ = _image_ids(spec, tok, Namespace(chat=False, thinking=False, system=None, reasoning_effort=None), tok.vocab_size, 129264)
+    args = Namespace(chat=False, thinking=False, system=None, reasoning_effort=None)
+    ids, _ = _image_ids(spec, tok, args, tok.vocab_size, 129264)
     assert ids.count(129264) == 1 and tok.decode(ids[: ids.index(129264)]).endswith("left ")
     # Folding text ids into the tiny vocabulary never forges an image position.
     ids, folded = _image_ids(PromptSpec(text="x" * 200, images=("a.png",)), tok,

@@ -1,4 +1,4 @@
-"""Pieces of ``python -m dsv41_jax.profile`` (docs/DESIGN.md, issue #8).
+"""Pieces of ``python -m dsv41_jax.profile`` (docs/DESIGN.md).
 
 * ``cut.py``: ``cut_layers`` — a K-layer model of a config that keeps its interesting layer roles.
 * ``flops.py``: the spec's arithmetic per segment (``MODEL.md`` shapes), per device.

@@ -31,7 +31,7 @@ def cut_layers(cfg: ModelConfig, k: int, *, engram: bool = False, engram_table_r
                routed_experts: int | None = None) -> ModelConfig:
     """``cfg`` cut to ``k`` decoder layers (see the module docstring); validates; ``k`` ≥ the layer count
     returns ``cfg`` with DSpark (and, unless ``engram``, Engram) dropped. ``routed_experts``: that many routed
-    experts a layer instead of the config's (the whole 40-layer model fits one H200 in bf16 with 24; a token
+    experts a layer instead of the config's (fewer let the whole 40-layer model fit one device; a token
     still reads its top-k of them)."""
     if k < 1:
         raise ConfigError(f"--layers must be at least 1, got {k}")

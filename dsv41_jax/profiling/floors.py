@@ -1,4 +1,4 @@
-"""What a step cannot beat on the H200 (issues #14, #22): the bytes it must read and the FLOPs it must do.
+"""What a step cannot beat on the H200: the bytes it must read and the FLOPs it must do.
 
 * ``weight_bytes``: the weights one device reads in a step of N rows: every weight but the routed experts and
   the embedding, the routed experts the rows touch (expected distinct experts per layer under uniform routing,

@@ -22,7 +22,8 @@ import numpy as np
 from flax import nnx
 
 from dsv41_jax import compiler
-from dsv41_jax.engine import FlatState, merge
+from dsv41_jax.profiling.trace import instruction_sources
+from dsv41_jax.runtime import FlatState, merge
 from sharding import replicated
 
 
@@ -95,7 +96,7 @@ def _model_step(model, cache, rows: int, position: int, kind: str, seed: int, ha
     def step(state, cache, ids, lengths, engram):
         """-> (cache, last-row logits [B, V] f32, greedy next token [B] i32)."""
         kwargs = {} if engram is None else {"engram": engram}
-        # the head on each sequence's last row only, as the engine's step runs it (issue #22)
+        # the head on each sequence's last row only, as the engine's step runs it
         last, cache = merge(graphdef, state)(ids, cache, lengths=lengths, logit_rows=lengths - 1, **kwargs)
         last = last.astype(jnp.float32)
         return cache, last, jnp.argmax(last, axis=-1).astype(jnp.int32)
@@ -186,7 +187,6 @@ def hlo_sources(step: Step) -> dict[str, str]:
     """HLO instruction name → where in the model it comes from (``trace.source_label``), for the trace table."""
     try:
         text = step.compiled.as_text()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a backend without the program's text: no sources
         return {}
-    from dsv41_jax.profiling.trace import instruction_sources
     return instruction_sources(text)

@@ -74,8 +74,8 @@ def op_times(events: list[dict], sources: dict[str, str], steps: int, devices: i
 def unattributed_times(events: list[dict], sources: dict[str, str], steps: int) -> list[OpTime]:
     """The first device's events that name no instruction of the program (GPU only; none on CPU), by event name,
     per step, slowest first: device copies (``MemcpyDtoD``; inside a command buffer ``memcpy128``), which the
-    per-op table cannot show. Found this way on the H200: a group scan's loop copying 12 layers' dense weights
-    every decode step (1.9 ms of 14.4 ms; docs/BENCHMARKS.md "A group scan's loop inside a loop")."""
+    per-op table cannot show (e.g. a loop copying weights every step; docs/BENCHMARKS.md "A group scan's loop
+    inside a loop")."""
     keep_pid, kept = _device_events(events)
     if keep_pid is None:
         return []
@@ -305,8 +305,8 @@ def _int_after(text: str, key: str) -> int:
 
 
 def _layer_scope(line: str) -> str | None:
-    """``L<n>`` or ``L<n>/<sublayer>`` (a scanned run: ``L<a>-<b>``, a group scan ``L<a>_<b>_…``) from the instruction's ``op_name`` scopes;
-    None outside any layer."""
+    """``L<n>`` or ``L<n>/<sublayer>`` (a scanned run: ``L<a>-<b>``, a group scan ``L<a>_<b>_…``) from the
+    instruction's ``op_name`` scopes; None outside any layer."""
     if 'op_name="' not in line:
         return None
     parts = line.split('op_name="', 1)[1].split('"', 1)[0].split("/")

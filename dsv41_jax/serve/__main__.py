@@ -8,6 +8,13 @@ import socket
 import sys
 from typing import Sequence
 
+import uvicorn
+
+from .. import runspec
+from ..cli import Parser, UsageError, cli_main, positive_int, say
+from ..compile_cache import enable as enable_compile_cache
+from .metrics import Metrics
+
 EXAMPLES = """\
 examples:
   python -m dsv41_jax.serve                                   # the embedded tiny model on 127.0.0.1:8000
@@ -26,20 +33,18 @@ carries "reasoning_content" apart from "content", and "tool_calls". Without --ch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..generate import _Parser, _positive_int  # noqa: PLC0415
-
-    p = _Parser(prog="python -m dsv41_jax.serve", description="An OpenAI-compatible server for DeepSeek-V4.1 in JAX.",
+    p = Parser(prog="python -m dsv41_jax.serve", description="An OpenAI-compatible server for DeepSeek-V4.1 in JAX.",
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group("model (as python -m dsv41_jax.generate)")
     model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
     model.add_argument("--config", metavar="NAME|FILE",
                        help="the random-weight model's config: tiny, tiny_engram, tiny_vision, dsv41_flash, or a "
                             "config.json path (default: tiny); with --checkpoint, overrides its config.json")
-    model.add_argument("--layers", type=_positive_int, metavar="K",
+    model.add_argument("--layers", type=positive_int, metavar="K",
                        help="a K-layer cut of --config (default the released dsv41_flash) keeping its layer roles, "
                             "random weights drawn on the devices, sharded (as python -m dsv41_jax.profile): e.g. "
                             "the 2-layer full-width model for serving benchmarks")
-    model.add_argument("--world", type=_positive_int, default=1, metavar="N",
+    model.add_argument("--world", type=positive_int, default=1, metavar="N",
                        help="devices to shard over (default 1: unsharded)")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                        help="activations, weights and cache (default: bfloat16)")
@@ -59,24 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve = p.add_argument_group("serving")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
-    serve.add_argument("--max-batch", type=_positive_int, default=8, metavar="B",
+    serve.add_argument("--max-batch", type=positive_int, default=8, metavar="B",
                        help="decode slots: requests generating at once (default 8)")
-    serve.add_argument("--max-context", type=_positive_int, default=4096, metavar="N",
+    serve.add_argument("--max-context", type=positive_int, default=4096, metavar="N",
                        help="cache capacity per request, prompt + new tokens (default 4096)")
     serve.add_argument("--max-queue", type=int, default=64, metavar="Q",
                        help="requests that may wait for a slot; more get 503 at once (default 64)")
-    serve.add_argument("--segment-rows", type=_positive_int, metavar="N",
+    serve.add_argument("--segment-rows", type=positive_int, metavar="N",
                        help="prefill segment rows (default: the planner's segments)")
     return p
 
 
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def check_args(args) -> None:
-    from ..generate import UsageError  # noqa: PLC0415
-
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
@@ -84,8 +83,6 @@ def check_args(args) -> None:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    from ..generate import UsageError  # noqa: PLC0415
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
@@ -99,59 +96,40 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def random_cut(args):
-    """(ModelInputs, model, mesh) for --layers K: ``profiling.cut`` of the config, weights drawn on the devices."""
-    from .. import generate  # noqa: PLC0415
-    from ..config import load_named  # noqa: PLC0415
-    from ..profiling.build import build_model  # noqa: PLC0415
-    from ..profiling.cut import cut_layers  # noqa: PLC0415
-
-    if args.checkpoint:
-        raise generate.UsageError("--layers makes a random-weight model: it does not go with --checkpoint")
-    if args.expert_format == "fp4":
-        raise generate.UsageError("--expert-format fp4 needs --checkpoint (packed experts come from one); --layers "
-                                  "draws dequantised random weights")
-    cfg = load_named(args.config or "dsv41_flash")
-    cfg = cut_layers(cfg, args.layers)
-    model, mesh = build_model(cfg, args.world, generate.model_options(args, "dequantized"))
-    name = f"{args.config or 'dsv41_flash'} cut to {args.layers} layers, RANDOM weights drawn on the devices"
-    return generate.ModelInputs(cfg, None, name), model, mesh
+def run_spec(args) -> runspec.RunSpec:
+    """The model setup this command line asks for (engram tables on the devices; no speculation)."""
+    return runspec.RunSpec(checkpoint=args.checkpoint, config=args.config, layers=args.layers, world=args.world,
+                           dtype=args.dtype, expert_format=args.expert_format, impl=args.impl,
+                           quant_rounding=args.quant_rounding, skip_engram=args.skip_engram, engram_tables="device")
 
 
 def build_server(args):
     """(app, state): the model, its engine and slots compiled, the HTTP app over them."""
-    import jax  # noqa: PLC0415
+    # The engine, the server's pieces and JAX itself: after the command line is checked.
+    import jax  # noqa: PLC0415 - JAX starts after the CLI asked for its simulated devices
 
-    from .. import generate  # noqa: PLC0415
-    from ..compile_cache import enable as enable_compile_cache  # noqa: PLC0415
-    from ..engine import Engine, fixed_segments, planned_segments  # noqa: PLC0415
-    from ..tokenizer import load_tokenizer  # noqa: PLC0415
-    from .app import ServerState, create_app  # noqa: PLC0415
-    from .metrics import Metrics  # noqa: PLC0415
-    from .slots import SlotEngine  # noqa: PLC0415
-    from .worker import Worker  # noqa: PLC0415
+    from ..compiler import compiling_note  # noqa: PLC0415 - brings JAX (see above)
+    from ..engine import Engine  # noqa: PLC0415 - brings JAX (see above)
+    from .app import ServerState, create_app  # noqa: PLC0415 - brings JAX (see above)
+    from .slots import SlotEngine  # noqa: PLC0415 - brings JAX (see above)
+    from .worker import Worker  # noqa: PLC0415 - brings JAX (see above)
 
-    args.engram_tables, args.wants_images = "device", False  # generate's loaders read these
-    generate.check_world(args.world)
+    spec = run_spec(args)
+    runspec.check_world(args.world)
     cache_dir = enable_compile_cache(args.compile_cache)
-    _say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
-    if args.layers:
-        inputs, model, mesh = random_cut(args)
-    else:
-        inputs = generate.load_model_inputs(args)
+    say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
+    inputs = runspec.open_inputs(spec)
     cfg = inputs.cfg
     if args.skip_engram and not cfg.engram_layer_ids:
-        raise generate.UsageError("--skip-engram: this model has no engram layers to skip")
+        raise UsageError("--skip-engram: this model has no engram layers to skip")
     if args.max_context > cfg.max_position_embeddings:
-        raise generate.UsageError(f"--max-context {args.max_context:,} is above the model's "
-                                  f"max_position_embeddings ({cfg.max_position_embeddings:,})")
-    _say(f"model: {inputs.description}")
-    tokenizer, tokenizer_description = load_tokenizer(args.checkpoint)
-    _say(f"tokenizer: {tokenizer_description}")
-    plan = ((lambda n: fixed_segments(n, args.segment_rows)) if args.segment_rows
-            else planned_segments(cfg, args.world))
-    if not args.layers:
-        model, mesh = generate.build(inputs, args)
+        raise UsageError(f"--max-context {args.max_context:,} is above the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings:,})")
+    say(f"model: {inputs.description}")
+    tokenizer, tokenizer_description = runspec.tokenizer(spec)
+    say(f"tokenizer: {tokenizer_description}")
+    plan = runspec.segment_plan(cfg, spec, args.segment_rows)
+    model, mesh = runspec.build(inputs, spec)
     engine = Engine(model, cfg, max_context=args.max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
                     hasher=inputs.hasher)
     slots = SlotEngine(engine, args.max_batch)
@@ -162,12 +140,10 @@ def build_server(args):
             compile_events[0] += 1
 
     jax.monitoring.register_event_duration_secs_listener(on_compile)
-    from ..compiler import compiling_note  # noqa: PLC0415
-
-    _say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
+    say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
     seconds = slots.precompile()
     loaded = f" ({engine.programs_loaded} loaded from the cache)" if engine.programs_loaded else ""
-    _say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
+    say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
     metrics = Metrics({})
     worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
     metrics.gauges.update({
@@ -186,23 +162,19 @@ def build_server(args):
 
 
 def run(args) -> int:
-    import uvicorn  # noqa: PLC0415
-
     check_args(args)
     sock = listen(args.host, args.port)
     app, state = build_server(args)
     state.worker.start()
     host, port = sock.getsockname()[:2]
-    _say(f"dsv41_jax.serve: listening on http://{host}:{port} (model {state.model_name}, "
-         f"{args.max_batch} slots, context {args.max_context:,}, queue {args.max_queue})")
+    say(f"dsv41_jax.serve: listening on http://{host}:{port} (model {state.model_name}, "
+        f"{args.max_batch} slots, context {args.max_context:,}, queue {args.max_queue})")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
     server.run(sockets=[sock])
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..generate import cli_main  # noqa: PLC0415
-
     return cli_main(build_parser(), run, argv, interrupted=None)
 
 

@@ -1,0 +1,336 @@
+"""The one model setup the CLIs and the benchmarks share: a `RunSpec` (what to run, as a command line says it)
+→ `open_inputs` (the config, the weights' source, the engram hasher and table placement, speculation) →
+`build` (the model and its mesh); `tokenizer` and `segment_plan` give the rest of a run.
+
+Weights come from one of three sources (`RunSpec.weights`): ``"checkpoint"`` (``--checkpoint``: tensors read
+lazily while the model is built), ``"random"`` (``--config`` / the embedded tiny model: `make_tiny.random_weights`
+on the host, seed 0) or ``"random-on-device"`` (``layers``: a K-layer cut of the config keeping its layer roles,
+drawn on the devices already sharded by `profiling.build`; profile and the benchmarks build their own cuts with
+`device_model`). Messages for the user (notes, the engram placement) go to stderr; mistakes are `UsageError`.
+
+Imports no JAX at import time: the CLIs check their arguments before JAX starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .cli import UsageError, say
+from .config import ConfigError, ModelConfig, config_label, load_named
+from .param_specs import is_engram_table
+from .planner import MemoryBudget, PlanOptions, engram_bytes_per_rank, engram_placement
+from .profiling.cut import cut_layers
+from .tokenizer import load_tokenizer
+
+WEIGHT_SOURCES = ("checkpoint", "random", "random-on-device")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to run. ``config``: a named config or a config.json path (with a checkpoint: overrides its
+    config.json); ``layers``: random weights drawn on the devices for a K-layer cut of ``config`` (default the
+    released dsv41_flash); ``impl`` "auto": pallas on GPU, xla elsewhere; ``expert_format`` "auto": as the
+    checkpoint stores them; ``engram_tables`` "auto": the planner's choice; ``images``: build the image path;
+    ``speculate`` off | auto | dspark with ``draft_tokens``; ``speculation_off``: what else in the run rules
+    speculation out (said when auto turns it off, refused with dspark)."""
+
+    checkpoint: str | None = None
+    config: str | None = None
+    layers: int | None = None
+    world: int = 1
+    dtype: str = "bfloat16"
+    expert_format: str = "auto"
+    impl: str = "auto"
+    quant_rounding: bool = True
+    skip_engram: bool = False
+    engram_tables: str = "auto"
+    images: bool = False
+    speculate: str = "off"
+    draft_tokens: int = 5
+    speculation_off: tuple[str, ...] = ()
+    scan_layers: bool = True
+
+    @property
+    def weights(self) -> str:
+        """Where the weights come from (one of `WEIGHT_SOURCES`)."""
+        if self.checkpoint:
+            return "checkpoint"
+        return "random-on-device" if self.layers else "random"
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The config, the weights (model name → host array, or lazily read tensor; None when drawn on the devices)
+    and how the model holds them."""
+
+    cfg: ModelConfig
+    weights: object
+    description: str
+    expert_format: str = "dequantized"
+    vision: bool = False  # the image path is loaded (prompts have images)
+    hasher: object = None  # the engram hasher (token map + layout) when engram layers run
+    engram_tables: str = "device"  # where the engram tables live ("device" | "host")
+    host_tables: object = None  # engram.HostTables with "host": memory maps of the tables
+    dspark: bool = False  # the DSpark stages are loaded (speculative decoding runs)
+    on_device: bool = False  # random weights drawn on the devices at build time (`profiling.build`)
+
+
+@dataclass(frozen=True)
+class EngramSetup:
+    """How the engram layers run: the hasher (None: no engram layers, or skip_engram) and where the tables
+    live ("device": split by hash column over the devices; "host": memory-mapped, rows gathered per call)."""
+
+    hasher: object = None
+    tables: str = "device"
+
+
+# ------------------------------------------------------------------------------------------------ devices
+def check_world(world: int) -> None:
+    """`UsageError` for a world the machine cannot give."""
+    import jax  # noqa: PLC0415 - JAX starts here, after the CLI asked for its simulated devices
+
+    available, backend = len(jax.devices()), jax.default_backend()
+    if world > available:
+        hint = ("; XLA_FLAGS (or a JAX already started) fixed fewer simulated CPU devices: set "
+                f"--xla_force_host_platform_device_count={world} there" if backend == "cpu" else "")
+        raise UsageError(f"--world {world} asks for {world} devices but only {available} {backend.upper()} "
+                         f"device{'s' if available != 1 else ''} exist{'s' if available == 1 else ''}{hint}")
+
+
+def device_memory_bytes() -> int | None:
+    """Bytes of the first device's memory when the backend reports it (GPUs), else None (CPU)."""
+    import jax  # noqa: PLC0415 - JAX starts here, after the CLI asked for its simulated devices
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory statistics
+        return None
+    return stats.get("bytes_limit")
+
+
+def kernel_impl(impl: str) -> str:
+    """``auto``: the Pallas kernels on GPU, the reference ops elsewhere; any other name as it is."""
+    if impl != "auto":
+        return impl
+    import jax  # noqa: PLC0415 - JAX starts here, after the CLI asked for its simulated devices
+
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def engram_setup(cfg, spec: RunSpec, checkpoint_dir=None, expert_format: str = "dequantized",
+                 memory: Callable[[], int | None] = device_memory_bytes) -> EngramSetup:
+    """The engram hasher and table placement for the run, before any weight is read: ``skip_engram`` gets a
+    loud warning; an unusable token map or table layout is refused; ``engram_tables`` auto asks the planner
+    (device when R10 holds at this world with the tables split by hash column, else host); ``device`` is
+    refused when a device's slab cannot fit (``memory()``: a device's bytes, None when unknown). The choice is
+    printed."""
+    from .engram import Hasher  # noqa: PLC0415 - brings JAX (the codec)
+
+    if not cfg.engram_layer_ids:
+        return EngramSetup()
+    layers = list(cfg.engram_layer_ids)
+    if spec.skip_engram:
+        say(f"WARNING: --skip-engram: running WITHOUT the engram layers {layers}; the output is NOT the model's")
+        return EngramSetup()
+    hasher = Hasher(cfg, checkpoint_dir=checkpoint_dir)
+    limit = memory()
+    tables, how = spec.engram_tables, "--engram-tables"
+    if tables == "auto":
+        tables, how = _planned_engram_tables(cfg, spec, expert_format, limit), "chosen by the planner"
+    need = engram_bytes_per_rank(cfg, spec.world, tables="device")
+    if tables == "device" and limit and need["tables"] > 0.9 * limit:
+        raise UsageError(f"the engram tables need {need['tables'] / 2**30:,.1f} GiB on every device at --world "
+                         f"{spec.world} (split by hash column, {need['columns']} columns a layer), more than the "
+                         f"{limit / 2**30:,.1f} GiB a device has: use --engram-tables host, or a larger --world")
+    if tables == "device":
+        split = f", split by hash column ({need['columns']} columns a layer each)" if spec.world > 1 else ""
+        where = f"tables on the devices{split}, {need['tables'] / 2**30:,.2f} GiB a device"
+    else:
+        host = engram_bytes_per_rank(cfg, spec.world, tables="host")
+        where = (f"tables on the host (memory-mapped, {host['host_tables'] / 2**30:,.2f} GiB; each call's rows "
+                 f"gathered there and sent with it)")
+    say(f"engram layers {layers}: {where} ({how})")
+    return EngramSetup(hasher, tables)
+
+
+def _planned_engram_tables(cfg, spec: RunSpec, expert_format: str, limit: int | None) -> str:
+    """The planner's placement for the weights as this run holds them (dense matrices in the dtype, experts fp4
+    or in the dtype) within the device's memory (the H200 budget when the backend does not report it)."""
+    held = "f32" if spec.dtype == "float32" else "bf16"
+    options = PlanOptions(experts="fp4" if expert_format == "fp4" else held, dense=held)
+    budget = MemoryBudget(usable_bytes=int(limit)) if limit else MemoryBudget()
+    return engram_placement(cfg, spec.world, options, budget)
+
+
+def _without_tables(weights):
+    """The weights minus the engram tables (tables on the host: they stay memory-mapped there)."""
+    return {k: v for k, v in weights.items() if not is_engram_table(k)}
+
+
+def wants_speculation(spec: RunSpec, cfg, has_stages: bool, random: bool = False) -> bool:
+    """Whether this run decodes with DSpark: auto = on for a checkpoint with the stages when nothing in the run
+    rules it out; dspark = on or a UsageError naming why not; off (serve's slot loop) never."""
+    if spec.speculate == "off" or (spec.speculate == "auto" and random):
+        return False
+    blockers = ([] if has_stages else ["the model has no DSpark stages (mtp.*)"]) + list(spec.speculation_off)
+    if not 1 <= spec.draft_tokens <= min(5, cfg.dspark_block_size):
+        raise UsageError(f"--draft-tokens must be in 1..{min(5, cfg.dspark_block_size)}, got {spec.draft_tokens}")
+    if blockers and spec.speculate == "dspark":
+        raise UsageError(f"--speculate dspark: {blockers[0]}")
+    if blockers and has_stages:
+        say(f"note: speculative decoding off: {blockers[0]}")
+    return not blockers
+
+
+def open_inputs(spec: RunSpec, memory: Callable[[], int | None] = device_memory_bytes) -> ModelInputs:
+    """The run's config and weights' source (nothing large read yet); ``memory`` as in `engram_setup`."""
+    if spec.layers and spec.checkpoint:
+        raise UsageError("--layers makes a random-weight model: it does not go with --checkpoint")
+    if spec.weights == "checkpoint":
+        return open_checkpoint_inputs(spec, memory)
+    if spec.expert_format == "fp4":
+        raise UsageError("--expert-format fp4 needs --checkpoint (packed experts come from one)"
+                         + ("; --layers draws dequantised random weights" if spec.layers else ""))
+    if spec.weights == "random-on-device":
+        return _device_cut_inputs(spec)
+    return _random_inputs(spec, memory)
+
+
+def open_checkpoint_inputs(spec: RunSpec, memory: Callable[[], int | None] = device_memory_bytes) -> ModelInputs:
+    """A checkpoint: headers validated now, tensors read one at a time while the model is built (no host copy
+    of the whole model); routed experts fp4 when stored so (``expert_format`` auto)."""
+    # The checkpoint reader, the sharded source and the host tables bring JAX (the codec).
+    from sharding.load import checkpoint_source  # noqa: PLC0415 - brings JAX (see above)
+
+    from .checkpoint import CheckpointError, checkpoint_dir, open_checkpoint  # noqa: PLC0415 - brings JAX
+    from .engram import HostTables  # noqa: PLC0415 - brings JAX (see above)
+
+    path = checkpoint_dir(spec.checkpoint)
+    cfg_override = load_named(spec.config) if spec.config else None
+    vision, engram = spec.images, not spec.skip_engram
+    ckpt = open_checkpoint(path, cfg_override, vision=vision, engram=engram)
+    fmt = ckpt.stored_expert_format if spec.expert_format == "auto" else spec.expert_format
+    setup = engram_setup(ckpt.cfg, spec, checkpoint_dir=path, expert_format=fmt, memory=memory)
+    has_stages = ckpt.cfg.num_nextn_predict_layers > 0 and any(
+        line.startswith("skipped") and "DSpark" in line for line in ckpt.skipped)
+    dspark = wants_speculation(spec, ckpt.cfg, has_stages)
+    if dspark:  # the mtp.* tensors join the inventory (all of them, or auto falls back to plain decoding)
+        try:
+            ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram, dspark=True)
+        except CheckpointError as e:
+            if spec.speculate == "dspark" or "fp4" in str(e):
+                raise
+            say(f"note: speculative decoding off: the checkpoint's DSpark stages are incomplete ({e})")
+            dspark = False
+    if fmt != "dequantized" and not dspark:  # refuses non-fp4 experts
+        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram)
+    for line in ckpt.skipped:
+        if not line.startswith("not run by this engine"):
+            say(f"note: {line}")
+    experts = ", fp4 experts" if fmt == "fp4" else ""
+    weights = checkpoint_source(ckpt, dtype=spec.dtype)
+    host_tables = None
+    if setup.tables == "host" and setup.hasher is not None:
+        weights, host_tables = _without_tables(weights), HostTables.from_checkpoint(ckpt, ckpt.cfg)
+    return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision, setup.hasher, setup.tables,
+                       host_tables, dspark)
+
+
+def _random_inputs(spec: RunSpec, memory: Callable[[], int | None]) -> ModelInputs:
+    """``config`` (default tiny; tiny_vision for images) with random weights drawn on the host (seed 0)."""
+    # make_tiny and the host tables bring JAX (the codec).
+    from .engram import HostTables  # noqa: PLC0415 - brings JAX (see above)
+    from .make_tiny import check_random_size, random_weights  # noqa: PLC0415 - brings JAX (see above)
+
+    if spec.config:
+        cfg, name = load_named(spec.config), config_label(spec.config)
+        if spec.images and cfg.vision is None:
+            raise UsageError(f"--config {spec.config} has no vision_config: it cannot read images")
+    elif spec.images:  # tiny plus a tiny vision tower (the text weights are tiny's)
+        cfg, name = load_named("tiny_vision"), "configs/tiny_vision.json"
+    else:
+        cfg, name = load_named("tiny"), "configs/tiny.json"
+    if cfg.vocab_size <= 0:
+        raise ConfigError("vocab_size must be positive")
+    try:
+        check_random_size(cfg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    setup = engram_setup(cfg, spec, memory=memory)
+    dspark = wants_speculation(spec, cfg, cfg.num_nextn_predict_layers > 0, random=True)
+    weights = random_weights(cfg, seed=0, dspark=dspark)
+    if spec.skip_engram:
+        weights = {k: v for k, v in weights.items() if ".engram." not in k}
+    host_tables = None
+    if setup.tables == "host" and setup.hasher is not None:
+        weights, host_tables = _without_tables(weights), HostTables.from_weights(weights, cfg)
+    return ModelInputs(cfg, weights, f"{name} with RANDOM weights (seed 0): the output is not language",
+                       vision=spec.images, hasher=setup.hasher, engram_tables=setup.tables,
+                       host_tables=host_tables, dspark=dspark)
+
+
+def _device_cut_inputs(spec: RunSpec) -> ModelInputs:
+    """``layers``: a K-layer cut of ``config`` (default dsv41_flash), its weights drawn on the devices at build."""
+    name = spec.config or "dsv41_flash"
+    cfg = cut_layers(load_named(name), spec.layers)
+    return ModelInputs(cfg, None, f"{name} cut to {spec.layers} layers, RANDOM weights drawn on the devices",
+                       on_device=True)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def model_options(spec: RunSpec, expert_format: str = "dequantized", vision: bool = False,
+                  engram_tables: str = "device", dspark: bool = False, tiles=None):
+    """`ModelOptions` for the run (engram layers unless skip_engram); says so when float32 experts would be
+    computed in bf16 by the Pallas MoE."""
+    from .model.transformer import ModelOptions  # noqa: PLC0415 - brings JAX
+
+    impl = kernel_impl(spec.impl)
+    if impl == "pallas" and spec.dtype == "float32":
+        say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
+            "takes bf16 activations); use --impl xla for float32 experts")
+    return ModelOptions(dtype=spec.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
+                        quant_rounding=spec.quant_rounding, vision=vision, indexer_impl=impl, hc_impl=impl,
+                        engram=not spec.skip_engram, engram_tables=engram_tables, dspark=dspark, tiles=tiles,
+                        scan_layers=spec.scan_layers)
+
+
+def build(inputs: ModelInputs, spec: RunSpec):
+    """(model, mesh | None) for the spec's world: the weights placed tensor by tensor (sharded for a world > 1),
+    or drawn on the devices (`device_model`)."""
+    # The loader, the sharded loader and the device-drawn weights bring JAX.
+    import sharding  # noqa: PLC0415 - brings JAX (see above)
+
+    from .loading import build_model  # noqa: PLC0415 - brings JAX (see above)
+
+    options = model_options(spec, inputs.expert_format, inputs.vision, inputs.engram_tables, inputs.dspark)
+    if inputs.on_device:
+        return device_model(inputs.cfg, spec, options)
+    if spec.world == 1:
+        return build_model(inputs.cfg, options, inputs.weights), None
+    return sharding.prepare(inputs.cfg, inputs.weights, spec.world, options)
+
+
+def device_model(cfg: ModelConfig, spec: RunSpec, options=None, *, abstract: bool = False):
+    """(ShardedTransformer, mesh): ``cfg`` (a cut the caller made: profile's, a benchmark's) with random weights
+    drawn on the spec's ``world`` devices, already sharded (`profiling.build`); ``abstract``: shapes and
+    shardings only. ``options`` default: `model_options(spec)`."""
+    from .profiling import build as device_build  # noqa: PLC0415 - brings JAX
+
+    return device_build.build_model(cfg, spec.world, options or model_options(spec), abstract=abstract)
+
+
+def tokenizer(spec: RunSpec):
+    """(tokenizer, description): the checkpoint's tokenizer.json when it has one, else the packaged one."""
+    return load_tokenizer(spec.checkpoint)
+
+
+def segment_plan(cfg, spec: RunSpec, segment_rows: int | None = None):
+    """The prefill segments of a prompt length: the planner's for the spec's world, or fixed ``segment_rows``."""
+    from .engine import fixed_segments, planned_segments  # noqa: PLC0415 - brings JAX
+
+    if segment_rows:
+        return lambda n: fixed_segments(n, segment_rows)
+    return planned_segments(cfg, spec.world)
+
