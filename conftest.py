@@ -113,7 +113,7 @@ def pytest_runtest_setup(item):
             pytest.skip(f"needs {', '.join(missing)} (not installed here)")
     for marker in item.iter_markers("devices"):
         need = marker.args[0] if marker.args else item.callspec.params["world"]
-        import jax
+        import jax  # noqa: PLC0415 - after this file has set the environment JAX reads when it starts
 
         have = len(jax.devices())
         if have < need:

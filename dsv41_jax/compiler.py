@@ -37,7 +37,9 @@ import threading
 import time
 from pathlib import Path
 
+import flax
 import jax
+import jaxlib
 from jax.api_util import shaped_abstractify
 from jax.experimental import serialize_executable
 
@@ -184,9 +186,6 @@ def source_digest() -> str:
 
 
 def _environment() -> str:
-    import flax  # noqa: PLC0415 - its pytree nodes (nnx.State) are in the stored argument trees
-    import jaxlib  # noqa: PLC0415
-
     devices = jax.devices()
     return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} {jax.default_backend()} "
             f"{[(d.id, d.device_kind) for d in devices]} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')} "

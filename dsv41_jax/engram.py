@@ -33,9 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Regex, Tokenizer, normalizers
 
 from .config import ModelConfig
 from .formats import BLOCK  # one ue8m0 scale byte per 32 dims of a table row (§B.12)
+from .tokenizer import default_tokenizer_path
 
 DEAD = -1  # a blocked history slot: before the sequence start, or an image position (VISION.md §V.E.4)
 TOKEN_MAP_FILE = "engram_token_map.json"  # a precomputed map next to a checkpoint (mlx-vlm reads it too)
@@ -50,8 +52,6 @@ class EngramError(ValueError):
 def _normalizer():
     """§B.12's key normalisation, with the reference's library (HF ``tokenizers``) so Unicode tables agree:
     NFKC, NFD, strip accents, lower-case, whitespace runs → one space, trim — a lone space stays a space."""
-    from tokenizers import Regex, normalizers  # noqa: PLC0415
-
     keep = "\ue000"  # a private-use placeholder protects the lone space from Strip
     return normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
@@ -67,8 +67,6 @@ def compute_token_map(tokenizer_json: str | Path) -> np.ndarray:
     when the decoded text holds U+FFFD (a partial UTF-8 sequence); an empty normalised text falls back to the
     decoded text.
     """
-    from tokenizers import Tokenizer  # noqa: PLC0415
-
     tok = Tokenizer.from_file(str(tokenizer_json))
     norm = _normalizer()
     n = tok.get_vocab_size(with_added_tokens=True)
@@ -110,8 +108,6 @@ def cached_token_map(tokenizer_json: str | Path) -> np.ndarray:
 
 
 def _packaged_tokenizer() -> Path:
-    from .tokenizer import default_tokenizer_path  # noqa: PLC0415
-
     return default_tokenizer_path()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -232,8 +233,6 @@ def test_stream_holds_back_only_what_could_be_a_marker():
 
 def test_long_argument_streams_in_linear_time():
     """A tool call writing a 400 kB file, fed 4 characters at a time (about a token each): parsed whole, fast."""
-    import time
-
     body = "line of a file 🙂\n" * 24_000
     text = chat.render_reply(Message("assistant", "", None, (ToolCall("write", json.dumps({"text": body})),)),
                              thinking=False)

@@ -12,17 +12,23 @@ import dataclasses
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
+from PIL import Image
 
 import sharding
 from dsv41_jax import planner
 from dsv41_jax.config import load_named
+from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.param_specs import vision_tensors
 from dsv41_jax.plan import main as plan_main
+from dsv41_jax.runtime import ENCODE, FlatState
+from dsv41_jax.vision.batch import build_batch
+from dsv41_jax.vision.preprocess import prepare_image
 
 FULL, TINY_V = load_named("dsv41_flash"), load_named("tiny_vision")
 
@@ -95,13 +101,6 @@ def test_workspace_bounds_xla_temporaries(tower):
     planner's workspace. Observed: one chunk, CPU 17.8 MB of 57.7 (the [2, 1,024, 1,024] f32 scores dominate),
     H200 44.5 MB (the scores beside a 32 MiB cuBLAS workspace, ``v.gemm``); two chunks, CPU 37.3 MB of 82.1,
     H200 55.6 MB (one chunk's scores live at a time)."""
-    import jax
-    from PIL import Image
-
-    from dsv41_jax.loading import build_model
-    from dsv41_jax.runtime import ENCODE, FlatState
-    from dsv41_jax.vision.batch import build_batch
-    from dsv41_jax.vision.preprocess import prepare_image
 
     cfg = TOWERS[tower]
     assert planner.patch_buckets(cfg.vision)[-1] == {"one_chunk": 1024, "two_chunks": 2048}[tower]
