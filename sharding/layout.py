@@ -5,10 +5,10 @@ worlds). JAX shards need equal sizes, so every rank's shard is padded with zeros
 the *padded* global dimension is ``world × widest`` and rank r's real entries sit at the start of its shard.
 
 Why zero padding is exact: padded expert columns have zero w1/w3 rows and zero w2 columns, so SwiGLU gives
-silu(0)·0 = 0 there and w2 adds nothing (fp4-resident experts: zero code bytes are +0 and a zero scale byte
-keeps them 0, so their padding decodes to the same zeros); padded vocabulary rows are never looked up (ids < V) and their logits
-are dropped before sampling (``real_vocab_index``); padded engram table rows are never looked up either (each rank
-reads only rows of its own columns, ``sharding.kernels.engram_gather``).
+silu(0)·0 = 0 there and w2 adds nothing (fp4-resident experts: zero code bytes are +0 and a zero scale byte keeps
+them 0, so their padding decodes to the same zeros); padded vocabulary rows are never looked up (ids < V) and
+their logits are dropped before sampling (``real_vocab_index``); padded engram table rows are never looked up
+either (each rank reads only rows of its own columns, ``sharding.kernels.engram_gather``).
 """
 
 from __future__ import annotations

@@ -194,8 +194,9 @@ def _stream(text: str, thinking: bool, pieces: list[str]):
 def _stream_texts():
     for name, case in PARSE.items():
         yield name, case["text"], case["thinking"]
-    calls = chat.render_reply(Message("assistant", "Sure.\n\nLet me check", "hmm\n\n<think-ish> </thin",
-                                      (ToolCall("get", '{"q": "</think> and <｜DSML｜ calls> inside"}'),)), thinking=True)
+    reply = Message("assistant", "Sure.\n\nLet me check", "hmm\n\n<think-ish> </thin",
+                    (ToolCall("get", '{"q": "</think> and <｜DSML｜ calls> inside"}'),))
+    calls = chat.render_reply(reply, thinking=True)
     yield "markers_inside_values", calls, True
     yield "truncated_mid_call", calls[: calls.index("</｜DSML｜ invoke>") - 5], True
     yield "truncated_mid_think_end", "reasoning </thi", True
@@ -227,7 +228,8 @@ def test_stream_holds_back_only_what_could_be_a_marker():
     assert stream.feed("ink>Hi\n") == [ContentDelta("Hi")]  # "\n" may start "\n\n<｜DSML｜ calls>"
     assert stream.feed("x") == [ContentDelta("\nx")]
     assert stream.feed("\n\n<｜DSML｜ ca") == []
-    events = stream.feed('lls>\n<｜DSML｜ invoke name="f">\n</｜DSML｜ invoke>\n</｜DSML｜ calls><｜end▁of▁sentence｜>tail')
+    events = stream.feed('lls>\n<｜DSML｜ invoke name="f">\n</｜DSML｜ invoke>\n'
+                         '</｜DSML｜ calls><｜end▁of▁sentence｜>tail')
     assert events == [ToolCallEvent(0, ToolCall("f", "{}"))] and stream.done and stream.finish() == []
 
 

@@ -14,17 +14,17 @@ Tolerances (logits are O(4)):
   (one quantum, `MODEL.md` §C.4), moving the logits of later positions that see that row by up to ~0.8, and
   can flip near-tied top-k picks; so the share of positions moved by more than 0.1, and the median, are
   bounded (``model_helpers.assert_close_with_rounding_flips``), not the max.
-* bfloat16 (on the plain-bf16 checkpoint: on CPU, MLX's bf16 *quantized* matmul does not accumulate in f32 —
-  77 % of its outputs differ from the correctly rounded product — while its plain bf16 matmul does): last-bit f32 differences (e.g. in the HC mix) flip bf16 roundings, and this random model amplifies
-  any perturbation strongly (mlx-lm's own bf16 run differs from its f32 run by O(1) logits). So (a) each layer
-  is compared teacher-forced (both sides get mlx-lm's input streams): outputs agree within one bf16 ulp except
-  a small fraction; (b) end to end, our bf16 logits must be as close to mlx-lm's f32 logits as mlx-lm's bf16
-  logits are (factor 1.5), and our bf16 logits must be nearer to mlx-lm's bf16 logits (median) than those
-  are to the f32 ones — each as the median over several prompts of a per-prompt ratio, since one prompt's
-  ratio is as chaotic as the amplification.
-  Both compile without XLA's "excess precision" (see ``model_helpers.EXACT_BF16``), so every bf16 rounding
-  point is where mlx-lm has it; with XLA's default some bf16 intermediates stay f32 (more precise, ~40 % of a
-  layer's outputs then differ from mlx-lm by one bf16 ulp).
+* bfloat16 (on the plain-bf16 checkpoint: on CPU, MLX's bf16 *quantized* matmul does not accumulate in f32 — 77 %
+  of its outputs differ from the correctly rounded product — while its plain bf16 matmul does): last-bit f32
+  differences (e.g. in the HC mix) flip bf16 roundings, and this random model amplifies any perturbation strongly
+  (mlx-lm's own bf16 run differs from its f32 run by O(1) logits). So (a) each layer is compared teacher-forced
+  (both sides get mlx-lm's input streams): outputs agree within one bf16 ulp except a small fraction; (b) end to
+  end, our bf16 logits must be as close to mlx-lm's f32 logits as mlx-lm's bf16 logits are (factor 1.5), and our
+  bf16 logits must be nearer to mlx-lm's bf16 logits (median) than those are to the f32 ones — each as the median
+  over several prompts of a per-prompt ratio, since one prompt's ratio is as chaotic as the amplification. Both
+  compile without XLA's "excess precision" (see ``model_helpers.EXACT_BF16``), so every bf16 rounding point is where
+  mlx-lm has it; with XLA's default some bf16 intermediates stay f32 (more precise, ~40 % of a layer's outputs then
+  differ from mlx-lm by one bf16 ulp).
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ def test_routed_experts_wrapper_matches_one_device(world, layout):
     if layout == "tp" and world == 8:
         # 640 = 5 blocks of 128 cannot be shared by 8 ranks: use the padded 32-granular split instead.
         split = Split((96,) * 4 + (64,) * 4)
-        weights = {"w1": split.pad_full(np.asarray(weights["w1"]), 1), "w3": split.pad_full(np.asarray(weights["w3"]), 1),
+        weights = {"w1": split.pad_full(np.asarray(weights["w1"]), 1),
+                   "w3": split.pad_full(np.asarray(weights["w3"]), 1),
                    "w2": split.pad_full(np.asarray(weights["w2"]), 2)}
     got = sharded_routed_experts(x, ids, w, weights, swiglu_limit=1.0, mesh=make_mesh(world), layout=layout,
                                  op=_moe_reference)

@@ -49,8 +49,8 @@ def test_release_buckets_and_largest_image():
 def test_release_vision_weights_from_the_tensor_shapes(world):
     """16 heads of 64 and 2,816 MLP columns split evenly at every world; the aligner's 5,120 columns too."""
     vc, D = FULL.vision, FULL.hidden_size
-    C, I, W = vc.hidden_size, vc.intermediate_size, world
-    block = (3 * C // W) * C + 3 * C // W + C * (C // W) + C + (2 * I // W) * C + C * (I // W) + 2 * C
+    C, F, W = vc.hidden_size, vc.intermediate_size, world
+    block = (3 * C // W) * C + 3 * C // W + C * (C // W) + C + (2 * F // W) * C + C * (F // W) + 2 * C
     rest = C * vc.patch_dim + C + C + (D // W) * 9 * C + D // W + D * (D // W) + D + 3 * D
     want = 2 * (vc.num_hidden_layers * block + rest) + 4 * FULL.num_hidden_layers * FULL.n_routed_experts
     assert planner.vision_param_bytes_per_rank(FULL, world, 0) == want
