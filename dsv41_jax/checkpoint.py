@@ -32,6 +32,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dsv41_jax import formats, param_specs
 from dsv41_jax.config import ConfigError, ModelConfig
@@ -271,7 +272,6 @@ class Checkpoint:
             for name in names:
                 yield name, self.read(name, dtype=dtype)
             return
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         columns = (TextColumn("loading {task.fields[what]}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeRemainingColumn())

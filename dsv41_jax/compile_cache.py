@@ -14,6 +14,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
+
+from . import compiler
+
 ENV = "DSV41_JAX_COMPILE_CACHE"
 OFF = "off"
 
@@ -35,9 +40,6 @@ def enable(directory: str | None = None) -> Path | None:
 
     An explicit directory that cannot be created or written raises ``CompileCacheError``; the default one
     failing only turns the cache off (a read-only home must not stop a run)."""
-    import jax  # noqa: PLC0415
-    from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache  # noqa: PLC0415
-
     explicit = directory is not None
     directory = default_dir() if directory is None else directory
     if directory == OFF:
@@ -51,7 +53,6 @@ def enable(directory: str | None = None) -> Path | None:
         if explicit:
             raise CompileCacheError(f"--compile-cache {directory}: {e}") from None
         return None
-    from . import compiler  # noqa: PLC0415
 
     compiler.use_store(path / compiler.STORE_DIR)
     # JAX's own cache stays off: an executable it loads does not serialize back whole on XLA:CPU (jax 0.10.2:

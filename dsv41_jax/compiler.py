@@ -1,30 +1,26 @@
 """The one place the engine's programs (and `profile`'s) are compiled: the XLA options, and the executable
 store that lets a second run skip tracing and compiling altogether.
 
-**Options.** On a GPU, XLA's Triton GEMM fusions are off: XLA then autotunes only among cuBLAS's algorithms
-instead of compiling and timing dozens of Triton tilings per GEMM shape. Measured on the H200 (jax 0.11.2,
-2026-12-01, docs/BENCHMARKS.md "Compile time"): the 2-layer full-width 2,048-row prefill compiles in 6.9 s
-instead of 36 s and runs in 23.8 ms vs 23.4 ms; the decode step is unchanged. ``--xla_gpu_autotune_level=0``
-compiles as fast but its untuned Triton GEMMs made that prefill 3.8× slower. XLA's dot merger merges only dots
-of which one moves less than 4 MB (its default: 32 MB): with 32 it joined products that share an input but whose
-weights are larger (the shared expert's ``w1``/``w3``, 2 × 23.6 MB; ``wq_a``/``wkv``; ``wq_b`` with the indexer's
-query projection), which at 2+ rows are cuBLAS GEMMs, so every step first copied both weights into one
-(22 + 10 µs a layer, 55 µs where an indexer joins); measured on the H200 (2026-12-03, docs/BENCHMARKS.md "The dot
-merger's threshold"): the 40-layer batch-8 decode step 28.59 → 27.10 ms, the 2-layer cut's batch 8 2.57 →
-2.46 ms, batch 1 unchanged (one row's products are reductions that read both weights in one fusion without a
-copy). An option that ``XLA_FLAGS`` names is the user's: the value here gives way to it. (Options XLA reads
-only from ``XLA_FLAGS``, not per compile, are set on import of the package: `dsv41_jax.RUNTIME_FLAGS`.)
+**Options.** On a GPU, XLA's Triton GEMM fusions are off: XLA then autotunes only among cuBLAS's algorithms instead
+of compiling and timing dozens of Triton tilings per GEMM shape: a prefill compiles several times faster and runs as
+fast (docs/BENCHMARKS.md "Compile time"). ``--xla_gpu_autotune_level=0`` compiles as fast but its untuned Triton
+GEMMs run much slower. XLA's dot merger merges only dots of which one moves less than 4 MB (its default: 32 MB):
+with 32 it joined products that share an input but whose weights are larger (the shared expert's ``w1``/``w3``;
+``wq_a``/``wkv``; ``wq_b`` with the indexer's query projection), which at 2+ rows are cuBLAS GEMMs, so every step
+first copied both weights into one (docs/BENCHMARKS.md "The dot merger's threshold"); a single row's products are
+reductions that read both weights in one fusion without a copy. An option that ``XLA_FLAGS`` names is the user's:
+the value here gives way to it. (Options XLA reads only from ``XLA_FLAGS``, not per compile, are set on import of
+the package: `dsv41_jax.RUNTIME_FLAGS`.)
 
-**Executable store** (the persistent cache, `compile_cache`). JAX's own persistent cache still traces and lowers
-a program to find its entry: 4–5 s for the 40-layer model's step before a ~3 s load. When the cache is on,
-`compile` keeps each compiled executable under ``<cache dir>/executables/``
-(`jax.experimental.serialize_executable`), keyed by everything the executable depends on: the caller's identity
-of the program (its name and the model's graph definition), its static arguments, the abstract arguments with
-their shardings and devices, the source of this project's packages, the jax/jaxlib/flax versions and jax's
-configuration, the backend, the compile options and ``XLA_FLAGS``; a loaded executable whose argument tree is
-not the call's is compiled again. A hit deserializes the executable (2.4–2.6 s for a 40-layer
-step on the H200) without tracing. A file that cannot be read or loaded is compiled again and rewritten; a
-store that cannot be written is skipped (the cache is an optimisation, never a reason to fail a run).
+**Executable store** (the persistent cache, `compile_cache`). JAX's own persistent cache still traces and lowers a
+program to find its entry, seconds for the 40-layer model's step before the load. When the cache is on, `compile`
+keeps each compiled executable under ``<cache dir>/executables/`` (`jax.experimental.serialize_executable`), keyed
+by everything the executable depends on: the caller's identity of the program (its name and the model's graph
+definition), its static arguments, the abstract arguments with their shardings and devices, the source of this
+project's packages, the jax/jaxlib/flax versions and jax's configuration, the backend, the compile options and
+``XLA_FLAGS``; a loaded executable whose argument tree is not the call's is compiled again. A hit deserializes the
+executable without tracing. A file that cannot be read or loaded is compiled again and rewritten; a store that
+cannot be written is skipped (the cache is an optimisation, never a reason to fail a run).
 """
 
 from __future__ import annotations
@@ -37,7 +33,9 @@ import threading
 import time
 from pathlib import Path
 
+import flax
 import jax
+import jaxlib
 from jax.api_util import shaped_abstractify
 from jax.experimental import serialize_executable
 
@@ -184,9 +182,6 @@ def source_digest() -> str:
 
 
 def _environment() -> str:
-    import flax  # noqa: PLC0415 - its pytree nodes (nnx.State) are in the stored argument trees
-    import jaxlib  # noqa: PLC0415
-
     devices = jax.devices()
     return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} {jax.default_backend()} "
             f"{[(d.id, d.device_kind) for d in devices]} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')} "

@@ -33,9 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Regex, Tokenizer, normalizers
 
 from .config import ModelConfig
 from .formats import BLOCK  # one ue8m0 scale byte per 32 dims of a table row (§B.12)
+from .textfile import TextFileError, read_text
+from .tokenizer import default_tokenizer_path
 
 DEAD = -1  # a blocked history slot: before the sequence start, or an image position (VISION.md §V.E.4)
 TOKEN_MAP_FILE = "engram_token_map.json"  # a precomputed map next to a checkpoint (mlx-vlm reads it too)
@@ -50,8 +53,6 @@ class EngramError(ValueError):
 def _normalizer():
     """§B.12's key normalisation, with the reference's library (HF ``tokenizers``) so Unicode tables agree:
     NFKC, NFD, strip accents, lower-case, whitespace runs → one space, trim — a lone space stays a space."""
-    from tokenizers import Regex, normalizers  # noqa: PLC0415
-
     keep = "\ue000"  # a private-use placeholder protects the lone space from Strip
     return normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
@@ -67,9 +68,7 @@ def compute_token_map(tokenizer_json: str | Path) -> np.ndarray:
     when the decoded text holds U+FFFD (a partial UTF-8 sequence); an empty normalised text falls back to the
     decoded text.
     """
-    from tokenizers import Tokenizer  # noqa: PLC0415
-
-    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok = Tokenizer.from_str(read_text(tokenizer_json, "tokenizer file"))
     norm = _normalizer()
     n = tok.get_vocab_size(with_added_tokens=True)
     ids: dict[str, int] = {}
@@ -110,8 +109,6 @@ def cached_token_map(tokenizer_json: str | Path) -> np.ndarray:
 
 
 def _packaged_tokenizer() -> Path:
-    from .tokenizer import default_tokenizer_path  # noqa: PLC0415
-
     return default_tokenizer_path()
 
 
@@ -126,11 +123,17 @@ def token_map(cfg: ModelConfig, checkpoint_dir: str | Path | None = None) -> np.
     if where is not None and (where / TOKEN_MAP_FILE).is_file():
         source = where / TOKEN_MAP_FILE
         try:
-            tmap = np.asarray(json.loads(source.read_text()), np.int64)
+            tmap = np.asarray(json.loads(read_text(source, "engram token map")), np.int64)
+        except TextFileError as e:
+            raise EngramError(str(e)) from None
         except (json.JSONDecodeError, ValueError, TypeError) as e:
             raise EngramError(f"{where / TOKEN_MAP_FILE} is not a JSON list of ids ({e})") from None
     elif where is not None and (where / "tokenizer.json").is_file():
-        tmap, source = cached_token_map(where / "tokenizer.json"), where / "tokenizer.json"
+        source = where / "tokenizer.json"
+        try:
+            tmap = cached_token_map(source)
+        except TextFileError as e:
+            raise EngramError(str(e)) from None
     elif cfg.vocab_size == _packaged_vocab_size():
         tmap, source = cached_token_map(_packaged_tokenizer()), "the packaged DeepSeek-V4 tokenizer"
     elif cfg.engram_compressed_vocab_size == cfg.vocab_size:
@@ -155,8 +158,6 @@ def _checked(tmap: np.ndarray, cfg: ModelConfig, source) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def _packaged_vocab_size() -> int:
     try:
-        from tokenizers import Tokenizer  # noqa: PLC0415
-
         return Tokenizer.from_file(str(_packaged_tokenizer())).get_vocab_size(with_added_tokens=True)
     except Exception:  # noqa: BLE001 - no packaged tokenizer: that source is simply unavailable
         return -1
@@ -236,7 +237,7 @@ def _layout(layer_ids, max_ngram, heads, vocab, compressed, num_embeddings) -> E
     sums = [int(s) for s in primes.sum(axis=1)]
     if sums != [int(n) for n in num_embeddings]:
         raise EngramError(f"engram_num_embeddings {list(num_embeddings)} are not the sums of the bucket primes "
-                          f"{sums} (MODEL.md §B.12)")
+                          f"{sums} (docs/MODEL.md §B.12)")
     offsets = np.concatenate([np.zeros_like(primes[:, :1]), np.cumsum(primes, axis=1)[:, :-1]], axis=1)
     for a in (primes, offsets):
         a.setflags(write=False)

@@ -228,6 +228,16 @@ def ue8m0_bytes(scale) -> jax.Array:
     return jnp.clip(exponent, 0, 254).astype(jnp.uint8)
 
 
+def decode_fp8(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """e4m3 codes [.., O, I] float8_e4m3fn and ue8m0 scale bytes [.., ⌈O/32⌉, ⌈I/32⌉] (one per 32×32 block) →
+    W [.., O, I] in ``dtype``: W[o, i] = e4m3(codes[o, i]) · 2^(scales[o//32, i//32] − 127), exact in bf16 and
+    f32 (4 significant bits times a power of two; §E.1). The JAX form of ``fp8_dequantize``."""
+    rows, cols = codes.shape[-2:]
+    step = decode_ue8m0(scales)
+    step = jnp.repeat(jnp.repeat(step, BLOCK, axis=-2), BLOCK, axis=-1)[..., :rows, :cols]
+    return (codes.astype(jnp.float32) * step).astype(dtype)
+
+
 def decode_fp4(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """Packed e2m1 codes [.., O, I/2] uint8 (low nibble = even column) and ue8m0 scale bytes [.., O, I/32] →
     W [.., O, I] in ``dtype`` (exact in bf16 and f32; §E.1)."""

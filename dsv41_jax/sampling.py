@@ -36,7 +36,10 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self) -> None:
-        if not np.isfinite(self.temperature) or self.temperature < 0:
+        for flag, value in (("--temperature", self.temperature), ("--top-p", self.top_p)):
+            if not np.isfinite(value):
+                raise SamplingError(f"{flag} must be a finite number, got {value}")
+        if self.temperature < 0:
             raise SamplingError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise SamplingError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")

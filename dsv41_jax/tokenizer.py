@@ -17,6 +17,10 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from tokenizers import Tokenizer
+
+from .textfile import TextFileError, read_text
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 THINK_START = "<think>"
@@ -62,16 +66,18 @@ class DeepSeekTokenizer:
     """
 
     def __init__(self, path: str | Path | None = None):
-        from tokenizers import Tokenizer  # noqa: PLC0415 - keep module import light
-
         path = Path(path) if path is not None else default_tokenizer_path()
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"no tokenizer.json at {path}")
         try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the library raises a bare Exception on malformed files
+            text = read_text(path, "tokenizer file")
+        except TextFileError as e:
+            raise TokenizerError(str(e)) from None
+        try:
+            self._tok = Tokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception on malformed files
             raise TokenizerError(f"{path} is not a usable tokenizer.json: {e}") from None
         self.path = path
         config = _read_config(path.parent / "tokenizer_config.json")
@@ -129,8 +135,10 @@ def _read_config(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        config = json.loads(read_text(path, "tokenizer config"))
+    except TextFileError as e:
+        raise TokenizerError(str(e)) from None
+    except json.JSONDecodeError as e:
         raise TokenizerError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise TokenizerError(f"{path} is not a JSON object")

@@ -61,8 +61,8 @@ def hide_slow_compile_banners() -> None:
 def _terminal_like(terminal: int) -> tuple[int, int]:
     """(read end, write end) of a raw pseudo-terminal the size of ``terminal``."""
     import fcntl  # noqa: PLC0415 - POSIX only (the fallback is no filter)
-    import termios  # noqa: PLC0415
-    import tty  # noqa: PLC0415
+    import termios  # noqa: PLC0415 - POSIX only
+    import tty  # noqa: PLC0415 - POSIX only
 
     master, slave = os.openpty()
     tty.setraw(slave)

@@ -1,4 +1,4 @@
-"""The kernel ops, one folder each (sparse_attention, moe, indexer, hc_mix), all laid out alike:
+"""The kernel ops, one folder each (sparse_attention, moe, indexer, hc_mix, fp8_matmul), all laid out alike:
 
 * ``ops.py``: the public entry, one signature over the implementations of ``registry.IMPLEMENTATIONS``;
 * ``xla.py``: the "xla" implementation (plain JAX; the CPU path and the fallback);

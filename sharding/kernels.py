@@ -32,8 +32,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
+from dsv41_jax.engram import column_splits
+from pallas_kernels.hc_mix import ops as hc_mix_ops
+from pallas_kernels.indexer import ops as indexer_ops
+from pallas_kernels.moe import ops as moe_ops
+from pallas_kernels.sparse_attention import ops as attention_ops
 from sharding.context import active_mesh
 from sharding.mesh import TP
 from sharding.rules import EXPERTS, SHARED_MLP, activation_spec, active_layout, mesh_axes, param_spec
@@ -60,8 +66,7 @@ def _replicated(*arrays) -> tuple:
 def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, mesh: Mesh | None = None,
                      op: Callable | None = None, **kwargs):
     """o [B,T,H,Dh] = op(...) with q [B,T,H,Dh] and sinks [H] split on heads over ``tp``."""
-    if op is None:
-        from pallas_kernels.sparse_attention.ops import sparse_attention as op
+    op = attention_ops.sparse_attention if op is None else op
     mesh = _mesh(mesh)
     if mesh is None:
         return op(q, kv_pool, topk, window, window_start, q_pos, sinks, **kwargs)
@@ -79,8 +84,7 @@ def sparse_attention(q, kv_pool, topk, window, window_start, q_pos, sinks, *, me
 def hc_comb(logits, *, mesh: Mesh | None = None, op: Callable | None = None, **kwargs):
     """comb [B,T,S,S] = op(logits [B,T,S,S]) with the token axis split over ``tp`` (a row-parallel segment's
     rows, rule "stream_rows"): each device runs the kernel on its own rows."""
-    if op is None:
-        from pallas_kernels.hc_mix.ops import comb as op
+    op = hc_mix_ops.comb if op is None else op
     mesh = _mesh(mesh)
     if mesh is None:
         return op(logits, **kwargs)
@@ -92,8 +96,7 @@ def hc_comb(logits, *, mesh: Mesh | None = None, op: Callable | None = None, **k
 def index_topk(q, w, keys, positions, kept_blocks=None, *, mesh: Mesh | None = None, op: Callable | None = None,
                **kwargs):
     """(topk [B,T,K], kept | None) = op(...), every array replicated: each device runs the whole selection."""
-    if op is None:
-        from pallas_kernels.indexer.ops import index_topk as op
+    op = indexer_ops.index_topk if op is None else op
     mesh = _mesh(mesh)
     if mesh is None:
         return op(q, w, keys, positions, kept_blocks, **kwargs)
@@ -117,8 +120,7 @@ def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, m
     partial=...)`` f32 [N, D], ``shared_weights`` its ``{"w1", "w3", "w2"}``), added to y: as a rank's partial
     sum before the psum when ``layout`` splits its width, whole otherwise.
     """
-    if op is None:
-        from pallas_kernels.moe.ops import routed_experts as op
+    op = moe_ops.routed_experts if op is None else op
     row_kwargs = {} if row is None else {"row": row}   # a shard_map operand (replicated) when there is a mesh
     mesh = _mesh(mesh)
     if mesh is None:
@@ -186,8 +188,6 @@ def engram_gather(weight, scale, rows, *, cfg, layer: int, mesh: Mesh | None = N
     mesh = _mesh(mesh)
     if mesh is None:
         return jnp.take(weight, rows, axis=0), jnp.take(scale, rows, axis=0)
-    from dsv41_jax.engram import column_splits  # noqa: PLC0415
-
     split = column_splits(cfg, mesh.size)[cfg.engram_layer_ids.index(layer)]
     cols, starts, real = _engram_slots(split)
     local = jnp.clip(rows[..., cols] - starts, 0, split.slab - 1).astype(jnp.int32)  # [.., W, c_max]
@@ -210,8 +210,6 @@ def _engram_slots(split):
     """For a `dsv41_jax.engram.ColumnSplit`: (column of each rank's slot int32 [W, c_max] (padding slots repeat a
     real column), each rank's first row int32 [W, 1], the real slots' positions in the gathered [W·c_max] order
     int32 [C])."""
-    import numpy as np  # noqa: PLC0415
-
     w, c = split.world, split.max_columns
     cols = np.zeros((w, c), np.int32)
     real = []

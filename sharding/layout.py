@@ -5,10 +5,10 @@ worlds). JAX shards need equal sizes, so every rank's shard is padded with zeros
 the *padded* global dimension is ``world × widest`` and rank r's real entries sit at the start of its shard.
 
 Why zero padding is exact: padded expert columns have zero w1/w3 rows and zero w2 columns, so SwiGLU gives
-silu(0)·0 = 0 there and w2 adds nothing (fp4-resident experts: zero code bytes are +0 and a zero scale byte
-keeps them 0, so their padding decodes to the same zeros); padded vocabulary rows are never looked up (ids < V) and their logits
-are dropped before sampling (``real_vocab_index``); padded engram table rows are never looked up either (each rank
-reads only rows of its own columns, ``sharding.kernels.engram_gather``).
+silu(0)·0 = 0 there and w2 adds nothing (fp4-resident experts: zero code bytes are +0 and a zero scale byte keeps
+them 0, so their padding decodes to the same zeros); padded vocabulary rows are never looked up (ids < V) and
+their logits are dropped before sampling (``real_vocab_index``); padded engram table rows are never looked up
+either (each rank reads only rows of its own columns, ``sharding.kernels.engram_gather``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+import jax.numpy as jnp
 import numpy as np
 
+from dsv41_jax.engram import column_splits
 from dsv41_jax.planner import Split
 from sharding.mesh import ShardingError
 from sharding.rules import (
@@ -189,7 +191,6 @@ class ShardPlan:
         """Real token ids → rows of the padded embedding (identity unless the vocab padding is interleaved)."""
         if not self.vocab_interleaved:
             return ids
-        import jax.numpy as jnp
         starts = jnp.asarray([self.vocab.start(r) for r in range(self.world)], dtype=ids.dtype)
         rank = jnp.searchsorted(starts, ids, side="right") - 1
         return ids - starts[rank] + rank * self.vocab.shard
@@ -201,7 +202,6 @@ class ShardPlan:
 
     def real_logits(self, logits):
         """Padded logits [.., V_pad] → [.., V] in real token order (padded columns dropped)."""
-        import jax.numpy as jnp
         if not self.vocab_interleaved:
             return logits[..., : self.vocab.total]
         shard = self.vocab.shard
@@ -214,7 +214,6 @@ def engram_splits(cfg, world: int) -> tuple[tuple[int, Split], ...]:
     (`dsv41_jax.engram.column_splits`), padded to the largest slab."""
     if not cfg.engram_layer_ids:
         return ()
-    from dsv41_jax.engram import column_splits  # noqa: PLC0415
 
     return tuple((layer, Split(split.rows))
                  for layer, split in zip(cfg.engram_layer_ids, column_splits(cfg, world), strict=True))

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dsv41_jax.checkpoint import PROGRESS_BYTES  # table reads (the release: ~25 GB a rank) show a bar above it
 from dsv41_jax.param_specs import is_engram_table
@@ -116,8 +118,6 @@ def read_table_rows(ckpt: Any, name: str, rows: slice, chunk_rows: int = 1 << 20
     if out.nbytes < PROGRESS_BYTES:
         out[...] = table[lo:hi]
         return out
-    from rich.console import Console  # noqa: PLC0415
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415
 
     with Progress(TextColumn(f"{name} rows {lo:,}–{hi:,}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=Console(stderr=True), transient=True) as bar:

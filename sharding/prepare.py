@@ -105,7 +105,7 @@ def prepare(cfg: Any, flat: Any, world: int, options: Any, *, layout: str = "tp"
     (``planner.kernel_tiles``). ``layout``: "tp" (experts split on F) or "ep" (whole experts).
     Admission runs first, before any weight is touched; a refused world raises the planner's ``PlanRefused``.
     """
-    from dsv41_jax.loading import build_sharded  # noqa: PLC0415 - the loading module imports the model
+    from dsv41_jax.loading import build_sharded  # noqa: PLC0415 - a cycle: loading imports the model, which imports sharding
 
     plan = ShardPlan.from_admission(cfg, world, admission(cfg, world), layout)
     if options.tiles is None:

@@ -92,7 +92,7 @@ PARAM_RULES: tuple[Rule, ...] = (
     Rule(_LAYER + r"ffn\.shared_experts\.w2\.weight", (None, SHARED_MLP),
          "down-projection input columns of the shared expert"),
     Rule(r"layers\.\d+\.engram\.embed\.(?:weight|scale)", (ENGRAM_ROWS, None),
-         "engram tables split by hash column (§B.12; PLANNER.md §C): each rank holds its 24/W columns' rows "
+         "engram tables split by hash column (§B.12; docs/PLANNER.md §C): each rank holds its 24/W columns' rows "
          "(one contiguous range thanks to the per-column offsets, padded to the largest slab), gathers only "
          "those and all-gathers the gathered rows as stored bytes (e4m3 + ue8m0: (256 + 8) B a column and "
          "token, sharding/kernels.engram_gather): 203/W GB a rank instead of 203 GB"),
@@ -161,7 +161,8 @@ LOGICAL_TO_MESH: dict[str, dict[str, str | None]] = {
     # replicated: splitting it on F would force F's 128-block padding onto every routed expert too, since
     # both share moe_intermediate_size; it is 1/E of the expert weights.
     "ep": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: TP, EXPERT_MLP: None, SHARED_MLP: None,
-           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, ENGRAM_ROWS: TP, ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
+           EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, ENGRAM_ROWS: TP, ROWS: TP,
+           **dict.fromkeys(VISION_AXES, TP)},
 }
 
 # Activations: logical axes of the *trailing* dims (leading batch dims are never split; the token dim only in a
@@ -180,8 +181,8 @@ ACTIVATION_RULES: dict[str, tuple[tuple[str | None, ...], str]] = {
                           "gets its own columns' rows (sharding/kernels.engram_gather)"),
     "engram_gathered": ((None, None), "engram rows [.., C, d + d/32] bytes after the all-gather: replicated"),
     "stream_rows": ((ROWS, None, None), "residual streams [B, T, S, D] of a row-parallel segment: each rank its "
-                    "T/P rows for the HC mixes, collapse, norms and expand (replicated per-row work split, issue "
-                    "#22); the sublayer input is gathered ('replicated') before attention and the MoE"),
+                    "T/P rows for the HC mixes, collapse, norms and expand (replicated per-row work split); "
+                    "the sublayer input is gathered ('replicated') before attention and the MoE"),
     "replicated": ((), "caches, tokens, streams, positions, top-k: every rank holds the same values"),
 }
 
@@ -205,7 +206,8 @@ def matching_rules(name: str) -> list[Rule]:
 
 def param_logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
     """Logical axis per dim of parameter ``name``; replicated rules fit any rank of tensor. A stacked unit's
-    tensor (``layers.A-B.*``, ``layers.A_B.*``; docs/DESIGN.md "Scanned layers") has its layers' axes after an unsplit layer axis."""
+    tensor (``layers.A-B.*``, ``layers.A_B.*``; docs/DESIGN.md "Scanned layers") has its layers' axes after an
+    unsplit layer axis."""
     axes = rule_for(name).axes
     if is_stacked(name) and not all(a is None for a in axes):
         axes = (None, *axes)

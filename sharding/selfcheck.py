@@ -12,6 +12,22 @@ import re
 import sys
 from collections import Counter
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import sharding
+from dsv41_jax.config import load_named
+from dsv41_jax.loading import load_weights
+from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.model.cache import init_cache
+from dsv41_jax.model.transformer import ModelOptions, Transformer
+from pallas_kernels.moe.ops import ExpertWeights
+from pallas_kernels.moe.ops import routed_experts as moe_op
+from pallas_kernels.sparse_attention.ops import sparse_attention as attention_op
+from sharding import kernels
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sharding.selfcheck")
@@ -19,17 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impl", choices=("reference", "pallas"), default="pallas", help="kernel ops' impl")
     args = parser.parse_args(argv)
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
 
-    import sharding
-    from dsv41_jax.config import load_named
-    from dsv41_jax.loading import load_weights
-    from dsv41_jax.make_tiny import random_weights
-    from dsv41_jax.model.cache import init_cache
-    from dsv41_jax.model.transformer import ModelOptions, Transformer
 
     if len(jax.devices()) < args.world:
         print(f"error: world {args.world} needs {args.world} devices, {len(jax.devices())} visible", file=sys.stderr)
@@ -55,13 +61,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_kernels(mesh, impl: str) -> None:
-    import jax.numpy as jnp
-    import numpy as np
-
-    from pallas_kernels.moe.ops import ExpertWeights
-    from pallas_kernels.moe.ops import routed_experts as moe_op
-    from pallas_kernels.sparse_attention.ops import sparse_attention as attention_op
-    from sharding import kernels
 
     rng = np.random.default_rng(0)
     n_exp, dim, width, rows = 16, 256, 1024, 64

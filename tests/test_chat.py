@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -193,8 +194,9 @@ def _stream(text: str, thinking: bool, pieces: list[str]):
 def _stream_texts():
     for name, case in PARSE.items():
         yield name, case["text"], case["thinking"]
-    calls = chat.render_reply(Message("assistant", "Sure.\n\nLet me check", "hmm\n\n<think-ish> </thin",
-                                      (ToolCall("get", '{"q": "</think> and <｜DSML｜ calls> inside"}'),)), thinking=True)
+    reply = Message("assistant", "Sure.\n\nLet me check", "hmm\n\n<think-ish> </thin",
+                    (ToolCall("get", '{"q": "</think> and <｜DSML｜ calls> inside"}'),))
+    calls = chat.render_reply(reply, thinking=True)
     yield "markers_inside_values", calls, True
     yield "truncated_mid_call", calls[: calls.index("</｜DSML｜ invoke>") - 5], True
     yield "truncated_mid_think_end", "reasoning </thi", True
@@ -226,14 +228,13 @@ def test_stream_holds_back_only_what_could_be_a_marker():
     assert stream.feed("ink>Hi\n") == [ContentDelta("Hi")]  # "\n" may start "\n\n<｜DSML｜ calls>"
     assert stream.feed("x") == [ContentDelta("\nx")]
     assert stream.feed("\n\n<｜DSML｜ ca") == []
-    events = stream.feed('lls>\n<｜DSML｜ invoke name="f">\n</｜DSML｜ invoke>\n</｜DSML｜ calls><｜end▁of▁sentence｜>tail')
+    events = stream.feed('lls>\n<｜DSML｜ invoke name="f">\n</｜DSML｜ invoke>\n'
+                         '</｜DSML｜ calls><｜end▁of▁sentence｜>tail')
     assert events == [ToolCallEvent(0, ToolCall("f", "{}"))] and stream.done and stream.finish() == []
 
 
 def test_long_argument_streams_in_linear_time():
     """A tool call writing a 400 kB file, fed 4 characters at a time (about a token each): parsed whole, fast."""
-    import time
-
     body = "line of a file 🙂\n" * 24_000
     text = chat.render_reply(Message("assistant", "", None, (ToolCall("write", json.dumps({"text": body})),)),
                              thinking=False)

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ has no __init__.py: make mlx_oracle importable
 
-from dsv41_jax import checkpoint, make_tiny, param_specs
+from dsv41_jax import checkpoint, generate, make_tiny, param_specs
 from dsv41_jax.checkpoint import CheckpointError, load_checkpoint, open_checkpoint
 from dsv41_jax.config import load_named
 
@@ -59,8 +59,10 @@ def test_inventory_matches_spec_counts_and_roles(cfg):
     assert "layers.5.attn.wq_b.scale" not in param_specs.expected_tensors(cfg, quantized=False)
     # §A.3: ≈ 4 MB with fp8 dense and fp4 experts.
     assert 3.5e6 < sum(s.nbytes for s in official.values()) < 4.5e6
-    assert param_specs.skip_reason("mtp.0.attn.wq_a.weight") and param_specs.skip_reason("layers.1.engram.wkv.weight")
-    assert param_specs.skip_reason("layers.3.ffn.gate.bias_vl") and not param_specs.skip_reason("layers.3.ffn.gate.bias")
+    assert param_specs.skip_reason("mtp.0.attn.wq_a.weight")
+    assert param_specs.skip_reason("layers.1.engram.wkv.weight")
+    assert param_specs.skip_reason("layers.3.ffn.gate.bias_vl")
+    assert not param_specs.skip_reason("layers.3.ffn.gate.bias")
 
 
 def test_random_weights_seeded_and_on_the_storage_grid(cfg, weights):
@@ -245,7 +247,7 @@ needs_mlx = pytest.mark.skipif(not mlx_oracle.HAVE_MLX, reason="mlx-lm (test ext
 @needs_mlx
 def test_mlx_dequantises_like_our_loader(written):
     """mlx-lm's own mxfp8 / mxfp4 kernels read the same numbers from the files (independent codec check)."""
-    import mlx.core as mx
+    import mlx.core as mx  # noqa: PLC0415 - the test extra, absent on the GPU machine (needs_mlx)
 
     path, stored = written["fp4"]
     model = mlx_oracle.load_mlx_model(path)
@@ -295,8 +297,6 @@ def test_mlx_reference_bfloat16_with_plain_experts(written):
 def test_stored_expert_format_and_generate_auto(written, capsys):
     """--expert-format auto holds experts fp4 exactly when the checkpoint stores them fp4 (make_tiny: "fp4" is
     the release's layout, "fp8" / "none" store experts as fp8 / bf16)."""
-    from dsv41_jax import generate
-
     expected = {"none": "dequantized", "fp8": "dequantized", "fp4": "fp4"}
     for mode, fmt in expected.items():
         assert open_checkpoint(written[mode][0]).stored_expert_format == fmt

@@ -1,9 +1,11 @@
 """Config loading and validation (MODEL.md §A, §B.9): roles against the spec's tables, clear refusals."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+from dsv41_jax import config
 from dsv41_jax.config import CONFIG_DIR, ConfigError, ModelConfig, load_named, yarn_inv_freq
 
 
@@ -86,9 +88,6 @@ def test_missing_file_is_a_config_error(tmp_path):
 def test_named_configs_come_from_the_package():
     """Issue 12 #2: names resolve inside the installed package (importlib.resources), the same files as the
     repository's top-level configs/; an unknown name is one clear error listing the known ones."""
-    from pathlib import Path
-
-    from dsv41_jax import config
 
     assert {"tiny", "dsv41_flash"} <= set(config.config_names())
     top = Path(__file__).resolve().parent.parent / "configs"
@@ -133,8 +132,6 @@ def test_field_types_are_checked_where_the_config_is_read(change, message):
 def test_every_shipped_config_loads_and_keeps_its_types(tmp_path):
     """configs/*.json (the release's own config among them) load; optional fields may be null, a number field may
     be written as an integer, and the file's name prefixes a refusal."""
-    from pathlib import Path
-
     for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json")):
         cfg = ModelConfig.from_json(path)
         assert ModelConfig.from_dict(cfg.to_dict()) == cfg, path

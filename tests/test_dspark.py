@@ -22,6 +22,7 @@ from dsv41_jax.model.dspark import context_rows, draft
 from dsv41_jax.model.hc import collapse
 from dsv41_jax.model.rope import apply_rope
 from dsv41_jax.model.transformer import ModelOptions, Transformer
+from sharding import rules
 
 ATOL = 1e-5  # f32 throughout (rounding points off): only summation order differs
 
@@ -183,8 +184,6 @@ def test_make_tiny_dspark_round_trip(tmp_path):
 @pytest.mark.parametrize("name", ["tiny", "dsv41_flash"])
 def test_every_stage_tensor_matches_exactly_one_rule(name, expert_format):
     """The stages shard like a backbone layer (MODEL.md §F.1); the Markov head on the vocabulary axis."""
-    from sharding import rules
-
     cfg = load_named(name)
     stage_tensors = {k: v for k, v in param_specs.model_tensors(cfg, expert_format, dspark=True).items()
                      if k.startswith("mtp.")}

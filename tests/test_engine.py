@@ -22,6 +22,7 @@ from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
 from dsv41_jax.loading import build_model
 from dsv41_jax.model.cache import init_cache
 from dsv41_jax.model.transformer import ModelOptions
+from dsv41_jax.runtime import Program, ProgramTable
 from dsv41_jax.sampling import SamplingParams, filtered_logits, sample, sampling_arrays
 
 LOGIT_ATOL = 2e-4
@@ -230,8 +231,6 @@ def test_temperature_sampling_follows_the_softmax():
 def test_program_table_compiles_each_program_once_per_shape():
     """Issue #13: the runtime's table of frozen Programs compiles a program once per static arguments and input
     shapes; a model program gets the graph definition bound and the state first (left out of the key)."""
-    from dsv41_jax.runtime import Program, ProgramTable
-
     graphdef, state = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     table = ProgramTable(graphdef)
     scale = Program("scale", lambda x, *, k: x * k, static=("k",), model=False)

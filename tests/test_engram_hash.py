@@ -154,3 +154,15 @@ def test_refusals(tiny_e, flash, tmp_path):
         engram.layout(tiny_e.replace(engram_num_embeddings=(6000,)))
     with pytest.raises(EngramError, match="no engram token map"):
         engram.token_map(flash.replace(vocab_size=1000, vision=None))
+
+
+def test_a_non_utf8_token_map_or_tokenizer_is_one_clear_error(tiny_e, tmp_path):
+    """The checkpoint's engram_token_map.json or tokenizer.json in another encoding: an EngramError naming the
+    file and the byte (the CLI's one line), not a decode traceback."""
+    (tmp_path / engram.TOKEN_MAP_FILE).write_bytes(b"[0, 1] \xff")
+    with pytest.raises(EngramError, match=r"engram_token_map.json is not UTF-8 text: byte 7"):
+        engram.token_map(tiny_e, tmp_path)
+    (tmp_path / engram.TOKEN_MAP_FILE).unlink()
+    (tmp_path / "tokenizer.json").write_bytes(b'{"version": "1.0", \xe9}')
+    with pytest.raises(EngramError, match=r"tokenizer.json is not UTF-8 text: byte 19"):
+        engram.token_map(tiny_e, tmp_path)

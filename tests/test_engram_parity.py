@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import sharding
 from dsv41_jax import engram
 from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.config import load_named
@@ -169,8 +170,6 @@ def test_chunked_prefill_equals_one_pass(case, runs):
 def test_worlds_equal_one_device(case, runs, world):
     """Sharded over 2 and 4 simulated devices (engram tables split by hash column, sharding/rules.py) = one
     device (f32 sums reordered by the all-reduces only; same 1e-4 as tests/test_sharding_model.py)."""
-    import sharding
-
     name, path, cfg, flat, ids, refs = case
     if name == "one":
         pytest.skip("the two-layer config covers the sharded engram path")

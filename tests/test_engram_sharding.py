@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import sharding
-from dsv41_jax import engram
+from dsv41_jax import engram, generate
 from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.loading import build_model
@@ -207,8 +207,6 @@ def test_generate_host_tables_equal_device_tables(reference, tmp_path, capsys):
     same greedy tokens and logits as ``auto`` (which picks device for tiny tables and says so), bit for bit on
     CPU.
     Prompt of 12 ids: a short segment, one compiled program per run."""
-    from dsv41_jax import generate
-
     path, cfg, ids, *_ = reference
     runs = {}
     for tables in ("auto", "host"):
@@ -231,8 +229,6 @@ def test_engram_setup_says_where_the_tables_go(capsys, monkeypatch):
     """The placement line of ``generate`` (no run): the split at world 4 (TINY-E: 2 of 6 columns a layer at most)
     and the planner's choice for the release on H200s (139 GiB budget): host at world 1 (189 GiB of tables),
     device at world 4."""
-    from dsv41_jax import generate
-
     monkeypatch.setattr(generate, "_device_memory_bytes", lambda: None)  # the planner's H200 budget here too
 
     def setup(config, world, tables="auto", expert_format="dequantized"):

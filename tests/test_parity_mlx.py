@@ -14,17 +14,17 @@ Tolerances (logits are O(4)):
   (one quantum, `MODEL.md` §C.4), moving the logits of later positions that see that row by up to ~0.8, and
   can flip near-tied top-k picks; so the share of positions moved by more than 0.1, and the median, are
   bounded (``model_helpers.assert_close_with_rounding_flips``), not the max.
-* bfloat16 (on the plain-bf16 checkpoint: on CPU, MLX's bf16 *quantized* matmul does not accumulate in f32 —
-  77 % of its outputs differ from the correctly rounded product — while its plain bf16 matmul does): last-bit f32 differences (e.g. in the HC mix) flip bf16 roundings, and this random model amplifies
-  any perturbation strongly (mlx-lm's own bf16 run differs from its f32 run by O(1) logits). So (a) each layer
-  is compared teacher-forced (both sides get mlx-lm's input streams): outputs agree within one bf16 ulp except
-  a small fraction; (b) end to end, our bf16 logits must be as close to mlx-lm's f32 logits as mlx-lm's bf16
-  logits are (factor 1.5), and our bf16 logits must be nearer to mlx-lm's bf16 logits (median) than those
-  are to the f32 ones — each as the median over several prompts of a per-prompt ratio, since one prompt's
-  ratio is as chaotic as the amplification.
-  Both compile without XLA's "excess precision" (see ``model_helpers.EXACT_BF16``), so every bf16 rounding
-  point is where mlx-lm has it; with XLA's default some bf16 intermediates stay f32 (more precise, ~40 % of a
-  layer's outputs then differ from mlx-lm by one bf16 ulp).
+* bfloat16 (on the plain-bf16 checkpoint: on CPU, MLX's bf16 *quantized* matmul does not accumulate in f32 — 77 %
+  of its outputs differ from the correctly rounded product — while its plain bf16 matmul does): last-bit f32
+  differences (e.g. in the HC mix) flip bf16 roundings, and this random model amplifies any perturbation strongly
+  (mlx-lm's own bf16 run differs from its f32 run by O(1) logits). So (a) each layer is compared teacher-forced
+  (both sides get mlx-lm's input streams): outputs agree within one bf16 ulp except a small fraction; (b) end to
+  end, our bf16 logits must be as close to mlx-lm's f32 logits as mlx-lm's bf16 logits are (factor 1.5), and our
+  bf16 logits must be nearer to mlx-lm's bf16 logits (median) than those are to the f32 ones — each as the median
+  over several prompts of a per-prompt ratio, since one prompt's ratio is as chaotic as the amplification. Both
+  compile without XLA's "excess precision" (see ``model_helpers.EXACT_BF16``), so every bf16 rounding point is where
+  mlx-lm has it; with XLA's default some bf16 intermediates stay f32 (more precise, ~40 % of a layer's outputs then
+  differ from mlx-lm by one bf16 ulp).
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
-from model_helpers import EXACT_BF16, Runner, assert_close_with_rounding_flips, model_state
+import model_helpers
+from flax import nnx
+from model_helpers import EXACT_BF16, Runner, _graph, assert_close_with_rounding_flips, model_state
 
 from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
-from dsv41_jax.model import ModelOptions, init_cache
+from dsv41_jax.model import ModelOptions, init_cache, rope
+from dsv41_jax.model.attention import CsaState, Segment
 
 mlx_oracle = pytest.importorskip("mlx_oracle")
 if not mlx_oracle.HAVE_MLX:
@@ -204,9 +207,6 @@ def test_bf16_end_to_end_as_accurate_as_mlx(checkpoints, monkeypatch, options):
     Both sides form RoPE angles as mlx-lm does (f32 p·f_i): mlx-lm's f32 "truth" and its bf16 run share that
     angle's rounding (up to 2e-6 rad at p = 55), ours would not; this test is about where bf16 rounds, not about
     angle precision (tests/model/test_numerics.py checks that against float64)."""
-    import model_helpers
-
-    from dsv41_jax.model import rope
     monkeypatch.setattr(rope, "rope_cos_sin", _f32_angle_cos_sin)
     # trace afresh (with the patched angle), once for all prompts
     monkeypatch.setattr(model_helpers, "forward_fn", functools.lru_cache(model_helpers.forward_fn.__wrapped__))
@@ -241,10 +241,6 @@ def test_bf16_each_layer_teacher_forced(checkpoints):
     """Every layer gets mlx-lm's input streams and lagged pre; outputs must agree within one bf16 ulp
     (observed: ≤ 0.3 % of values differ by more, from f32 last-bit differences flipping a bf16 rounding or a
     near-tied expert choice)."""
-    from flax import nnx
-    from model_helpers import _graph
-
-    from dsv41_jax.model.attention import CsaState, Segment
 
     path, cfg, flat = checkpoints["tiny1"]
     ids = prompt(1, cfg)

@@ -11,6 +11,8 @@ import pytest
 
 from dsv41_jax.config import load_named
 from dsv41_jax.planner import (
+    DECODE_HEAD_TILE,
+    MOE_TILE,
     MemoryBudget,
     PlanOptions,
     PlanRefused,
@@ -18,9 +20,11 @@ from dsv41_jax.planner import (
     admit,
     buffer_plan,
     check_memory,
+    kernel_tiles,
     kv_bytes,
     max_context,
     param_bytes_per_rank,
+    plan_decode_window,
     plan_segment,
     segment_sizes,
     window_bytes,
@@ -392,8 +396,6 @@ def test_padded_bytes_count_the_padding():
 
 # ------------------------------------------------------------------------------------ decode windows, §G
 def test_decode_windows_b3a():
-    from dsv41_jax.planner import plan_decode_window
-
     # §B.3a: head tile 16 clamped by R4 (W = 8 → 8); P = m·(k+1); small-window top-k while m ≤ 64 and
     # m·nvis·12 ≤ B_idx.
     w = plan_decode_window(FULL, 8, 3, 24, 100_000)
@@ -429,8 +431,6 @@ def test_budget_kv_pool_and_decoder_part_with_budget():
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_kernel_tiles_are_the_segment_plans(world):
     """Issue #13: the tiles the model options carry are the plan's (R4 head tile, §B.3a decode tile, §E BM)."""
-    from dsv41_jax.planner import DECODE_HEAD_TILE, MOE_TILE, kernel_tiles, plan_decode_window
-
     cfg = load_named("dsv41_flash")
     tiles = kernel_tiles(cfg, world)
     for rank in range(world):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
-from dsv41_jax.sampling import filtered_logits
+from dsv41_jax.sampling import SamplingError, SamplingParams, filtered_logits
 
 VOCAB = 20_000
 MARGIN = 1e-5
@@ -82,3 +83,12 @@ def test_rows_without_filters_are_only_scaled():
     out = np.asarray(jax.jit(filtered_logits)(logits, np.array([0.5, 1.0, 0.0], np.float32), np.zeros(3, np.int32),
                                                np.ones(3, np.float32)))
     np.testing.assert_allclose(out, logits / np.array([[0.5], [1.0], [1.0]], np.float32), rtol=1e-6)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_setting_is_named_as_not_a_number(field, value):
+    """inf / nan are refused as not finite (not as "must be >= 0, got inf")."""
+    with pytest.raises(SamplingError, match=f"--{field.replace('_', '-')} must be a finite number, got"):
+        SamplingParams(**{field: value}).validate()
+    SamplingParams().validate()

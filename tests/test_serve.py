@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from dsv41_jax.chat import Message, ToolCall, render_reply
+from dsv41_jax.serve.__main__ import listen
+from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream
+from dsv41_jax.tokenizer import load_tokenizer
 
 openai = pytest.importorskip("openai")  # the test extra; a GPU machine may lack these: skipped there
 httpx = pytest.importorskip("httpx")
@@ -435,11 +441,6 @@ def test_tool_calls_stream_as_openai_chunks():
     """A reply with a DSML tool call (the V4.1 format, rendered by chat.render_reply and tokenized by the real
     tokenizer) goes through the server's pipeline and SSE writer; the official client's chunk type reads a
     tool_calls delta with the call, and finish_reason tool_calls."""
-    from openai.types.chat import ChatCompletionChunk
-
-    from dsv41_jax.chat import Message, ToolCall, render_reply
-    from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream
-    from dsv41_jax.tokenizer import load_tokenizer
 
     tokenizer, _ = load_tokenizer()
     reply = Message("assistant", "Let me look.", reasoning_content="Weather needs a tool.",
@@ -460,7 +461,7 @@ def test_tool_calls_stream_as_openai_chunks():
 
     lines = asyncio.run(collect())
     assert lines[-1] == "data: [DONE]\n\n"
-    chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in lines[:-1]]
+    chunks = [openai.types.chat.ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in lines[:-1]]
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [call for d in deltas for call in (d.tool_calls or [])]
     assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
@@ -473,9 +474,6 @@ def test_tool_calls_stream_as_openai_chunks():
 def test_the_socket_accepts_connections_before_uvicorn_starts():
     """`serve` prints "listening on" once its socket listens: a client connecting right away waits in the backlog
     instead of being refused while uvicorn starts (a CI run saw the refusal when the socket was only bound)."""
-    import socket
-
-    from dsv41_jax.serve.__main__ import listen
 
     sock = listen("127.0.0.1", 0)
     try:

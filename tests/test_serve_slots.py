@@ -26,6 +26,7 @@ from dsv41_jax.loading import build_model
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.sampling import SamplingParams, sample, sampling_arrays
 from dsv41_jax.serve.slots import Job, SlotEngine
+from dsv41_jax.serve.worker import QueueFull, Worker
 
 SLOTS = 3
 
@@ -131,8 +132,6 @@ def test_a_failing_step_fails_its_request_and_the_engine_thread_goes_on(engine, 
     """The engine thread (serve.worker): a step that raises fails the requests it held (the server's 500) and
     the next request runs; every slot taken and no queue: one more request in flight is refused at once (the
     503)."""
-    from dsv41_jax.serve.worker import QueueFull, Worker
-
     real, failures = SlotEngine._decode_step, []
 
     def flaky(self):

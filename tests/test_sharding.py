@@ -4,16 +4,28 @@ and the shard_map kernel wrappers against the unsharded op (8 simulated CPU devi
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax.core.spmd import get_logical_axis_rules
 from jax.sharding import PartitionSpec as P
 
+import sharding
+import sharding.context as context
 from dsv41_jax.config import load_named
+from dsv41_jax.loading import build_model
+from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.model import ModelOptions, WeightsError
 from dsv41_jax.param_specs import model_tensors
+from pallas_kernels.moe.ops import ExpertWeights
+from pallas_kernels.moe.ops import routed_experts as moe_op
+from pallas_kernels.sparse_attention.ops import sparse_attention as attention_op
 from sharding import rules
+from sharding.kernels import _expert_spec
 from sharding.kernels import routed_experts as sharded_routed_experts
 from sharding.kernels import sparse_attention as sharded_sparse_attention
 from sharding.layout import ShardPlan, Split
@@ -142,7 +154,8 @@ def test_routed_experts_wrapper_matches_one_device(world, layout):
     if layout == "tp" and world == 8:
         # 640 = 5 blocks of 128 cannot be shared by 8 ranks: use the padded 32-granular split instead.
         split = Split((96,) * 4 + (64,) * 4)
-        weights = {"w1": split.pad_full(np.asarray(weights["w1"]), 1), "w3": split.pad_full(np.asarray(weights["w3"]), 1),
+        weights = {"w1": split.pad_full(np.asarray(weights["w1"]), 1),
+                   "w3": split.pad_full(np.asarray(weights["w3"]), 1),
                    "w2": split.pad_full(np.asarray(weights["w2"]), 2)}
     got = sharded_routed_experts(x, ids, w, weights, swiglu_limit=1.0, mesh=make_mesh(world), layout=layout,
                                  op=_moe_reference)
@@ -155,10 +168,6 @@ def test_wrappers_run_the_kernel_ops_per_device():
     """The real ops (their xla implementation) under the wrappers at world 4: the ExpertWeights pytree and the
     attention signature go through shard_map; results equal the unsharded op (f32 reassociation only, as above:
     the experts in f32, since the xla implementation rounds each rank's partial w2 product to the operands' dtype)."""
-    from pallas_kernels.moe.ops import ExpertWeights
-    from pallas_kernels.moe.ops import routed_experts as moe_op
-    from pallas_kernels.sparse_attention.ops import sparse_attention as attention_op
-
     rng = np.random.default_rng(4)
     mesh = make_mesh(4)
     n_exp, dim, width = 8, 32, 256
@@ -190,8 +199,6 @@ def test_wrappers_run_the_kernel_ops_per_device():
 
 def test_every_activation_rule_is_used():
     """Issue #13: the table holds no dead activation rules: each name is pinned somewhere in the package code."""
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     source = "\n".join(p.read_text() for d in ("dsv41_jax", "sharding") for p in (root / d).rglob("*.py")
                        if p.name != "rules.py")
@@ -206,12 +213,6 @@ def test_every_activation_rule_is_used():
 ])
 def test_one_and_two_devices_refuse_the_same_weights_by_name(change, message):
     """Issue #13: one loading path (dsv41_jax.loading), so one device and a sharded world refuse alike."""
-    import re
-
-    import sharding
-    from dsv41_jax.loading import build_model
-    from dsv41_jax.make_tiny import random_weights
-    from dsv41_jax.model import ModelOptions, WeightsError
 
     cfg, options = load_named("tiny"), ModelOptions(dtype="float32")
     flat = random_weights(cfg, seed=0)
@@ -230,9 +231,6 @@ def test_one_and_two_devices_refuse_the_same_weights_by_name(change, message):
 def test_kernel_expert_specs_are_the_parameter_rules(layout, fp4):
     """Issue #13: each leaf of the MoE kernel's weights takes the rule of the parameter it is a view of (no
     spec written in kernels.py, no substring match on the tree path); an unknown field is refused by name."""
-    from pallas_kernels.moe.ops import ExpertWeights
-    from sharding.kernels import _expert_spec
-
     e, f, d = 4, 64, 32
     if fp4:
         u8 = lambda *s: np.zeros(s, np.uint8)
@@ -256,9 +254,6 @@ def test_kernel_expert_specs_are_the_parameter_rules(layout, fp4):
 def test_the_mesh_and_layout_travel_in_jax_and_flax_contexts():
     """Issue #13: ``context.activate`` sets JAX's context mesh (readable inside jit: get_abstract_mesh) and Flax's
     logical-axis rules; outside it neither is set and ``constrain`` is the identity."""
-    from flax.core.spmd import get_logical_axis_rules
-
-    import sharding.context as context
 
     mesh = make_mesh(2)
     seen = {}

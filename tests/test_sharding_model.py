@@ -29,11 +29,13 @@ from test_engine import mini_config
 
 import sharding
 from dsv41_jax import planner
+from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.loading import load_weights
-from dsv41_jax.make_tiny import random_weights
+from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model.cache import init_cache
 from dsv41_jax.model.transformer import ModelOptions, Transformer
+from sharding.load import checkpoint_source
 
 OPTIONS = ModelOptions(dtype="float32", quant_rounding=False)
 BATCH, PROMPT, NEW = 2, 48, 4  # ≥ 48 prompt tokens: the window evicts and the indexer selects (MODEL.md §A.3)
@@ -212,10 +214,6 @@ def test_world_not_admitted_is_refused_with_the_planner_message(world):
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_checkpoint_decodes_straight_into_shards(tmp_path, layout):
     """A tiny fp8/fp4 checkpoint read lazily at world 4: every shard holds exactly the stored values."""
-    from dsv41_jax.checkpoint import open_checkpoint
-    from dsv41_jax.make_tiny import write_checkpoint
-    from sharding.load import checkpoint_source
-
     cfg = load_named("tiny")
     stored = write_checkpoint(tmp_path, cfg, random_weights(cfg, seed=0), "fp4")  # float32 values as stored
     ckpt = open_checkpoint(tmp_path)

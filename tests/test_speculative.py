@@ -26,6 +26,7 @@ from jax.scipy.special import gammaincc
 from dsv41_jax import speculative
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import Engine, EngineInputError, Request, fixed_segments
+from dsv41_jax.model.cache import init_cache
 from dsv41_jax.model.transformer import ModelOptions, Transformer
 from dsv41_jax.sampling import SamplingParams, filtered_logits, sampling_arrays
 from dsv41_jax.speculative import Speculator, accept
@@ -210,7 +211,6 @@ def test_speculative_sampling_matches_the_target_end_to_end(setup, monkeypatch):
     def probs(ids):
         """ids [4, 3] -> the filtered next-token probabilities after 2 and after 3 ids, [4, 2, V]."""
         model = nnx.merge(graphdef, state)
-        from dsv41_jax.model.cache import init_cache
 
         logits = model(ids, init_cache(cfg, ids.shape[0], MAX_CONTEXT, "float32"))[0][:, -2:]
         m = ids.shape[0] * 2

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_speculative import MAX_CONTEXT, _oracle, _same, spec_config, spec_requests, stage_drafts
 
+import sharding
 from dsv41_jax import make_tiny
 from dsv41_jax.engine import Engine, fixed_segments
 from dsv41_jax.model.transformer import ModelOptions
@@ -23,8 +24,6 @@ from dsv41_jax.speculative import Speculator
 def test_sharded_greedy_matches_plain_greedy(world):
     """At worlds 2 and 4 speculation (random drafts, then forced accept-all) emits the sharded engine's own
     greedy tokens."""
-    import sharding
-
     cfg = spec_config()
     requests = spec_requests(cfg)[1:]
     weights = make_tiny.random_weights(cfg, 0, dspark=True)

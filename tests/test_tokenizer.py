@@ -79,6 +79,18 @@ def test_missing_tokenizer_file(tmp_path):
         DeepSeekTokenizer(tmp_path)
 
 
+def test_a_non_utf8_tokenizer_file_is_one_clear_error(tmp_path):
+    """tokenizer.json or tokenizer_config.json in another encoding: a TokenizerError naming the file and the
+    byte (the CLI's one line)."""
+    (tmp_path / "tokenizer.json").write_bytes(b'{"model": "caf\xe9"}')
+    with pytest.raises(TokenizerError, match=r"tokenizer.json is not UTF-8 text: byte 14"):
+        DeepSeekTokenizer(tmp_path)
+    shutil.copy(default_tokenizer_path(), tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_bytes(b'{"bos_token": "\xff"}')
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json is not UTF-8 text: byte 15"):
+        DeepSeekTokenizer(tmp_path)
+
+
 def v41_like_tokenizer_dir(root):
     """A copy of the packaged tokenizer with one marker difference, as the V4.1 release might have: the unused
     special token 128847 renamed <｜System｜>; tokenizer_config.json copied alongside."""

@@ -4,8 +4,9 @@ float32 on both sides, rounding points off (mlx-vlm's many more QAT roundings ma
 
 Tolerances: tower + aligner 1e-5 absolute on outputs of size ~2 (both compute the same f32 math; observed ≤ 1.1e-6,
 summation order only). Our bf16 policy (§V.C.5) against mlx-vlm's f32: every row's cosine ≥ 0.9995 and at most
-0.05 absolute (a few bf16 ulps at |E| ≈ 2; observed cosine 0.99998, 0.0125), as fastllm bounds its bf16 tower. Prefill logits 1e-4 absolute (logits O(4); as the text parity test: f32 last-bit
-differences through 10 layers, observed ≤ 1e-5).
+0.05 absolute (a few bf16 ulps at |E| ≈ 2; observed cosine 0.99998, 0.0125), as fastllm bounds its bf16 tower.
+Prefill logits 1e-4 absolute (logits O(4); as the text parity test: f32 last-bit differences through 10 layers,
+observed ≤ 1e-5).
 
 The checkpoint's ``bias_vl`` is boosted by +10 for experts 0 and 1 in every layer, so image rows must pick those
 two (as fastllm's test does): a model that routed image rows with ``bias`` would differ from mlx-vlm by O(1).

@@ -12,17 +12,23 @@ import dataclasses
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
+from PIL import Image
 
 import sharding
 from dsv41_jax import planner
 from dsv41_jax.config import load_named
+from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model.transformer import ModelOptions
 from dsv41_jax.param_specs import vision_tensors
 from dsv41_jax.plan import main as plan_main
+from dsv41_jax.runtime import ENCODE, FlatState
+from dsv41_jax.vision.batch import build_batch
+from dsv41_jax.vision.preprocess import prepare_image
 
 FULL, TINY_V = load_named("dsv41_flash"), load_named("tiny_vision")
 
@@ -43,8 +49,8 @@ def test_release_buckets_and_largest_image():
 def test_release_vision_weights_from_the_tensor_shapes(world):
     """16 heads of 64 and 2,816 MLP columns split evenly at every world; the aligner's 5,120 columns too."""
     vc, D = FULL.vision, FULL.hidden_size
-    C, I, W = vc.hidden_size, vc.intermediate_size, world
-    block = (3 * C // W) * C + 3 * C // W + C * (C // W) + C + (2 * I // W) * C + C * (I // W) + 2 * C
+    C, F, W = vc.hidden_size, vc.intermediate_size, world
+    block = (3 * C // W) * C + 3 * C // W + C * (C // W) + C + (2 * F // W) * C + C * (F // W) + 2 * C
     rest = C * vc.patch_dim + C + C + (D // W) * 9 * C + D // W + D * (D // W) + D + 3 * D
     want = 2 * (vc.num_hidden_layers * block + rest) + 4 * FULL.num_hidden_layers * FULL.n_routed_experts
     assert planner.vision_param_bytes_per_rank(FULL, world, 0) == want
@@ -95,13 +101,6 @@ def test_workspace_bounds_xla_temporaries(tower):
     planner's workspace. Observed: one chunk, CPU 17.8 MB of 57.7 (the [2, 1,024, 1,024] f32 scores dominate),
     H200 44.5 MB (the scores beside a 32 MiB cuBLAS workspace, ``v.gemm``); two chunks, CPU 37.3 MB of 82.1,
     H200 55.6 MB (one chunk's scores live at a time)."""
-    import jax
-    from PIL import Image
-
-    from dsv41_jax.loading import build_model
-    from dsv41_jax.runtime import ENCODE, FlatState
-    from dsv41_jax.vision.batch import build_batch
-    from dsv41_jax.vision.preprocess import prepare_image
 
     cfg = TOWERS[tower]
     assert planner.patch_buckets(cfg.vision)[-1] == {"one_chunk": 1024, "two_chunks": 2048}[tower]

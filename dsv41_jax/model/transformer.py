@@ -17,8 +17,10 @@ from sharding.context import active_mesh, constrain
 from ..config import ModelConfig
 from ..param_specs import unit_name
 from ..planner import KernelTiles
+from ..vision.preprocess import END, IMAGE, NEWLINE, START
 from .attention import Attention, CsaState, Segment
 from .cache import Cache
+from .dspark import Stage
 from .engram import Engram, EngramInput
 from .hc import collapse, expand, hc_mix, mix_kwargs, mix_params
 from .moe import MoE
@@ -325,13 +327,11 @@ class Transformer(nnx.Module):
         if options.vision:
             self._init_vision(cfg, dtype, rngs)
         if options.dspark and cfg.num_nextn_predict_layers:
-            from .dspark import Stage  # noqa: PLC0415
-
             self.mtp = nnx.List([Stage(cfg, s, options, rngs=rngs) for s in range(cfg.num_nextn_predict_layers)])
 
     def _init_vision(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> None:
         """``vision.*`` (ViT), ``aligner.*`` and the span delimiters ``image_start/newline/end`` [D] (§V.F)."""
-        from ..vision.tower import Aligner, VisionTower  # noqa: PLC0415
+        from ..vision.tower import Aligner, VisionTower  # noqa: PLC0415 - a cycle: vision.tower imports the model package
 
         if cfg.vision is None:
             raise ValueError("ModelOptions.vision needs a config with a vision_config")
@@ -346,8 +346,6 @@ class Transformer(nnx.Module):
 
     def merge_images(self, e, images: ImageRows):
         """e [B,T,D] token embeddings → the same with image positions replaced (VISION.md §V.E.1)."""
-        from ..vision.preprocess import END, IMAGE, NEWLINE, START  # noqa: PLC0415
-
         roles = images.roles[..., None]
         e = jnp.where(roles == IMAGE, images.embeds.astype(e.dtype), e)
         for role, vec in ((START, self.image_start), (NEWLINE, self.image_newline), (END, self.image_end)):

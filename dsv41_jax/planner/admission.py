@@ -100,7 +100,7 @@ class Split:
 
     def real_index(self):
         """For each real entry (in order), its position in the padded dimension: numpy int32 ``[total]``."""
-        import numpy as np  # noqa: PLC0415 - host arrays for the sharded loader only
+        import numpy as np  # noqa: PLC0415 - the planner imports no numpy; host arrays for the sharded loader only
 
         return np.concatenate([r * self.shard + np.arange(n) for r, n in enumerate(self.sizes)]).astype(np.int32)
 
@@ -111,7 +111,7 @@ class Split:
         only the rank's real range is asked for, so a lazy source reads just those rows; the padding is added to
         what came back.
         """
-        import numpy as np  # noqa: PLC0415 - host arrays for the sharded loader only
+        import numpy as np  # noqa: PLC0415 - the planner imports no numpy; host arrays for the sharded loader only
 
         lo, hi = self.real_range(rank)
         take = np.asarray(array[(slice(None),) * axis + (slice(lo, hi),)])
@@ -124,7 +124,7 @@ class Split:
 
     def pad_full(self, array, axis: int):
         """The whole padded array (host memory; for tests and small tensors)."""
-        import numpy as np  # noqa: PLC0415 - host arrays for the sharded loader only
+        import numpy as np  # noqa: PLC0415 - the planner imports no numpy; host arrays for the sharded loader only
 
         return np.concatenate([self.shard_of(array, axis, r) for r in range(self.world)], axis=axis)
 

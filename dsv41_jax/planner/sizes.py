@@ -7,6 +7,7 @@ import functools
 import math
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.param_specs import STORED_BYTES, engram_tensors, model_dtype_kind, model_tensors
 
 from .admission import Admission, admit
 from .options import CAP_2K, MemoryBudget, PlanOptions, PlanRefused, context_limit
@@ -94,8 +95,6 @@ def tensor_rank_shape(name: str, shape: tuple[int, ...], adm: Admission, rank: i
 def tensor_bytes_per_param(name: str, experts: str, dense: str) -> float:
     """Bytes a parameter of ``name`` takes: f32 roles stay f32 (MODEL.md §B.1); experts and the release's
     fp8 matrices take their chosen format; everything else the 16-bit/f32 model dtype."""
-    from dsv41_jax.param_specs import model_dtype_kind
-
     if model_dtype_kind(name) == "f32":
         return 4.0
     if ".ffn.experts." in name:
@@ -126,8 +125,6 @@ def param_bytes_per_rank(cfg: ModelConfig, world: int, rank: int, *, experts: st
 
 @functools.lru_cache(maxsize=8)
 def _model_tensors(cfg: ModelConfig, dspark: bool = False) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    from dsv41_jax.param_specs import model_tensors  # stdlib-only module; imported late to keep this one light
-
     return tuple(model_tensors(cfg, engram=False, dspark=dspark).items())  # engram: `engram_bytes_per_rank`
 
 
@@ -165,8 +162,7 @@ def engram_bytes_per_rank(cfg: ModelConfig, world: int, *, tables: str = "host",
     * ``projection`` — ``wkv`` in ``dense`` (fp8 or the 16-bit model dtype; f32: 4 bytes) plus the f32
       ``q_weight`` / ``k_weight``, replicated.
     """
-    from dsv41_jax.engram import column_splits
-    from dsv41_jax.param_specs import STORED_BYTES, engram_tensors
+    from dsv41_jax.engram import column_splits  # noqa: PLC0415 - the engram module imports JAX; the planner does not
 
     if tables not in ("host", "device"):
         raise PlanRefused("admission", f"engram tables {tables!r}: use host or device.")

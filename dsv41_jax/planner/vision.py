@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.param_specs import vision_tensors
 
 from .options import PlanOptions, PlanRefused
 
@@ -90,8 +91,6 @@ def vision_param_bytes_per_rank(cfg: ModelConfig, world: int, rank: int, *, dens
     """Per-rank bytes of the image path's weights (`param_specs.vision_tensors`: tower, aligner, delimiters,
     the routers' f32 ``bias_vl``); 16-bit unless ``dense`` is f32 (fp8 does not apply: the release stores them
     bf16). ``blocks_only``: the ViT blocks alone (what the tower's scan stacks)."""
-    from dsv41_jax.param_specs import vision_tensors
-
     total = 0
     for spec in vision_tensors(cfg):
         if blocks_only and not spec.name.startswith("vision.blocks."):

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..model.transformer import ImageRows
 from ..sampling import SamplingArrays, sample
 from .table import Program, merge
 
@@ -34,8 +35,6 @@ from .table import Program, merge
 def image_rows(images):
     """A segment's ``(table [R, D], row [B,T] i32 (−1: none), roles [B,T] i32)`` (`segment_images`) as the model's
     ``ImageRows`` (inside a program)."""
-    from ..model.transformer import ImageRows  # noqa: PLC0415
-
     table, row, roles = images
     return ImageRows(jnp.take(table, jnp.maximum(row, 0), axis=0), roles)
 

@@ -11,7 +11,11 @@ import numpy as np
 from flax import nnx
 
 from ..config import ModelConfig
+from ..engram import Hasher, empty_history
+from ..model.cache import init_cache as default_init_cache
+from ..model.engram import EngramInput
 from ..sampling import SamplingParams, sampling_arrays
+from ..vision.batch import build_batch, image_row_index
 from .model import ModelLike
 from .programs import ENCODE, INIT, STEP, STEPS, StepOut, stop_ids
 from .table import Call, FlatState, Program, ProgramTable, abstract
@@ -35,18 +39,14 @@ class Runtime:
 
     def __init__(self, model: ModelLike, cfg: ModelConfig, *, cache_dtype: str = "bfloat16",
                  init_cache: Callable | None = None, mesh=None, hasher=None, host_tables=None):
-        if init_cache is None:
-            from ..model.cache import init_cache  # noqa: PLC0415 - keeps `import engine` light
         self.cfg = cfg
         self.vocab_size = int(model.vocab_size)
         self.cache_dtype = cache_dtype
-        self.init_fn = init_cache
+        self.init_fn = default_init_cache if init_cache is None else init_cache
         self.mesh = mesh
         self.replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.hasher = None
         if model.engram_layers:
-            from ..engram import Hasher  # noqa: PLC0415
-
             self.hasher = hasher or Hasher(cfg)
         self.host_tables = host_tables  # engram tables on the host: each call's rows gathered and sent with it
         self.has_vision = bool(model.has_vision)
@@ -184,8 +184,6 @@ class Runtime:
         """The engram hash history of ``batch`` fresh sequences (numpy [B, 3]), or None without engram layers."""
         if self.hasher is None:
             return None
-        from ..engram import empty_history  # noqa: PLC0415
-
         return empty_history(self.cfg, batch)
 
     def engram_rows(self, ids: np.ndarray, lengths: np.ndarray, history, images=None):
@@ -196,8 +194,6 @@ class Runtime:
         this call still runs (`engram.HostTables`)."""
         if self.hasher is None:
             return None, history
-        from ..model.engram import EngramInput  # noqa: PLC0415
-
         is_image = None if images is None else np.asarray(images[2]) >= 0
         rows, history = self.hasher.rows(ids, history, is_image=is_image, lengths=lengths)
         text = np.ones(ids.shape, bool) if is_image is None else ~is_image
@@ -208,8 +204,6 @@ class Runtime:
         """The abstract `EngramInput` of a ``[batch, rows]`` call, or None without engram layers."""
         if self.hasher is None:
             return None
-        from ..model.engram import EngramInput  # noqa: PLC0415
-
         lay = self.hasher.layout
         shape = (batch, rows, len(lay.layer_ids), lay.columns)
         gathered = None if self.host_tables is None else self.spec((*shape, self.host_tables.row_bytes), jnp.uint8)
@@ -227,8 +221,6 @@ class Runtime:
         if vc is None or not self.has_vision:
             raise EngineInputError("this model has no vision tower: image prompts need a checkpoint with a "
                                    "vision_config, loaded with its image path")
-        from ..vision.batch import build_batch, image_row_index  # noqa: PLC0415
-
         row = np.full((len(prompts), rows), -1, np.int32)
         roles = np.full((len(prompts), rows), -1, np.int32)
         batch = build_batch([im for p in prompts if p is not None for im in p.images], vc)

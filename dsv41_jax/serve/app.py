@@ -48,6 +48,7 @@ from ..chat import (
     message_from_openai,
 )
 from ..engine import EngineInputError, Request
+from ..generate import PromptSpec, UsageError, tokenize
 from ..sampling import SamplingParams
 from .errors import BadRequest, ErrorGuard, error_body, error_response, log_internal_error, read_json_object, shown
 from .metrics import Metrics
@@ -187,8 +188,6 @@ def thinking_of(body: ChatBody) -> bool:
 def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int, ...]:
     """Prompt ids of the chat: DeepSeek-V4.1's format (`chat.encode_messages`), folded into a smaller model
     vocabulary as `generate` does (the tiny model)."""
-    from ..generate import PromptSpec, UsageError, tokenize  # noqa: PLC0415
-
     check_messages(body.messages)
     try:
         messages = tuple(message_from_openai(m, f"messages[{i}]") for i, m in enumerate(body.messages))

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..config import VisionConfig
 from ..planner import patch_bucket, token_bucket
-from .preprocess import PreparedImage
+from .preprocess import END, IMAGE, PreparedImage
 
 
 class ImageBatch(NamedTuple):
@@ -62,8 +62,6 @@ def image_row_index(roles: np.ndarray, first_row: Sequence[int], starts: Sequenc
     """For one expanded prompt: int32 [T], the row of the encoded-image table holding each IMAGE position's
     aligner output (−1 elsewhere). Image k's span starts at ``starts[k]``; its aligner rows are table rows
     ``first_row[k] + s`` for its s-th IMAGE slot (reading order, VISION.md §V.B.5)."""
-    from .preprocess import END, IMAGE  # noqa: PLC0415
-
     out = np.full(roles.shape, -1, np.int32)
     for start, first in zip(starts, first_row):
         end = start + int(np.argmax(roles[start:] == END)) + 1

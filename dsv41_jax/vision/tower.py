@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.context import constrain
+
 from ..config import ModelConfig, VisionConfig
 from ..model.norms import HIGHEST, RMSNorm, random_normal
 from ..planner import VISION_QUERY_CHUNK as QUERY_CHUNK  # XLA attention's query chunk (sized by the planner)
@@ -36,8 +38,6 @@ def _precision(dtype):
 
 
 def _constrain(x, activation: str):
-    from sharding.context import constrain  # noqa: PLC0415 - identity unless a sharded model is traced
-
     return constrain(x, activation)
 
 

@@ -13,10 +13,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.formats import BLOCK, ue8m0_bytes
+from dsv41_jax.formats import BLOCK, decode_fp8, ue8m0_bytes
 from pallas_kernels import registry
 from pallas_kernels.fp8_matmul.kernel import DECODES, SCALE_BLOCK, KernelConfig, fp8_matmul_pallas
-from pallas_kernels.fp8_matmul.xla import dequantize, fp8_matmul_xla
+from pallas_kernels.fp8_matmul.xla import fp8_matmul_xla
 
 __all__ = ["IMPLS", "Fp8Weight", "KernelConfig", "check_offsets", "default_config", "fp8_matmul"]
 IMPLS = registry.IMPLEMENTATIONS
@@ -53,7 +53,7 @@ class Fp8Weight:
 
     def dequantized(self, dtype=jnp.bfloat16) -> jax.Array:
         """W [.., N, K] in ``dtype`` (exact in bf16 and f32)."""
-        return dequantize(self.codes, self.scales, dtype)
+        return decode_fp8(self.codes, self.scales, dtype)
 
 
 jax.tree_util.register_dataclass(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.formats import fp8_dequantize
+from pallas_kernels import registry
 from pallas_kernels.fp8_matmul import Fp8Weight, fp8_matmul
 from pallas_kernels.fp8_matmul import kernel as fp8_kernel
 from pallas_kernels.fp8_matmul.ops import DECODE_ROWS, KernelConfig, _check_config, check_offsets, default_config
@@ -325,9 +327,6 @@ def test_bad_inputs_raise():
 
 
 def test_the_op_is_registered():
-    import importlib
-
-    from pallas_kernels import registry
     ops = importlib.import_module("pallas_kernels.fp8_matmul.ops")
     assert getattr(ops, registry.OPS["fp8_matmul"]) is fp8_matmul
 

@@ -1,31 +1,21 @@
-"""XLA implementation of the block-scaled fp8 matmul, and the definition of its result: dequantise W (MODEL.md
-§E.1; exact in bf16 and f32) in the activations' dtype, then one dot with f32 accumulation, as the model's dense
-GEMMs (``model.norms.linear``). The CPU path and the fallback."""
+"""XLA implementation of the block-scaled fp8 matmul, and the definition of its result: dequantise W
+(``formats.decode_fp8``; exact in bf16 and f32) in the activations' dtype, then one dot with f32 accumulation, as
+the model's dense GEMMs (``model.norms.linear``). The CPU path and the fallback."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.formats import BLOCK, decode_ue8m0
+from dsv41_jax.formats import decode_fp8
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def dequantize(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
-    """codes [.., N, K] float8_e4m3fn, scales uint8 [.., ⌈N/32⌉, ⌈K/32⌉] (ue8m0 bytes) → W [.., N, K] in ``dtype``:
-    W[o, i] = e4m3(codes[o, i]) · 2^(scales[o//32, i//32] − 127), exact (4 significant bits times a power of
-    two). The JAX form of ``formats.fp8_dequantize``."""
-    n, k = codes.shape[-2:]
-    step = decode_ue8m0(scales)
-    step = jnp.repeat(jnp.repeat(step, BLOCK, axis=-2), BLOCK, axis=-1)[..., :n, :k]
-    return (codes.astype(jnp.float32) * step).astype(dtype)
 
 
 def fp8_matmul_xla(x: jax.Array, codes: jax.Array, scales: jax.Array, *, groups: int, out_dtype) -> jax.Array:
     """y [..., N] = x [..., G·K] · Wᵀ per group (W [N, K] = G row blocks of N/G rows; group g reads x's columns
     g·K .. (g+1)·K), W dequantised in x's dtype, products and f32 accumulation at HIGHEST, then ``out_dtype``."""
-    w = dequantize(codes, scales, x.dtype)
+    w = decode_fp8(codes, scales, x.dtype)
     if groups == 1:
         y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32, precision=HIGHEST)
     else:

@@ -4,8 +4,8 @@ XLA runs Sinkhorn as a loop of small reduce and divide kernels, a few launches p
 decode step's launches (measured: see docs/BENCHMARKS.md, section "Decode: one program a step"). Here one
 program holds a tile of rows with the S·S entries of each row's matrix as S·S separate row vectors (the input is
 laid out [S·S, N]), so every pass is elementwise arithmetic on registers: one launch per mix, whatever the
-number of iterations (a loop inside the kernel). Summation order inside a row or column is left to right (the XLA reduce may pair
-differently: a few ulp).
+number of iterations (a loop inside the kernel). Summation order inside a row or column is left to right (the
+XLA reduce may pair differently: a few ulp).
 """
 
 from __future__ import annotations

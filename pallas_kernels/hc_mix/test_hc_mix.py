@@ -5,11 +5,19 @@ float64 value; observed ~1e-6. The two float32 implementations differ only in su
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from dsv41_jax.config import load_named
+from dsv41_jax.model.cache import init_cache
+from dsv41_jax.model.transformer import ModelOptions, Transformer
+from dsv41_jax.profiling.cut import cut_layers
+from pallas_kernels.hc_mix.kernel import comb_pallas
 from pallas_kernels.hc_mix.ops import IMPLS, comb
 
 EPS = 1e-6
@@ -55,12 +63,6 @@ def test_the_model_gives_the_same_logits_with_either_implementation():
     """The tiny model cut to 2 layers (f32, rounding off) with the kernel in every HC mix against the XLA mixes:
     the comb differs by a few ulp (summation order), which the layers carry to ~1e-6 of logits O(3); bound 1e-4.
     (The sharded Pallas-model test runs the kernel in all 4 mixes of a 4-layer model at worlds 2 and 4.)"""
-    from flax import nnx
-
-    from dsv41_jax.config import load_named
-    from dsv41_jax.model.cache import init_cache
-    from dsv41_jax.model.transformer import ModelOptions, Transformer
-    from dsv41_jax.profiling.cut import cut_layers
 
     cfg = cut_layers(load_named("tiny"), 2)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
@@ -80,9 +82,6 @@ def test_the_model_gives_the_same_logits_with_either_implementation():
 def test_comb_lowers_for_a_gpu_at_decode_sizes(rows):
     """pallas_call's default GPU backend (Mosaic GPU) takes vectors of whole warpgroups: the kernel's row tile is
     128 rows at least (16, a decode step's, failed to lower on jax 0.10.2). Lowered for CUDA without a GPU."""
-    import functools
-
-    from pallas_kernels.hc_mix.kernel import comb_pallas
 
     comb_gpu = functools.partial(comb_pallas, iters=20, eps=EPS, interpret=False)
     jax.jit(comb_gpu).trace(jax.ShapeDtypeStruct((rows, 4, 4), jnp.float32)).lower(lowering_platforms=("cuda",))

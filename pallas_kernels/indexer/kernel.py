@@ -64,6 +64,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.indexer import mosaic
 from pallas_kernels.indexer.tiling import RESCORE_TILE, SELECT_BITS, SELECT_MAX, SUPER_GROUPS, tiling
+from pallas_kernels.indexer.xla import block_maxima, candidate_mask
 
 # The maxima pass of prefill launches on sm_90: "mosaic" (``mosaic.py``, warp-specialised, wherever
 # ``mosaic.supported``; elsewhere the Triton pass) or "triton" (``_maxima_kernel``, every launch). The Mosaic pass
@@ -314,7 +315,6 @@ def index_topk_pallas(q, w, keys, positions, kept_blocks=None, *, ratio: int, k:
     maxima = maxima[:, :t, :n_groups]
     new_kept = None
     if keep_blocks:
-        from pallas_kernels.indexer.xla import block_maxima, candidate_mask
         blocks = maxima if g == block_size else block_maxima(maxima, block_size)   # g = 1: every key's score
         new_kept = candidate_mask(blocks, positions, ratio=ratio, block_size=block_size, keep_blocks=keep_blocks)
     if g == 1:  # the pass scored every key (tiling: short rows), so select from its scores directly

@@ -22,10 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
-from pallas_kernels.indexer import index_topk
-from pallas_kernels.indexer.kernel import fp8_exact, index_topk_pallas, top_k_indices
-from pallas_kernels.indexer.tiling import workspace_bytes
+from pallas_kernels.indexer import index_topk, xla
+from pallas_kernels.indexer.kernel import best_groups, fp8_exact, index_topk_pallas, top_k_indices
+from pallas_kernels.indexer.tiling import SMS, TARGET_PROGRAMS, key_splits, workspace_bytes
+from pallas_kernels.indexer.xla import radix_top_k
 from pallas_kernels.registry import IMPLEMENTATIONS as IMPLS
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -222,9 +224,6 @@ def test_two_level_group_selection_equals_one_level(per_super):
     """kernel.best_groups through super-groups picks what one lax.top_k over all maxima picks, tie rule
     included: small-integer maxima (ties everywhere), −∞ tails, a row of equal maxima, a row with fewer
     finite groups than it needs; 8 of 700 groups."""
-    from jax import lax
-
-    from pallas_kernels.indexer.kernel import best_groups
     rng = np.random.default_rng(per_super)
     m = rng.integers(0, 6, (2, 3, 700)).astype(np.float32)
     m[:, :, 650:] = -np.inf
@@ -300,9 +299,6 @@ def test_radix_and_select_kernel_equal_lax_top_k(n, k):
     """The GPU's radix selection and the select kernel (kernel.top_k_indices, in one program and piece by
     piece) pick exactly ``lax.top_k``'s entries (same order of floats, same tie rule: lower index), on rows
     full of ReLU ties (zeros of both signs), −∞ (not visible) and negative scores."""
-    from jax import lax
-
-    from pallas_kernels.indexer.xla import radix_top_k
 
     rng = np.random.default_rng(n + k)
     s = np.maximum(rng.standard_normal((4, n)), 0).astype(np.float32)  # ~half exact zeros
@@ -322,8 +318,6 @@ def test_radix_and_select_kernel_equal_lax_top_k(n, k):
 
 def test_select_by_radix_marks_invisible_picks(monkeypatch):
     """``select`` on the radix path: −1 for picks whose score is −∞, like the top_k path."""
-    from pallas_kernels.indexer import xla
-
     s = jnp.asarray(np.where(np.arange(40) < 5, np.arange(40, dtype=np.float32), -np.inf)[None, None])
     want = np.sort(np.asarray(xla.select(s, 8)), axis=-1)
     monkeypatch.setattr(xla, "RADIX_MIN_ENTRIES", 1)
@@ -337,7 +331,6 @@ def test_key_splits_fill_whole_waves():
     """tiling.key_splits: at least TARGET_PROGRAMS programs where the keys allow, never more splits than key
     tiles, and the last wave at least as full as with the least split count (16 row blocks at 300 K keys: 33
     splits = 4 waves of 132 SMs exactly, not 17 = 272 programs, a nearly empty third wave)."""
-    from pallas_kernels.indexer.tiling import SMS, TARGET_PROGRAMS, key_splits
     filled = lambda p: p / (-(-p // SMS) * SMS)
     assert key_splits(16, 1180) == 33
     for blocks in (1, 2, 3, 8, 16, 32, 40, 64, 300):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from pallas_kernels.indexer import kernel, mosaic
+from pallas_kernels.indexer import index_topk, kernel, mosaic
 
 ON_H200 = mosaic.supported(group=8, head_dim=128, heads=32, masked=False, score_dtype="bfloat16", interpret=False)
 
@@ -160,7 +160,6 @@ def test_only_compiled_sm90_bf16_unmasked_groups_of_8_use_it():
 def test_index_topk_selects_as_with_the_triton_pass(monkeypatch):
     """The whole op (ratio 1 and 2, and candidate-masked; 256 rows against 40 K keys, 32 heads of 128, K = 512)
     picks the same entries with either maxima pass."""
-    from pallas_kernels.indexer import index_topk
     rng = np.random.default_rng(7)
     t, n, heads = 256, 40_000, 32
     q = jnp.asarray(rng.integers(-3, 4, (1, t, heads, 128)) * 0.5, jnp.bfloat16)
@@ -180,7 +179,7 @@ def test_index_topk_selects_as_with_the_triton_pass(monkeypatch):
 
 def _interpreter():
     try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415 - private jax API
         _patch_interpreter_wgmma()
     except Exception as e:  # noqa: BLE001 - a private API: absent or changed in this jax
         pytest.skip(f"no usable Mosaic GPU interpreter in jax {jax.__version__}: {e}")
@@ -199,10 +198,9 @@ def _patch_interpreter_wgmma():
     global _PATCHED
     if _PATCHED:
         return
-    import numpy as np
-    from jax._src.pallas.mosaic.interpret import utils as iu
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
-    from jax._src.state.types import TransposeTransform
+    from jax._src.pallas.mosaic.interpret import utils as iu  # noqa: PLC0415 - private jax API (the caller skips without it)
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc  # noqa: PLC0415 - private jax API (the caller skips without it)
+    from jax._src.state.types import TransposeTransform  # noqa: PLC0415 - private jax API (the caller skips without it)
 
     def read(key_arr, transforms, gtid, info, sm):
         transforms = tuple(gc._remove_noop_transforms(transforms))

@@ -18,7 +18,13 @@ from dsv41_jax.formats import decode_fp4
 from pallas_kernels.moe import ExpertWeights, grouping, routed_experts
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import max_tiles, plan_tiles
-from pallas_kernels.moe.ops import _as_words, _plane_chunks, _weighted_gather_sum, default_config
+from pallas_kernels.moe.ops import (
+    _as_words,
+    _plane_chunks,
+    _weighted_gather_sum,
+    check_offsets,
+    default_config,
+)
 from pallas_kernels.moe.reference import routed_experts_reference
 from pallas_kernels.registry import IMPLEMENTATIONS
 
@@ -386,8 +392,6 @@ def test_offset_guard_refuses_only_what_the_kernels_would_wrap():
     16-bit words, so world 1's full-width codes (384 x 2,304 x 2,560 = 2.11 GiB, refused before the word view)
     pass, as do bf16 operands of any size; a one-byte scale operand of 2-4 GiB (a stack of 32-64 GiB of codes on
     one rank) is refused."""
-    from pallas_kernels.moe.ops import ExpertWeights, check_offsets
-
     def weights(e, f, d, dtype=jnp.uint8):
         pack = 2 if dtype == jnp.uint8 else 1
         shapes = [(e, f, d // pack), (e, f, d // pack), (e, d, f // pack)]

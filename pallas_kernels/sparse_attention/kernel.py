@@ -123,22 +123,22 @@ def _kernel(q_pos_ref, first_row_ref, q_ref, pool_ref, topk_ref, window_ref, sin
                           compressed_tile, carry)
     carry = lax.fori_loop(jnp.clip(first - num_comp_tiles, 0, window_tiles),
                           jnp.clip(last - num_comp_tiles, 0, window_tiles), window_tile, carry)
-    m, l, acc = carry
+    m, den, acc = carry
     acc_ref, m_ref, l_ref = rest
     plgpu.store(acc_ref.at[pl.ds(h0, lanes), :], acc, mask=head_ok[:, None])
     plgpu.store(m_ref.at[pl.ds(h0, lanes)], m, mask=head_ok)
-    plgpu.store(l_ref.at[pl.ds(h0, lanes)], l, mask=head_ok)
+    plgpu.store(l_ref.at[pl.ds(h0, lanes)], den, mask=head_ok)
 
 
 def _finish(carry, sinks_ref, o_ref, *, h0, lanes: int, head_ok):
-    """The sink joins the denominator, then 1/l; rows without a valid key are zeros."""
-    m, l, acc = carry
+    """The sink joins the denominator, then 1/den; rows without a valid key are zeros."""
+    m, den, acc = carry
     sink = plgpu.load(sinks_ref.at[pl.ds(h0, lanes)], mask=head_ok, other=0.0) * LOG2E
     m_final = jnp.maximum(m, sink)
     rescale = jnp.exp2(m - m_final)
-    denominator = l * rescale + jnp.exp2(sink - m_final)
+    denominator = den * rescale + jnp.exp2(sink - m_final)
     out = acc * (rescale / denominator)[:, None]
-    out = jnp.where((l > 0)[:, None], out, 0.0)                                 # no valid key -> zeros
+    out = jnp.where((den > 0)[:, None], out, 0.0)                               # no valid key -> zeros
     plgpu.store(o_ref.at[pl.ds(h0, lanes), :], out.astype(o_ref.dtype), mask=head_ok[:, None])
 
 
@@ -209,7 +209,7 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
     if splits > 1:
         part = lambda *shape: pl.BlockSpec((None, None, None, *shape),
                                            lambda j, t, b: (b, t, j % splits) + (0,) * len(shape))
-        acc, m, l = pl.pallas_call(
+        acc, m, den = pl.pallas_call(
             kernel, grid=grid, in_specs=in_specs,
             out_specs=[part(num_heads, head_dim), part(num_heads), part(num_heads)],
             out_shape=[jax.ShapeDtypeStruct((batch, num_q, splits, num_heads, head_dim), jnp.float32),
@@ -218,7 +218,7 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
             compiler_params=params, interpret=interpret, name="sparse_attention_split")(*operands)
         # materialised: left to fuse, XLA recomputed the join inside the consumer's GEMV (each output column
         # re-reading every split's numerator)
-        return lax.optimization_barrier(_combine(acc, m, l, sinks).astype(q.dtype))
+        return lax.optimization_barrier(_combine(acc, m, den, sinks).astype(q.dtype))
     aliases = {}
     if out_init is not None:
         in_specs.append(heads_of_row)
@@ -237,14 +237,14 @@ def sparse_attention_pallas(q, kv_pool, topk, window, window_start, q_pos, sinks
     )(*operands)
 
 
-def _combine(acc, m, l, sinks):
+def _combine(acc, m, den, sinks):
     """The splits' softmax states joined, then the sink, as ``_finish`` does for one split in the kernel:
-    acc f32 [B, T, S, H, Dh], m, l f32 [B, T, S, H] (log2 units; a split without a valid key has l = 0) ->
+    acc f32 [B, T, S, H, Dh], m, den f32 [B, T, S, H] (log2 units; a split without a valid key has den = 0) ->
     o f32 [B, T, H, Dh]."""
     sink = sinks.astype(jnp.float32) * LOG2E                                    # [H]
     m_final = jnp.maximum(jnp.max(m, axis=2), sink)                             # [B, T, H]
     rescale = jnp.exp2(m - m_final[:, :, None])                                 # [B, T, S, H]
     numerator = jnp.sum(acc * rescale[..., None], axis=2)
-    l_total = jnp.sum(l * rescale, axis=2)
-    out = numerator / (l_total + jnp.exp2(sink - m_final))[..., None]
-    return jnp.where((l_total > 0)[..., None], out, 0.0)
+    den_total = jnp.sum(den * rescale, axis=2)
+    out = numerator / (den_total + jnp.exp2(sink - m_final))[..., None]
+    return jnp.where((den_total > 0)[..., None], out, 0.0)

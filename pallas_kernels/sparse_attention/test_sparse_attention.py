@@ -19,7 +19,7 @@ import pytest
 
 from pallas_kernels.registry import IMPLEMENTATIONS
 from pallas_kernels.sparse_attention import sparse_attention
-from pallas_kernels.sparse_attention.kernel import sparse_attention_pallas
+from pallas_kernels.sparse_attention.kernel import key_splits, sparse_attention_pallas
 from pallas_kernels.sparse_attention.reference import sparse_attention_reference
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -151,7 +151,6 @@ def test_key_splits_of_decode_rows():
     keys), prefill segments do not; any split count — one a tile (some splits only window keys, the row's
     compressed list empty or its window cut), or runs of several tiles — gives the oracle's values, and the same
     as one program up to the f32 join's rounding; a row without any valid key stays exactly zero."""
-    from pallas_kernels.sparse_attention.kernel import key_splits
     assert key_splits(1, 10) == 10 and key_splits(8, 10) == 10 and key_splits(9, 10) == 1
     assert key_splits(2048, 10) == 1
     case = Case(rows=4, heads=16, head_dim=64, topk=70, window=20, first_pos=(30,), q_gain=3.0)

@@ -15,10 +15,13 @@ median) is bounded: ``model_helpers.assert_close_with_rounding_flips``.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
-from model_helpers import Runner, assert_close_with_rounding_flips, model_state, split_sizes
+from flax import nnx
+from model_helpers import Runner, _graph, assert_close_with_rounding_flips, model_state, split_sizes
 
+import dsv41_jax.model.indexer as indexer
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model import ModelOptions
@@ -112,15 +115,10 @@ def test_padding_rows_with_a_zero_embedding_stay_out(setup):
 def test_query_row_blocks_give_the_same_result(setup, monkeypatch):
     """With a tiny scratch budget the indexer and the XLA attention run over blocks of a few query
     rows (`jax.lax.map`); per-row math is unchanged, so the result equals the one-block run (1e-5)."""
-    import dsv41_jax.model.indexer as indexer
-
     cfg, states, ids, one_pass = setup
     monkeypatch.setattr(indexer, "SCORE_BUDGET_BYTES", 20_000)  # → blocks of 4–16 rows at 56 rows
     options = ModelOptions(dtype="float32", quant_rounding=False, attention_impl="xla", moe_impl="xla")
     # a distinct (equal) options object would hit the same jit cache: build the program afresh
-    import jax
-    from flax import nnx
-    from model_helpers import _graph
 
     graphdef = _graph(cfg, options)
     fn = jax.jit(lambda st, x, c, n: nnx.merge(graphdef, st).forward(x, c, n))

@@ -6,12 +6,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from model_helpers import Runner, model_state
 
+from dsv41_jax import planner
 from dsv41_jax.config import load_named
+from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights
-from dsv41_jax.model import ModelOptions, init_cache
+from dsv41_jax.model import ModelOptions, attention, indexer, init_cache, moe
 from dsv41_jax.model.moe import MoE
 
 
@@ -67,8 +70,6 @@ def test_rows_outside_valid_route_to_no_expert():
 def test_model_options_take_the_registry_names():
     """``*_impl`` is one of ``pallas_kernels.registry.IMPLEMENTATIONS``; "reference" (the old name of the XLA path)
     is stored as "xla"; anything else is a ValueError naming the field and the choices."""
-    import pytest
-
     options = ModelOptions(attention_impl="reference", moe_impl="pallas")
     assert (options.attention_impl, options.moe_impl, options.indexer_impl, options.hc_impl) == (
         "xla", "pallas", "xla", "xla")
@@ -81,10 +82,6 @@ def test_the_ops_take_the_plans_tiles(monkeypatch):
     """Issue #13 ("the engine obeys the plan"): a model built by `loading.build_model` carries the planner's
     kernel tiles for one device, and its Pallas calls pass them on: the segment's head tile (R4) to a prefill's
     attention, the decode tile (§B.3a) to a one-row step's, BM (§E) to the MoE op, B_idx to the indexer's launches."""
-    from dsv41_jax import planner
-    from dsv41_jax.loading import build_model
-    from dsv41_jax.model import attention, indexer, moe
-
     cfg = load_named("tiny")
     seen = {"head_tile": [], "block_m": [], "budget": []}
     real_attention, real_experts, real_rows = attention.sharded_attention, moe.sharded_experts, indexer.launch_rows

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dsv41_jax.model.norms import rms_scale
 from dsv41_jax.model.quant import fake_quant_fp8, round_to_e4m3
 
 
@@ -47,8 +48,6 @@ def test_rms_scale_is_one_over_sqrt_not_rsqrt_inside_a_fusion():
     numpy's float32 ones; XLA:GPU's own sqrt and divide are within an ulp, measured on the H200), never XLA's
     rsqrt (its rewrite of 1/sqrt, off by an ulp at times). Integer inputs keep mean(x²) exact, so the expected
     value does not depend on the summation order."""
-    from dsv41_jax.model.norms import rms_scale
-
     eps = 1e-6
     x = jnp.asarray(np.random.default_rng(2).integers(-64, 65, size=(20_000, 256)).astype(np.float32))
     root = jax.jit(lambda a: jnp.sqrt(jnp.mean(a * a, axis=-1) + eps))(x)
