@@ -40,6 +40,7 @@ from .cli import Parser, UsageError, cli_main, positive_int, say
 from .compile_cache import enable as enable_compile_cache
 from .runspec import RunSpec
 from .textfile import read_text
+from .tokenizer import fold_ids
 from .vision.preprocess import expand_prompt, open_image, prepare_image
 
 EXAMPLES = """\
@@ -392,8 +393,8 @@ def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int,
                 raise UsageError(f"{s.label}: {e}") from None
         else:
             ids = tokenizer.encode(s.text, add_bos=True)
-        if model_vocab < tokenizer.vocab_size and any(i >= model_vocab for i in ids):
-            ids, folded = [i % model_vocab for i in ids], True
+        ids, was_folded = fold_ids(ids, tokenizer.vocab_size, model_vocab)
+        folded |= was_folded
         out.append(tuple(ids))
     return out, folded
 
@@ -435,9 +436,9 @@ def _image_ids(spec: PromptSpec, tokenizer, args, model_vocab: int, image_id: in
         if k:
             ids.append(image_id)
         part = tokenizer.encode(piece, add_bos=add_bos and k == 0) if piece or (add_bos and k == 0) else []
-        if model_vocab < tokenizer.vocab_size and any(i >= model_vocab for i in part):
-            part, folded = [i % model_vocab for i in part], True
-            part = [i - 1 if i == image_id else i for i in part]
+        part, was_folded = fold_ids(part, tokenizer.vocab_size, model_vocab)
+        if was_folded:
+            folded, part = True, [i - 1 if i == image_id else i for i in part]
         ids += part
     return tuple(ids), folded
 
@@ -463,20 +464,6 @@ def run_spec(args, images: bool = False) -> RunSpec:
                    expert_format=args.expert_format, impl=args.impl, quant_rounding=args.quant_rounding,
                    skip_engram=args.skip_engram, engram_tables=args.engram_tables, images=images,
                    speculate=args.speculate, draft_tokens=args.draft_tokens, speculation_off=tuple(blockers))
-
-
-def _device_memory_bytes() -> int | None:
-    return runspec.device_memory_bytes()
-
-
-def engram_setup(cfg, args, checkpoint_dir=None, expert_format: str = "dequantized") -> runspec.EngramSetup:
-    """`runspec.engram_setup` for this command line."""
-    return runspec.engram_setup(cfg, run_spec(args), checkpoint_dir, expert_format, memory=_device_memory_bytes)
-
-
-def open_checkpoint_inputs(args) -> runspec.ModelInputs:
-    """`runspec.open_checkpoint_inputs` for this command line."""
-    return runspec.open_checkpoint_inputs(run_spec(args), memory=_device_memory_bytes)
 
 
 def default_max_context(cfg, longest_prompt: int, max_new: int) -> int:

@@ -131,6 +131,14 @@ class DeepSeekTokenizer:
         return StreamDecoder(self, skip_special=skip_special)
 
 
+def fold_ids(ids: Sequence[int], tokenizer_vocab: int, model_vocab: int) -> tuple[list[int], bool]:
+    """Text ids for a model whose vocabulary is smaller than the tokenizer's (the embedded tiny model): each id
+    taken modulo ``model_vocab`` where any would fall outside it; and whether that happened."""
+    if model_vocab < tokenizer_vocab and any(i >= model_vocab for i in ids):
+        return [i % model_vocab for i in ids], True
+    return list(ids), False
+
+
 def _read_config(path: Path) -> dict:
     if not path.is_file():
         return {}

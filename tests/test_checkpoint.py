@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ has no __init__.py: make mlx_oracle importable
 
-from dsv41_jax import checkpoint, generate, make_tiny, param_specs
+from dsv41_jax import checkpoint, generate, make_tiny, param_specs, runspec
 from dsv41_jax.checkpoint import CheckpointError, load_checkpoint, open_checkpoint
 from dsv41_jax.config import load_named
 
@@ -301,10 +301,10 @@ def test_stored_expert_format_and_generate_auto(written, capsys):
     for mode, fmt in expected.items():
         assert open_checkpoint(written[mode][0]).stored_expert_format == fmt
         args = generate.build_parser().parse_args(["--checkpoint", str(written[mode][0]), "--prompt", "x"])
-        inputs = generate.open_checkpoint_inputs(args)
+        inputs = runspec.open_checkpoint_inputs(generate.run_spec(args))
         assert inputs.expert_format == fmt and inputs.description.endswith("fp4 experts") == (fmt == "fp4")
         assert all(not hasattr(w, "__array__") for w in inputs.weights.values())  # lazily read, nothing yet
     args = generate.build_parser().parse_args(["--checkpoint", str(written["fp8"][0]), "--prompt", "x",
                                                "--expert-format", "fp4"])
     with pytest.raises(CheckpointError, match="packed fp4"):
-        generate.open_checkpoint_inputs(args)
+        runspec.open_checkpoint_inputs(generate.run_spec(args))

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import sharding
-from dsv41_jax import engram, generate
+from dsv41_jax import engram, generate, runspec
 from dsv41_jax.checkpoint import open_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.loading import build_model
@@ -229,13 +229,14 @@ def test_engram_setup_says_where_the_tables_go(capsys, monkeypatch):
     """The placement line of ``generate`` (no run): the split at world 4 (TINY-E: 2 of 6 columns a layer at most)
     and the planner's choice for the release on H200s (139 GiB budget): host at world 1 (189 GiB of tables),
     device at world 4."""
-    monkeypatch.setattr(generate, "_device_memory_bytes", lambda: None)  # the planner's H200 budget here too
 
     def setup(config, world, tables="auto", expert_format="dequantized"):
         args = generate.build_parser().parse_args(["--prompt-ids", "0", "--world", str(world), "--engram-tables",
                                                    tables])
         cfg = load_named(config)
-        return generate.engram_setup(cfg, args, expert_format=expert_format).tables, capsys.readouterr().err
+        # memory None: the planner's H200 budget here too
+        placed = runspec.engram_setup(cfg, generate.run_spec(args), expert_format=expert_format, memory=lambda: None)
+        return placed.tables, capsys.readouterr().err
 
     tables, err = setup("tiny_engram", 4, "device")
     assert tables == "device" and "split by hash column (2 columns a layer each)" in err

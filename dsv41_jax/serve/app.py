@@ -44,12 +44,13 @@ from ..chat import (
     ReplyStream,
     ToolCallEvent,
     UnparsedDelta,
+    chat_ids,
     effort_budget,
     message_from_openai,
 )
 from ..engine import EngineInputError, Request
-from ..generate import PromptSpec, UsageError, tokenize
 from ..sampling import SamplingParams
+from ..tokenizer import fold_ids
 from .errors import BadRequest, ErrorGuard, error_body, error_response, log_internal_error, read_json_object, shown
 from .metrics import Metrics
 from .worker import QueueFull, Worker
@@ -203,14 +204,12 @@ def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int
         raise BadRequest(str(e), "reasoning_effort") from None
     if body.tool_choice == "none":
         tools = ()
-    options = types.SimpleNamespace(thinking=thinking, reasoning_effort=body.reasoning_effort, chat=True,
-                                    system=None)
     try:
-        ids, _ = tokenize([PromptSpec(messages=messages, tools=tools, label="messages")], state.tokenizer, options,
-                          state.vocab_size)
-    except (UsageError, ChatFormatError) as e:
-        raise BadRequest(str(e).removeprefix("messages: "), "messages") from None
-    return ids[0]
+        ids = chat_ids(state.tokenizer, messages, thinking=thinking, reasoning_effort=body.reasoning_effort,
+                       tools=tools)
+    except ChatFormatError as e:
+        raise BadRequest(str(e), "messages") from None
+    return tuple(fold_ids(ids, state.tokenizer.vocab_size, state.vocab_size)[0])
 
 
 def check_messages(messages: list) -> None:
@@ -293,9 +292,8 @@ def completion_prompt(state: ServerState, body: CompletionBody) -> tuple[int, ..
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = state.tokenizer.encode(prompt, add_bos=True)
-        return tuple(i % state.vocab_size for i in ids) if state.vocab_size < state.tokenizer.vocab_size else \
-            tuple(ids)
+        return tuple(fold_ids(state.tokenizer.encode(prompt, add_bos=True), state.tokenizer.vocab_size,
+                              state.vocab_size)[0])
     if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise BadRequest(f"prompt holds {len(prompt)} prompts: one prompt per request is supported", "prompt")
     for k, i in enumerate(prompt):
