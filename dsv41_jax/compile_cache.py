@@ -14,11 +14,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import jax
-from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
-
-from . import compiler
-
 ENV = "DSV41_JAX_COMPILE_CACHE"
 OFF = "off"
 
@@ -53,6 +48,12 @@ def enable(directory: str | None = None) -> Path | None:
         if explicit:
             raise CompileCacheError(f"--compile-cache {directory}: {e}") from None
         return None
+
+    # the CLIs import this module (its error) before they set XLA's flags: JAX is imported only here
+    import jax  # noqa: PLC0415 - see above
+    from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache  # noqa: PLC0415
+
+    from . import compiler  # noqa: PLC0415 - brings JAX
 
     compiler.use_store(path / compiler.STORE_DIR)
     # JAX's own cache stays off: an executable it loads does not serialize back whole on XLA:CPU (jax 0.10.2:

@@ -39,7 +39,9 @@ FOUR_K = PlanOptions(pf4k=True, acknowledge_4k=True)
 
 
 def test_planner_and_cli_import_no_jax():
-    code = ("import sys, dsv41_jax.planner, dsv41_jax.plan; "
+    """The planner, and the CLI modules, which check their arguments and set XLA's flags before JAX starts."""
+    code = ("import sys, dsv41_jax.planner, dsv41_jax.plan, dsv41_jax.cli, dsv41_jax.runspec, dsv41_jax.generate, "
+            "dsv41_jax.profile, dsv41_jax.serve.__main__; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
