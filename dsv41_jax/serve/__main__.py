@@ -4,8 +4,10 @@ batching. Model flags are `generate`'s; bad flags are one line on stderr and exi
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
+import threading
 from typing import Sequence
 
 import uvicorn
@@ -27,7 +29,9 @@ examples:
 Routes: POST /v1/chat/completions, POST /v1/completions (SSE with "stream": true), GET /v1/models, GET /health,
 GET /metrics. Chat requests take "thinking" (true/false or {"type": "enabled"}; default off, on when
 "reasoning_effort" is given), "reasoning_effort" (low, high, max or 1..100), "tools" and "tool_choice"; the reply
-carries "reasoning_content" apart from "content", and "tool_calls". Without --checkpoint the embedded tiny model
+carries "reasoning_content" apart from "content", and "tool_calls". A request field the server does not implement
+is a 400 naming it, an unknown "model" a 404. SIGTERM or Ctrl-C drains: new requests get 503 while those running
+and queued finish (up to --drain-timeout; then they end with an error), then the server exits 0. Without --checkpoint the embedded tiny model
 (configs/tiny.json, random weights) answers noise: its 512-id vocabulary folds the tokenizer's ids (id mod 512).
 """
 
@@ -72,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait for a slot; more get 503 at once (default 64)")
     serve.add_argument("--segment-rows", type=positive_int, metavar="N",
                        help="prefill segment rows (default: the planner's segments)")
+    serve.add_argument("--served-model-name", action="append", metavar="NAME[,NAME...]",
+                       help="the model names requests may ask for and /v1/models lists (repeatable or a comma "
+                            "list; the first is the default; default: the checkpoint folder's name, or "
+                            "dsv41-tiny-random / dsv41-K-layer-random); another name is a 404")
+    serve.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                       help="on SIGTERM or Ctrl-C, seconds the running and queued requests have to finish before "
+                            "they are ended with an error (default 60; a second Ctrl-C stops at once)")
     return p
 
 
@@ -80,6 +91,20 @@ def check_args(args) -> None:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise UsageError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    served_names(args)
+
+
+def served_names(args) -> tuple[str, ...]:
+    """``--served-model-name`` (each a comma list), in order, without repeats; default: the model's own name."""
+    given = [n.strip() for flag in args.served_model_name or () for n in flag.split(",")]
+    if any(not n for n in given):
+        raise UsageError(f"--served-model-name: an empty name in {','.join(given)!r}")
+    if given:
+        return tuple(dict.fromkeys(given))
+    return (args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else
+            f"dsv41-{args.layers}-layer-random" if args.layers else "dsv41-tiny-random",)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -155,10 +180,41 @@ def build_server(args):
                                  lambda: compile_events[0]),
         "dsv41_decode_steps": ("Decode steps run.", lambda: worker.slots.decode_steps),
     })
-    name = (args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else
-            f"dsv41-{args.layers}-layer-random" if args.layers else "dsv41-tiny-random")
-    state = ServerState(worker, tokenizer, metrics, name, engine.vocab_size, args.max_context)
+    state = ServerState(worker, tokenizer, metrics, served_names(args), engine.vocab_size, args.max_context)
     return create_app(state), state
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain: the first SIGTERM / SIGINT stops the worker taking requests (the app
+    answers 503, /health "draining") and waits up to ``drain_timeout`` seconds for those in flight; what is left
+    then ends with a shutdown event (an error event and [DONE], or a 503); then uvicorn shuts down. A second
+    signal stops at once. The signal is not raised again after the drain: the exit status is 0."""
+
+    FLUSH_S = 10  # uvicorn's wait for the last responses to be written once nothing is in flight
+
+    def __init__(self, config, worker, drain_timeout: float):
+        super().__init__(config)
+        self.worker, self.drain_timeout = worker, drain_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.worker.draining:
+            say("dsv41_jax.serve: stopping now")
+            self.should_exit = self.force_exit = True
+            return
+        name = signal.Signals(sig).name
+        say(f"dsv41_jax.serve: {name}: draining ({self.worker.in_flight} requests in flight; new requests get "
+            f"503; up to {self.drain_timeout:g} s)")
+        self.worker.drain()
+        threading.Thread(target=self._drain, name="dsv41-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        if not self.worker.wait_idle(self.drain_timeout):
+            left = self.worker.in_flight
+            self.worker.abort(f"the server shut down before this request finished (its drain timeout, "
+                              f"{self.drain_timeout:g} s, ran out)")
+            self.worker.wait_idle(self.FLUSH_S)
+            say(f"dsv41_jax.serve: drain timeout: ended {left} requests")
+        self.should_exit = True
 
 
 def run(args) -> int:
@@ -169,8 +225,10 @@ def run(args) -> int:
     host, port = sock.getsockname()[:2]
     say(f"dsv41_jax.serve: listening on http://{host}:{port} (model {state.model_name}, "
         f"{args.max_batch} slots, context {args.max_context:,}, queue {args.max_queue})")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
-    server.run(sockets=[sock])
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=DrainingServer.FLUSH_S)
+    DrainingServer(config, state.worker, args.drain_timeout).run(sockets=[sock])
+    say("dsv41_jax.serve: stopped")
     return 0
 
 

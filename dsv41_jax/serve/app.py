@@ -13,8 +13,14 @@ queue → 503 at once. Every response is counted in ``/metrics`` and an internal
 Generated ids become text through the tokenizer's stream decoder, then ``stop`` strings are cut (text that may
 begin one is held back), and for chat the V4.1 reply parser (`chat.ReplyStream`) splits reasoning, answer and
 tool calls. Streaming and non-streaming responses run the same pipeline, so their text is the same for the same
-tokens. Unknown request fields are ignored, as OpenAI-compatible servers do; fields of known names are checked.
-Completions take `"return_token_ids": true` (as vLLM) to get the generated ids in the choice (`token_ids`).
+tokens.
+
+No request field is silently ignored (`check_fields`): a field is implemented, or accepted only at the value that
+means "off" (``logprobs: false``, ``presence_penalty: 0``, ...: what clients send by default) and otherwise a 400
+saying it is not supported by this server, or, unknown, a 400 naming it. Besides OpenAI's fields: vLLM's
+``top_k`` and ``return_token_ids`` (completions: the generated ids in the choice, ``token_ids``), DeepSeek's
+``thinking`` and ``reasoning_effort`` (chat). A ``model`` the server does not serve is a 404 ``model_not_found``.
+While the server drains (shutting down) a new request is a 503 and ``/health`` says ``draining``.
 """
 
 from __future__ import annotations
@@ -53,14 +59,14 @@ from ..sampling import SamplingParams
 from ..tokenizer import fold_ids
 from .errors import BadRequest, ErrorGuard, error_body, error_response, log_internal_error, read_json_object, shown
 from .metrics import Metrics
-from .worker import QueueFull, Worker
+from .worker import QueueFull, ShuttingDown, Worker
 
 MAX_STOPS = 4  # as OpenAI
 
 
 # ------------------------------------------------------------------------------------------------- bodies
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)  # every field is checked first (`check_fields`)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -71,6 +77,8 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: dict | None = None
+    top_k: int | None = None  # as vLLM
+    user: str | None = None  # an end-user id (OpenAI's abuse monitoring): it changes nothing here
 
 
 class ChatBody(_Body):
@@ -87,8 +95,52 @@ class CompletionBody(_Body):
     return_token_ids: bool | None = None  # as vLLM
 
 
-async def parse_body(http: HttpRequest, model: type[BaseModel]) -> Any:
+# Fields not implemented, accepted only at the values that mean "off" (what OpenAI clients and SDKs send).
+_OFF_BOTH = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+             # vLLM's extensions
+             "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0), "ignore_eos": (None, False),
+             "stop_token_ids": (None, []), "best_of": (None, 1)}
+OFF_VALUES = {
+    ChatBody: {**_OFF_BOTH, "logprobs": (None, False), "top_logprobs": (None, 0), "response_format":
+               (None, {"type": "text"}), "parallel_tool_calls": (None, True), "modalities": (None, ["text"]),
+               "store": (None, False), "metadata": (None,), "service_tier": (None, "auto", "default"),
+               "audio": (None,), "prediction": (None,), "web_search_options": (None,), "functions": (None,),
+               "function_call": (None,), "verbosity": (None,), "prompt_cache_key": (None,),
+               "safety_identifier": (None,)},
+    CompletionBody: {**_OFF_BOTH, "logprobs": (None,), "echo": (None, False), "suffix": (None,)},
+}
+API_NAMES = {ChatBody: "chat completions", CompletionBody: "completions"}
+
+
+def _is_off(value: Any, off: tuple) -> bool:
+    """``value`` equals one of ``off``, a bool only a bool (``0 == False`` in Python)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) and (value is None) == (v is None)
+               for v in off)
+
+
+def _off_words(off: tuple) -> str:
+    return " or ".join("null" if v is None else shown(v) for v in off)
+
+
+def check_fields(data: dict, model: type[_Body]) -> None:
+    """400 for a field this server does not read: not implemented (at a value other than "off") or unknown."""
+    off_values = OFF_VALUES[model]
+    for field, value in data.items():
+        if field in model.model_fields:
+            continue
+        if field in off_values:
+            off = off_values[field]
+            if not _is_off(value, off):
+                raise BadRequest(f"{field} is not supported by this server (accepted only as {_off_words(off)}), "
+                                 f"got {shown(value)}", field)
+            continue
+        raise BadRequest(f"{field} is not a field of the {API_NAMES[model]} API this server serves (unknown "
+                         f"fields are refused, not ignored)", field)
+
+
+async def parse_body(http: HttpRequest, model: type[_Body]) -> Any:
     data = read_json_object(await http.body())
+    check_fields(data, model)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -122,14 +174,56 @@ class ServerState:
     worker: Worker
     tokenizer: Any
     metrics: Metrics
-    model_name: str
+    model_names: tuple[str, ...]  # the names served (`--served-model-name`); a request without one gets the first
     vocab_size: int
     max_context: int
     created: int = 0
 
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+
+class ModelNotFound(LookupError):
+    """A ``model`` this server does not serve (a 404 ``model_not_found``, as OpenAI)."""
+
+
+def model_of(state: ServerState, body: _Body) -> str:
+    """The served name the request asks for (none given: the first one)."""
+    if body.model is None:
+        return state.model_name
+    if body.model not in state.model_names:
+        raise ModelNotFound(f"The model `{body.model}` does not exist: this server serves "
+                            f"{', '.join(state.model_names)}")
+    return body.model
+
+
+def include_usage(body: _Body) -> bool:
+    """``stream_options``: only with ``"stream": true``; ``include_usage`` (default true here: a stream ends
+    with a usage chunk unless it is false)."""
+    options = body.stream_options
+    if options is None:
+        return True
+    if not body.stream:
+        raise BadRequest('stream_options is only allowed with "stream": true', "stream_options")
+    for key, value in options.items():
+        if key == "include_usage":
+            if value is not None and not isinstance(value, bool):
+                raise BadRequest(f"stream_options.include_usage must be true or false, got {shown(value)}",
+                                 "stream_options.include_usage")
+        elif key == "include_obfuscation":
+            if value is not None and value is not False:
+                raise BadRequest("stream_options.include_obfuscation is not supported by this server (accepted "
+                                 "only as false or null)", "stream_options.include_obfuscation")
+        else:
+            raise BadRequest(f"stream_options.{key} is not an option this server knows",
+                             f"stream_options.{key}")
+    return options.get("include_usage") is not False
+
 
 def sampling_of(body: _Body) -> SamplingParams:
-    """temperature 0..2 (0 greedy; default 1, as OpenAI), top_p (0, 1], seed 0..2^32-1 (default: random)."""
+    """temperature 0..2 (0 greedy; default 1, as OpenAI), top_p (0, 1], top_k (as vLLM: -1 or 0 off, else the k
+    most likely ids), seed 0..2^32-1 (default: random)."""
     if body.n not in (None, 1):
         raise BadRequest(f"n must be 1 (one choice per request is supported), got {shown(body.n)}", "n")
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -140,8 +234,11 @@ def sampling_of(body: _Body) -> SamplingParams:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
     if body.seed is not None and not 0 <= body.seed < 2**32:
         raise BadRequest(f"seed must be in 0 .. 2^32 - 1, got {shown(body.seed)}", "seed")
+    top_k = 0 if body.top_k is None else body.top_k
+    if top_k < -1:
+        raise BadRequest(f"top_k must be -1 or 0 (off) or a positive number of ids, got {top_k}", "top_k")
     seed = secrets.randbelow(2**32) if body.seed is None else body.seed
-    return SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    return SamplingParams(temperature=temperature, top_k=max(0, top_k), top_p=top_p, seed=seed)
 
 
 def stops_of(body: _Body) -> tuple[str, ...]:
@@ -196,8 +293,11 @@ def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int
         raise BadRequest(str(e), "messages") from None
     tools = tuple(body.tools or ())
     check_tools(tools)
-    if body.tool_choice not in (None, "auto", "none", "required") and not isinstance(body.tool_choice, dict):
-        raise BadRequest('tool_choice must be "auto", "none", "required" or a function', "tool_choice")
+    if body.tool_choice in ("required",) or isinstance(body.tool_choice, dict):
+        raise BadRequest(f'tool_choice {shown(body.tool_choice)} is not supported by this server (the reply is not '
+                         f'constrained to call a tool): "auto" or "none"', "tool_choice")
+    if body.tool_choice not in (None, "auto", "none"):
+        raise BadRequest(f'tool_choice must be "auto" or "none", got {shown(body.tool_choice)}', "tool_choice")
     try:
         effort_budget(body.reasoning_effort)
     except ChatFormatError as e:
@@ -354,9 +454,21 @@ class TextPipeline:
 
 @dataclass(frozen=True)
 class Failed:
-    """The engine failed on the request (its step raised): a 500, or an error event mid-stream."""
+    """The engine failed on the request (its step raised: a 500), or the server's drain ended it (a 503); an
+    error event mid-stream."""
 
     message: str
+    status: int = 500
+
+    @property
+    def code(self) -> str | None:
+        return "shutting_down" if self.status == 503 else None
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, "server_error", code=self.code)
+
+    def event(self) -> str:
+        return _sse(error_body(self.message, "server_error", code=self.code))
 
 
 @dataclass(frozen=True)
@@ -390,9 +502,9 @@ async def _events(worker, metrics, job_id, events, pipeline, http, arrived):
                 if http is not None and await http.is_disconnected():
                     return
                 continue
-            if kind == "error":
+            if kind in ("error", "shutdown"):
                 done = True
-                yield Failed(str(value))
+                yield Failed(str(value), 503 if kind == "shutdown" else 500)
                 return
             if kind == "done":
                 done = True
@@ -445,22 +557,23 @@ async def _guarded(stream: AsyncIterator[str], where: str):
 async def chat_completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, ChatBody)
+    name, usage = model_of(state, body), include_usage(body)
     thinking = thinking_of(body)
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     request = engine_request(state, chat_prompt(state, body, thinking), getattr(body, max_field), sampling_of(body),
                              "messages", max_field=max_field)
     pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=True, thinking=thinking)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
     if body.stream:
         events = await generation_events(state, request, pipeline, None, arrived)
-        return StreamingResponse(_guarded(_chat_stream(head, events, prompt_tokens), "a chat stream"),
+        return StreamingResponse(_guarded(_chat_stream(head, events, prompt_tokens, usage), "a chat stream"),
                                  media_type="text/event-stream")
     events = await generation_events(state, request, pipeline, http, arrived)
     reasoning, content, calls, unparsed, finish = [], [], [], [], None
     async for e in events:
         if isinstance(e, Failed):
-            return error_response(500, e.message, "server_error")
+            return e.response()
         if isinstance(e, ReasoningDelta):
             reasoning.append(e.text)
         elif isinstance(e, ContentDelta):
@@ -483,7 +596,7 @@ async def chat_completion(state: ServerState, http: HttpRequest):
                          "usage": _usage(prompt_tokens, finish.completion_tokens)})
 
 
-async def _chat_stream(head: dict, events, prompt_tokens: int):
+async def _chat_stream(head: dict, events, prompt_tokens: int, usage: bool = True):
     def chunk(delta: dict, finish=None) -> str:
         return _sse({**head, "object": "chat.completion.chunk",
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
@@ -499,31 +612,33 @@ async def _chat_stream(head: dict, events, prompt_tokens: int):
             saw_calls = True
             yield chunk({"tool_calls": [_tool_call_delta(e)]})
         elif isinstance(e, Failed):
-            yield _sse(error_body(e.message, "server_error"))
+            yield e.event()
         else:
             yield chunk({}, "tool_calls" if saw_calls and e.reason == "stop" else e.reason)
-            yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
-                        "usage": _usage(prompt_tokens, e.completion_tokens)})
+            if usage:
+                yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
+                            "usage": _usage(prompt_tokens, e.completion_tokens)})
     yield "data: [DONE]\n\n"
 
 
 async def completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, CompletionBody)
+    name, usage = model_of(state, body), include_usage(body)
     request = engine_request(state, completion_prompt(state, body), body.max_tokens, sampling_of(body), "prompt",
                              default_max=16)  # OpenAI's default for completions
     pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=False)
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
     if body.stream:
         events = await generation_events(state, request, pipeline, None, arrived)
-        return StreamingResponse(_guarded(_completion_stream(head, events, prompt_tokens), "a completion stream"),
-                                 media_type="text/event-stream")
+        stream = _completion_stream(head, events, prompt_tokens, usage)
+        return StreamingResponse(_guarded(stream, "a completion stream"), media_type="text/event-stream")
     events = await generation_events(state, request, pipeline, http, arrived)
     text, finish = [], None
     async for e in events:
         if isinstance(e, Failed):
-            return error_response(500, e.message, "server_error")
+            return e.response()
         if isinstance(e, Finish):
             finish = e
         else:
@@ -537,18 +652,19 @@ async def completion(state: ServerState, http: HttpRequest):
                          "usage": _usage(prompt_tokens, finish.completion_tokens)})
 
 
-async def _completion_stream(head: dict, events, prompt_tokens: int):
+async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool = True):
     def chunk(text: str, finish=None) -> str:
         return _sse({**head, "object": "text_completion",
                      "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
 
     async for e in events:
         if isinstance(e, Failed):
-            yield _sse(error_body(e.message, "server_error"))
+            yield e.event()
         elif isinstance(e, Finish):
             yield chunk("", e.reason)
-            yield _sse({**head, "object": "text_completion", "choices": [],
-                        "usage": _usage(prompt_tokens, e.completion_tokens)})
+            if usage:
+                yield _sse({**head, "object": "text_completion", "choices": [],
+                            "usage": _usage(prompt_tokens, e.completion_tokens)})
         else:
             yield chunk(e.text)
     yield "data: [DONE]\n\n"
@@ -563,9 +679,15 @@ def create_app(state: ServerState) -> FastAPI:
     def route(handler):
         async def run(http: HttpRequest):
             try:
+                if state.worker.draining:
+                    raise ShuttingDown("the server is shutting down: it takes no new requests")
                 return await handler(state, http)
             except BadRequest as e:
                 return error_response(400, str(e), param=e.param)
+            except ModelNotFound as e:
+                return error_response(404, str(e), param="model", code="model_not_found")
+            except ShuttingDown as e:
+                return error_response(503, str(e), "server_error", code="shutting_down")
             except QueueFull as e:
                 return error_response(503, str(e), "server_overloaded", code="queue_full")
             except ClientDisconnect:  # gone while its body was read
@@ -577,13 +699,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "dsv41-jax", "max_model_len": state.max_context}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
+                                            "owned_by": "dsv41-jax", "max_model_len": state.max_context}
+                                           for name in state.model_names]}
 
     @app.get("/health")
     async def health():
         if not state.worker.alive:
             return error_response(503, "the engine thread has stopped", "server_error")
+        if state.worker.draining:
+            return JSONResponse({"status": "draining", "running": state.worker.slots.active,
+                                 "queued": state.worker.queued}, status_code=503)
         return {"status": "ok", "running": state.worker.slots.active, "queued": state.worker.queued}
 
     @app.get("/metrics")

@@ -3,6 +3,9 @@
 The HTTP side (asyncio) hands requests over with `Worker.submit` and gets each request's events on an
 ``asyncio.Queue`` (put from this thread with ``loop.call_soon_threadsafe``); `Worker.cancel` stops one. The queue
 bound: at most ``slots + max_queue`` requests in flight; `submit` raises `QueueFull` past it (the server's 503).
+
+Draining (the server's shutdown): `drain` makes `submit` raise `ShuttingDown` from then on, `wait_idle` waits for
+what is in flight to finish, and `abort` ends what is left: each request gets a ``("shutdown", message)`` event.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 import traceback
 
 from ..engine import Request
@@ -20,6 +24,10 @@ from .slots import Job, SlotEngine
 
 class QueueFull(RuntimeError):
     """Every slot is taken and ``max_queue`` requests already wait."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining: it takes no new requests."""
 
 
 class Worker:
@@ -33,6 +41,7 @@ class Worker:
         self._on_token = on_token  # metrics hook, called on this thread
         self._thread = threading.Thread(target=self._loop, name="dsv41-engine", daemon=True)
         self._stop = threading.Event()
+        self._draining = False
 
     def start(self) -> None:
         self._thread.start()
@@ -47,6 +56,26 @@ class Worker:
         return self._thread.is_alive()
 
     @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """Take no new requests (`submit` raises `ShuttingDown`); those in flight go on."""
+        with self._lock:
+            self._draining = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every request in flight to end; True when none is left."""
+        deadline = time.monotonic() + timeout
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self._in_flight
+
+    def abort(self, message: str) -> None:
+        """End every request in flight with a ``("shutdown", message)`` event (at the engine's next step)."""
+        self._inbox.put(("abort", message))
+
+    @property
     def in_flight(self) -> int:
         return self._in_flight
 
@@ -58,6 +87,8 @@ class Worker:
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Queue]:
         """Queue ``request`` (already checked by the caller); (job id, its event queue). QueueFull past the bound."""
         with self._lock:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down: it takes no new requests")
             if self._in_flight >= self.slots.slots + self.max_queue:
                 raise QueueFull(f"the server is busy: {self.slots.slots} requests running and {self.max_queue} "
                                 f"waiting; retry later")
@@ -91,6 +122,8 @@ class Worker:
                     self.slots.add(value)
                 except Exception as e:  # noqa: BLE001 - refused by the engine: the request's error, not ours
                     value.sink("error", str(e))
+            elif kind == "abort":
+                self._reset(value, "shutdown")
             else:
                 self.slots.cancel(value)
             try:
@@ -107,11 +140,11 @@ class Worker:
                 traceback.print_exc(file=sys.stderr)
                 self._reset("the engine failed on this request (see the server log)")
 
-    def _reset(self, message: str) -> None:
-        """Fail every request the slot engine holds and start it afresh (its donated buffers may be gone);
-        the program table is the engine's, so nothing recompiles."""
+    def _reset(self, message: str, kind: str = "error") -> None:
+        """End every request the slot engine holds with a ``kind`` event and start it afresh (after a failed
+        step its donated buffers may be gone); the program table is the engine's, so nothing recompiles."""
         old = self.slots
         for job in [*old.waiting, *old.prefilling, *old.running]:
-            if job is not None:
-                job.sink("error", message)
+            if job is not None and not job.finished:
+                job.sink(kind, message)
         self.slots = SlotEngine(old.engine, old.slots, old.short_rows)
