@@ -31,8 +31,9 @@ GET /metrics. Chat requests take "thinking" (true/false or {"type": "enabled"}; 
 "reasoning_effort" is given), "reasoning_effort" (low, high, max or 1..100), "tools" and "tool_choice"; the reply
 carries "reasoning_content" apart from "content", and "tool_calls". A request field the server does not implement
 is a 400 naming it, an unknown "model" a 404. SIGTERM or Ctrl-C drains: new requests get 503 while those running
-and queued finish (up to --drain-timeout; then they end with an error), then the server exits 0. Without --checkpoint the embedded tiny model
-(configs/tiny.json, random weights) answers noise: its 512-id vocabulary folds the tokenizer's ids (id mod 512).
+and queued finish (up to --drain-timeout; then they end with an error), then the server exits 0. Without
+--checkpoint the embedded tiny model (configs/tiny.json, random weights) answers noise: its 512-id vocabulary
+folds the tokenizer's ids (id mod 512).
 """
 
 
