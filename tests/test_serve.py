@@ -8,7 +8,8 @@ step's, ``step[4, 1]`` (the one-row prefill of long prompts is tested in-process
 32-row segments here would compile ``step[1, 32]`` too, which costs more start-up than it saves on the
 tool-schema and chat-template prompts).
 
-One server process serves the module; its start-up (mostly compiling) is most of the module's time.
+One server process serves the module (its names: ``NAMES``); its start-up (mostly compiling) is most of the
+module's time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.chat import Message, ToolCall, render_reply
-from dsv41_jax.serve.__main__ import listen
+from dsv41_jax.serve.__main__ import build_parser, listen, served_names
 from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream
 from dsv41_jax.tokenizer import load_tokenizer
 
@@ -40,6 +41,7 @@ pytest.importorskip("uvicorn")
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS, QUEUE, CONTEXT = 4, 12, 512
 STARTUP_S = 420  # compiling on a loaded 2-core machine
+NAMES = ["dsv41-tiny-random", "m", "alias"]  # --served-model-name, given once alone and once as a comma list
 
 
 def _start(*flags):
@@ -67,7 +69,7 @@ SERVER_LOG: list[str] = []  # the server's stdout and stderr after start-up, rea
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url, lines = _start()
+    proc, url, lines = _start("--served-model-name", NAMES[0], "--served-model-name", ",".join(NAMES[1:]))
     threading.Thread(target=lambda: SERVER_LOG.extend(proc.stdout), daemon=True).start()
     STARTUP["compiles"] = _metric(url, "dsv41_compile_events")
     try:
@@ -152,7 +154,7 @@ def test_completions_stream_equals_non_stream(client):
 
 
 def test_models_health_and_tools(server, client):
-    assert [m.id for m in client.models.list().data] == ["dsv41-tiny-random"]
+    assert [m.id for m in client.models.list().data] == NAMES
     assert httpx.get(server + "/health").json()["status"] == "ok"
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                                "parameters": {"type": "object",
@@ -296,6 +298,33 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("completions", {"prompt": [1, 2], "max_tokens": CONTEXT}, "max_tokens"),
     ("completions", {"prompt": [1, 2], "return_token_ids": 1}, "return_token_ids"),
     ("completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+    # fields not implemented: refused by name unless at their "off" value (the openai client's cases below)
+    ("chat", {"messages": [USER], "logprobs": True}, "logprobs"),
+    ("chat", {"messages": [USER], "logprobs": 0}, "logprobs"),  # not false: 0 == False only in Python
+    ("chat", {"messages": [USER], "top_logprobs": 3}, "top_logprobs"),
+    ("chat", {"messages": [USER], "presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"messages": [USER], "logit_bias": {"5": 100}}, "logit_bias"),
+    ("chat", {"messages": [USER], "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"messages": [USER], "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("chat", {"messages": [USER], "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"messages": [USER], "tool_choice": "any"}, "tool_choice"),
+    ("chat", {"messages": [USER], "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("chat", {"messages": [USER], "echo": True}, "echo"),  # a completions field: unknown to chat
+    ("chat", {"messages": [USER], "chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs"),
+    ("chat", {"messages": [USER], "top_k": -2}, "top_k"),
+    ("chat", {"messages": [USER], "top_k": 1.5}, "top_k"),
+    ("chat", {"messages": [USER], "stream_options": {"include_usage": True}}, "stream_options"),  # not a stream
+    ("chat", {"messages": [USER], "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
+    ("chat", {"messages": [USER], "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("completions", {"prompt": [1], "logprobs": 0}, "logprobs"),
+    ("completions", {"prompt": [1], "echo": True}, "echo"),
+    ("completions", {"prompt": [1], "best_of": 2}, "best_of"),
+    ("completions", {"prompt": [1], "suffix": "x"}, "suffix"),
+    ("completions", {"prompt": [1], "min_tokens": 4}, "min_tokens"),
+    ("completions", {"prompt": [1], "tools": []}, "tools"),  # a chat field: unknown to completions
+    ("completions", {"prompt": [1], "foo": None}, "foo"),
 ]
 
 
@@ -347,7 +376,29 @@ def test_bad_requests_get_400_and_the_connection_lives(server):
 def test_the_openai_client_gets_400s_naming_the_field(client):
     user = [{"role": "user", "content": "x"}]
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+    weather = [{"type": "function", "function": {"name": "get_weather"}}]
     asks = [
+        (client.chat.completions.create, dict(messages=user, logprobs=True), "logprobs"),
+        (client.chat.completions.create, dict(messages=user, logprobs=True, top_logprobs=2), "logprobs"),
+        (client.chat.completions.create, dict(messages=user, presence_penalty=0.5), "presence_penalty"),
+        (client.chat.completions.create, dict(messages=user, frequency_penalty=-1), "frequency_penalty"),
+        (client.chat.completions.create, dict(messages=user, logit_bias={"5": 10}), "logit_bias"),
+        (client.chat.completions.create, dict(messages=user, response_format={"type": "json_object"}),
+         "response_format"),
+        (client.chat.completions.create, dict(messages=user, tools=weather, tool_choice="required"), "tool_choice"),
+        (client.chat.completions.create, dict(messages=user, tools=weather, tool_choice={
+            "type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"min_tokens": 3}), "min_tokens"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"min_p": 0.1}), "min_p"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"ignore_eos": True}), "ignore_eos"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"stop_token_ids": [5]}), "stop_token_ids"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"not_a_field": 1}), "not_a_field"),
+        (client.completions.create, dict(prompt="x", logprobs=2), "logprobs"),
+        (client.completions.create, dict(prompt="x", echo=True), "echo"),
+        (client.completions.create, dict(prompt="x", best_of=2), "best_of"),
+        (client.completions.create, dict(prompt="x", suffix="!"), "suffix"),
+        (client.completions.create, dict(prompt="x", presence_penalty=1), "presence_penalty"),
+        (client.completions.create, dict(prompt="x", extra_body={"repetition_penalty": 1.1}), "repetition_penalty"),
         (client.chat.completions.create, dict(messages=image), "messages[0].content[0].type"),
         (client.chat.completions.create, dict(messages=user, max_tokens=10**6), "max_tokens"),
         (client.chat.completions.create, dict(messages=user, n=3), "n"),
@@ -363,7 +414,71 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
             create(model="m", **ask)
         assert e.value.status_code == 400 and e.value.param == param and e.value.type == "invalid_request_error", \
             (ask, e.value.body)
+        if param in ("logprobs", "presence_penalty", "tool_choice", "min_tokens", "best_of"):
+            assert "not supported by this server" in e.value.message, e.value.message
     assert client.chat.completions.create(model="m", messages=user, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_off_values_of_unimplemented_fields_mean_what_their_absence_means(client):
+    """What OpenAI clients send by default (``logprobs: false``, penalties 0, ``n: 1``, ...) is accepted and
+    changes nothing: greedy replies equal those of the bare request, the official client's defaults included."""
+    user = [{"role": "user", "content": "Hi there"}]
+    weather = [{"type": "function", "function": {"name": "get_weather"}}]
+    bare = client.chat.completions.create(model="m", messages=user, max_tokens=6, temperature=0, tools=weather)
+    off = client.chat.completions.create(
+        model="m", messages=user, max_tokens=6, temperature=0, tools=weather, tool_choice="auto", logprobs=False,
+        presence_penalty=0, frequency_penalty=0.0, n=1, logit_bias={}, response_format={"type": "text"},
+        parallel_tool_calls=True, store=False, user="someone", top_p=1,
+        extra_body={"top_k": -1, "repetition_penalty": 1, "min_p": 0, "ignore_eos": False, "stop_token_ids": [],
+                    "min_tokens": 0, "best_of": 1})
+    assert off.choices[0].message.content == bare.choices[0].message.content and off.usage == bare.usage
+    ask = dict(model="m", prompt="Once upon", max_tokens=6, temperature=0)
+    bare = client.completions.create(**ask)
+    off = client.completions.create(**ask, echo=False, best_of=1, logprobs=None, presence_penalty=0,
+                                    frequency_penalty=0, logit_bias={}, n=1, user="someone")
+    assert off.choices[0].text == bare.choices[0].text
+    # the official client's own defaults: only model and messages / prompt
+    assert client.chat.completions.create(model="m", messages=user).choices[0].finish_reason in ("stop", "length")
+    assert client.completions.create(model="m", prompt="x").usage.completion_tokens <= 16
+
+
+def test_an_unknown_model_is_404_and_the_served_names_answer(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=[USER], max_tokens=1)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found" and "gpt-4" in e.value.message
+    assert set(e.value.body) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="dsv41-tiny", prompt="x", max_tokens=1)
+    assert client.completions.create(model="alias", prompt="x", max_tokens=1).model == "alias"
+    unnamed = httpx.post(server + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=60)
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == NAMES[0]
+
+
+def test_stream_options_include_usage(client):
+    """A stream ends with a usage chunk unless ``include_usage`` is false (then none: honoured, not ignored)."""
+    ask = dict(model="m", prompt=[4, 5, 6], max_tokens=3, temperature=0, stream=True)
+    for options, want in ((None, True), ({"include_usage": True}, True), ({"include_usage": False}, False)):
+        extra = {} if options is None else {"stream_options": options}
+        chunks = list(client.completions.create(**ask, **extra))
+        usage = [c.usage for c in chunks if c.usage is not None]
+        assert (usage[0].completion_tokens == 3 if want else not usage), (options, usage)
+        assert chunks[-1 - want].choices[0].finish_reason == "length"
+
+
+def test_top_k_one_is_greedy(server, client):
+    """vLLM's ``top_k``: with k = 1 a hot sampler draws the argmax, the greedy tokens; off (-1) it does not."""
+    def ids(**fields):
+        r = httpx.post(server + "/v1/completions", timeout=60, json={
+            "prompt": [9, 8, 7], "max_tokens": 12, "seed": 3, "return_token_ids": True, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    greedy = ids(temperature=0)
+    assert ids(temperature=1.5, top_k=1) == greedy
+    assert ids(temperature=1.5, top_k=-1) == ids(temperature=1.5) != greedy
+    chat = dict(model="m", messages=[USER], max_tokens=8, seed=4)
+    assert (client.chat.completions.create(**chat, temperature=2, extra_body={"top_k": 1}).choices[0].message.content
+            == client.chat.completions.create(**chat, temperature=0).choices[0].message.content)
 
 
 def test_load_queue_bound_and_metrics(server):
@@ -431,10 +546,19 @@ def test_load_queue_bound_and_metrics(server):
 
 def test_bad_flags_exit_2_with_one_line():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for flags in (["--max-batch", "0"], ["--port", "70000"], ["--nonsense"]):
+    for flags in (["--max-batch", "0"], ["--port", "70000"], ["--nonsense"], ["--drain-timeout", "-1"],
+                  ["--drain-timeout", "inf"], ["--served-model-name", "a,,b"]):
         r = subprocess.run([sys.executable, "-m", "dsv41_jax.serve", *flags], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, r.stderr
+
+
+def test_served_names():
+    parse = build_parser().parse_args
+    assert served_names(parse([])) == ("dsv41-tiny-random",)
+    assert served_names(parse(["--layers", "2"])) == ("dsv41-2-layer-random",)
+    assert served_names(parse(["--checkpoint", "/models/DeepSeek-V4.1-Flash/"])) == ("DeepSeek-V4.1-Flash",)
+    assert served_names(parse(["--served-model-name", "a, b", "--served-model-name", "a"])) == ("a", "b")
 
 
 def test_tool_calls_stream_as_openai_chunks():

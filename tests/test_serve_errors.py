@@ -64,7 +64,7 @@ class _Worker:
             def check(requests):
                 check_requests(requests, VOCAB, CONTEXT)
 
-    queued, alive = 0, True
+    queued, alive, draining = 0, True, False
 
     def submit(self, request, loop):
         events = asyncio.Queue()
@@ -79,7 +79,7 @@ class _Worker:
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(ServerState(_Worker(), _Tokenizer(), Metrics({}), "stub", VOCAB, CONTEXT))
+    app = create_app(ServerState(_Worker(), _Tokenizer(), Metrics({}), ("stub",), VOCAB, CONTEXT))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
