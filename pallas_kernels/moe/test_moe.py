@@ -31,7 +31,7 @@ from pallas_kernels.registry import IMPLEMENTATIONS
 LIMIT = 10.0
 # bf16 inputs, f32 accumulation on both sides: they differ by summation order and by a bf16 rounding of act
 # that can flip between them (the XLA implementation also rounds g and u to bf16), ~1e-3 at most; 1e-2 is the
-# contract's bound (PLANNER.md, issue 7).
+# contract's bound (docs/PLANNER.md).
 REL_TOL = 1e-2
 
 _seed = iter(range(10_000))
