@@ -67,12 +67,12 @@ def cli_main(parser, run_args, argv: Sequence[str] | None, interrupted: str | No
     returns the exit status (2 for bad input, with one line on stderr; 130 on Ctrl-C, saying ``interrupted``).
     ``argv`` None (this process's own command line): XLA's slow-compile banners are kept off its stderr
     (`xla_log`)."""
-    if argv is None:
-        hide_slow_compile_banners()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or an argument error (2, one line already printed)
         return int(e.code or 0)
+    if argv is None:  # after parsing: --help and a bad flag start no filter process
+        hide_slow_compile_banners()
     if args.world > 1:  # CPU: simulated devices, only effective before JAX initialises (sharding.mesh)
         from sharding.mesh import request_host_devices  # noqa: PLC0415 - brings JAX: only when asked for
 

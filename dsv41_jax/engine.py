@@ -37,32 +37,21 @@ import numpy as np
 from .config import ModelConfig
 from .planner import SHORT_ROWS, segment_sizes
 from .runtime import (
-    ENCODE,
-    INIT,
-    STEP,
-    STEPS,
     Call,
-    Chunk,
     EngineInputError,
     FlatState,
     ModelLike,
-    Program,
-    ProgramTable,
     Runtime,
     StepOut,
-    image_rows,
     keeps_going,
-    merge,
     segment_images,
     stop_ids,
 )
 from .sampling import SamplingParams
 
-__all__ = ["DECODE_AHEAD", "ENCODE", "INIT", "STEP", "STEPS", "Call", "Chunk", "Engine", "EngineInputError",
-           "FlatState", "GenerateResult", "Generation", "Program", "ProgramTable", "ProgressCallback", "Request",
-           "SegmentPlan", "StepOut", "StepTiming", "Timings", "TokenCallback", "all_greedy", "bucket_rows",
-           "check_requests", "fixed_segments", "image_rows", "keeps_going", "merge", "planned_segments",
-           "segment_images"]
+__all__ = ["DECODE_AHEAD", "Engine", "EngineInputError", "GenerateResult", "Generation", "ProgressCallback", "Request",
+           "SegmentPlan", "StepTiming", "Timings", "TokenCallback", "all_greedy", "bucket_rows", "check_requests",
+           "fixed_segments", "planned_segments"]
 
 DECODE_AHEAD = 4  # decode steps queued on the device while the host reads a token (no streaming callback)
 

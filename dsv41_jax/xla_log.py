@@ -33,12 +33,17 @@ _LOG_LINE = re.compile(rb"^([EWIF]\d{4} |\d{4}-\d\d-\d\d )")  # absl's and TSL's
 
 def hide_slow_compile_banners() -> None:
     """Filter this process's stderr as the module docstring says (a CLI calls it first; no-op where it cannot)."""
+    opened: list[int] = []
     try:
         original = os.dup(2)
+        opened.append(original)
         read_end, write_end = _terminal_like(original) if os.isatty(original) else os.pipe()
+        opened += [read_end, write_end]
         proc = subprocess.Popen([sys.executable, "-I", __file__], stdin=read_end, stdout=original,
                                 stderr=original, start_new_session=True)
-    except (OSError, ImportError):
+    except Exception:  # noqa: BLE001 - OSError, termios.error, ImportError: stderr stays as it is
+        for fd in opened:
+            os.close(fd)
         return
     os.close(read_end)
     sys.stderr.flush()

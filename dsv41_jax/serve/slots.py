@@ -150,6 +150,11 @@ class SlotEngine:
         self.prefill_calls = 0
 
     # ------------------------------------------------------------------------------------------ programs
+    def release(self) -> None:
+        """Drop this engine's device buffers (cache, logits, chain, stop constants); it runs no step after."""
+        self._cache = self._logits = self._chain = None
+        self._stop = {}
+
     def _prefill_rows(self) -> list[int]:
         """The one-row prefill program sizes: the buckets of segments longer than ``short_rows``."""
         if self._rows is None:

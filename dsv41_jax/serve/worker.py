@@ -60,12 +60,15 @@ class Worker:
         return self._draining
 
     def drain(self) -> None:
-        """Take no new requests (`submit` raises `ShuttingDown`); those in flight go on."""
-        with self._lock:
-            self._draining = True
+        """Take no new requests (`submit` raises `ShuttingDown`); those in flight go on. Safe in a signal handler:
+        one store, no lock (the handler may interrupt `submit` while it holds the lock)."""
+        self._draining = True
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for every request in flight to end; True when none is left."""
+        """Wait up to ``timeout`` seconds for every request in flight to end; True when none is left. Takes the
+        submit lock once first: a `submit` that passed the draining check before `drain` is counted by then."""
+        with self._lock:
+            pass
         deadline = time.monotonic() + timeout
         while self._in_flight and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -133,8 +136,8 @@ class Worker:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.slots.busy)
             try:
+                self._drain(block=not self.slots.busy)
                 self.slots.step()
             except Exception:  # noqa: BLE001 - a failed step fails its requests, never the server
                 traceback.print_exc(file=sys.stderr)
@@ -147,4 +150,6 @@ class Worker:
         for job in [*old.waiting, *old.prefilling, *old.running]:
             if job is not None and not job.finished:
                 job.sink(kind, message)
+                job.finished = True  # one end event a request, even if this reset is retried
+        old.release()  # its cache goes before the new one is made: two would not fit a cache-sized memory
         self.slots = SlotEngine(old.engine, old.slots, old.short_rows)
