@@ -55,16 +55,30 @@ def _sigterm_under_load(url: str, proc, asks) -> tuple[list, list]:
             futures.append(pool.submit(_request, url, _ids_prompt(3 + k, 200 + k), max_tokens, stream))
             _wait_for(url, min(k + 1, SLOTS), max(0, k + 1 - SLOTS))
         proc.send_signal(signal.SIGTERM)
-        during = []
+        health = None
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the signal is handled by the server's loop within a moment
-            health = httpx.get(url + "/health")
-            if health.status_code == 503:
+            health = _get_or_gone(url + "/health")
+            if health is None or health.status_code == 503:
                 break
             time.sleep(0.01)
-        during.append(health)
-        during.append(httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=30))
-        return [f.result() for f in futures], during
+        late = _post_or_gone(url + "/v1/completions", {"prompt": [1, 2], "max_tokens": 1})
+        return [f.result() for f in futures], [health, late]
+
+
+def _get_or_gone(url: str):
+    """The response, or None once the server has closed its socket (a short drain may end before a probe)."""
+    try:
+        return httpx.get(url)
+    except httpx.TransportError:
+        return None
+
+
+def _post_or_gone(url: str, body: dict):
+    try:
+        return httpx.post(url, json=body, timeout=30)
+    except httpx.TransportError:
+        return None
 
 
 def _serve(*flags):
@@ -90,6 +104,7 @@ def test_sigterm_drains_running_and_queued_requests_then_exits_0():
         if proc.poll() is None:
             proc.kill()
     reader.join(10)
+    assert health is not None and late is not None, "the server closed before the drain was probed"
     assert health.status_code == 503 and health.json()["status"] == "draining", health.text
     assert health.json()["running"] == SLOTS  # the drain waited on work in flight
     assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
@@ -118,7 +133,8 @@ def test_a_drain_timeout_ends_what_is_left_with_an_error_and_done():
         if proc.poll() is None:
             proc.kill()
     reader.join(10)
-    assert health.status_code == 503 and late.status_code == 503
+    # with no drain time the process may be gone before a probe: then the probe finds the socket closed
+    assert all(r is None or r.status_code == 503 for r in (health, late)), (health, late)
     for (max_tokens, stream), result in zip(asks, results):
         if stream:
             assert result["status"] == 200
