@@ -30,7 +30,7 @@ from pallas_kernels.moe import ExpertWeights, ops, routed_experts
 from pallas_kernels.moe import kernel as kern
 from pallas_kernels.moe.grouping import plan_tiles
 from pallas_kernels.moe.kernel import KernelConfig
-from pallas_kernels.moe.ops import _check_blocks, default_config
+from pallas_kernels.moe.ops import check_blocks, default_config
 from pallas_kernels.moe.reference import routed_experts_reference
 from pallas_kernels.registry import IMPLEMENTATIONS
 
@@ -208,20 +208,20 @@ def piece_fns(cfg: KernelConfig):
     """The op's pieces for ``cfg``, each jitted: plan(ids), x_in(x) (fp4: chunks in plane order), gate_up(plan, x_in,
     weights), down(plan, act, weights), gather_sum(y_pairs, pair_pos, pair_valid, topk_weights)."""
     def gate_up(p, xx, ww):
-        ww = ops._as_words(ww) if ww.is_fp4 else ww  # fp4 codes as the kernels read them (16-bit words)
+        ww = ops.as_words(ww) if ww.is_fp4 else ww  # fp4 codes as the kernels read them (16-bit words)
         return kern.gate_up(p, xx, ww.w1, ww.w3, ww.w1_scale, ww.w3_scale, width=ww.width, permute_out=ww.is_fp4,
                             limit=LIMIT, cfg=cfg, interpret=INTERPRET)
 
     def down(p, a, ww):
-        ww = ops._as_words(ww) if ww.is_fp4 else ww
+        ww = ops.as_words(ww) if ww.is_fp4 else ww
         return kern.down(p, a, ww.w2, ww.w2_scale, dim=ww.dim, cfg=cfg, interpret=INTERPRET)
 
     return dict(
         plan=jax.jit(lambda i: plan_tiles(i, E, cfg.block_m)),
-        x_in=lambda x, fp4: ops._plane_chunks(x, cfg.block_k) if fp4 else x,
+        x_in=lambda x, fp4: ops.plane_chunks(x, cfg.block_k) if fp4 else x,
         gate_up=jax.jit(gate_up),
         down=jax.jit(down),
-        gather_sum=jax.jit(ops._weighted_gather_sum))
+        gather_sum=jax.jit(ops.weighted_gather_sum))
 
 
 def breakdown(label, x, ids, w, wts) -> None:
@@ -385,7 +385,7 @@ def piece_sweep(rows_out, rows, width, fp4, bandwidth, key, gate_up_sweep=(), do
         """Time ``fn(*args)`` for tiling ``cfg`` (refused unless its blocks divide: the pieces are called directly)
         and add its row; a tiling that is refused or fails to compile is reported and skipped (False)."""
         try:
-            _check_blocks(cfg, wts)
+            check_blocks(cfg, wts)
             add(part, name, timed_chained(fn, *args), floor)
             return True
         except Exception as exc:  # noqa: BLE001 - a failing piece is reported, the run goes on

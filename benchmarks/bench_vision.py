@@ -95,10 +95,9 @@ def main() -> None:
     cfg = load_named(args.config)
     vc = cfg.vision
     dtype = jnp.dtype(args.dtype)
-    if args.attention != "auto":  # a benchmark-only override of the model's choice
-        tower._attention_impl = lambda _dtype: args.attention
+    forced = None if args.attention == "auto" else args.attention  # a benchmark-only override of the model's
     print(f"device: {jax.devices()[0].device_kind} · jax {jax.__version__} · {args.config} · {args.dtype} · "
-          f"attention {tower._attention_impl(dtype)}")
+          f"attention {forced or tower.attention_impl(dtype)}")
     t0 = time.perf_counter()
     encoder = Encoder(cfg, dtype, nnx.Rngs(0))  # random init runs on the default device
     params = sum(x.size for x in jax.tree.leaves(nnx.state(encoder, nnx.Param)))
@@ -117,14 +116,16 @@ def main() -> None:
     for name, (w, h), count in cases:
         images = [image(w, h) for _ in range(count)]
         plan = images[0].plan
+        impl = forced or tower.attention_impl(dtype)
         try:
-            row = measure(run, encoder, cfg, images, args.reps)
-            impl = tower._attention_impl(dtype)
+            with tower.forced_attention(impl):
+                row = measure(run, encoder, cfg, images, args.reps)
         except Exception as e:  # noqa: BLE001 - e.g. a cuDNN version without this attention: say so, use XLA
-            print(f"{name}: attention {tower._attention_impl(dtype)} failed ({type(e).__name__}: "
+            print(f"{name}: attention {impl} failed ({type(e).__name__}: "
                   f"{str(e).splitlines()[0][:160]}); retrying with xla")
-            tower._attention_impl = lambda _dtype: "xla"
-            row, impl = measure(run, encoder, cfg, images, args.reps), "xla"
+            forced, impl, run = "xla", "xla", nnx.jit(lambda e, b: e(b))  # a fresh trace
+            with tower.forced_attention(impl):
+                row = measure(run, encoder, cfg, images, args.reps)
         row = {"image": name, "images": count, "wxh": f"{w}x{h}", "grid": f"{plan.Hv}x{plan.Wv}",
                "n": plan.n_patches, "m": plan.n_tokens, "span": plan.span_len, "attention": impl, **row}
         rows.append(row)

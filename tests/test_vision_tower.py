@@ -39,4 +39,4 @@ def test_bf16_tower_matches_f32_tower():
         ref, got = f32[i, : im.plan.n_tokens], bf16[i, : im.plan.n_tokens]
         cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
         assert cos.min() >= 0.9995 and np.abs(got - ref).max() <= 0.05, (i, cos.min(), np.abs(got - ref).max(),
-                                                                          tower._attention_impl(jnp.bfloat16))
+                                                                          tower.attention_impl(jnp.bfloat16))

@@ -19,6 +19,9 @@ computes q, k, v of its own heads and gate, up of its own columns; G = 1 is the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,9 +76,28 @@ def rope_2d(u: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(u.dtype)
 
 
-def _attention_impl(dtype) -> str:
-    """cuDNN's fused (flash) attention for bf16 on a GPU; XLA's otherwise (f32, CPU)."""
+_FORCED_ATTENTION: contextvars.ContextVar[str | None] = contextvars.ContextVar("forced_attention", default=None)
+
+
+def attention_impl(dtype) -> str:
+    """cuDNN's fused (flash) attention for bf16 on a GPU; XLA's otherwise (f32, CPU); or what
+    `forced_attention` names while its block traces."""
+    forced = _FORCED_ATTENTION.get()
+    if forced is not None:
+        return forced
     return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"
+
+
+@contextlib.contextmanager
+def forced_attention(impl: str):
+    """Trace the tower's attention with ``impl`` ("xla" | "cudnn") inside the block (a benchmark's choice)."""
+    if impl not in ("xla", "cudnn"):
+        raise ValueError(f"attention implementation {impl!r}: wanted xla or cudnn")
+    token = _FORCED_ATTENTION.set(impl)
+    try:
+        yield
+    finally:
+        _FORCED_ATTENTION.reset(token)
 
 
 def masked_attention(q, k, v, lengths, scale: float) -> jnp.ndarray:
@@ -85,7 +107,7 @@ def masked_attention(q, k, v, lengths, scale: float) -> jnp.ndarray:
     ``jax.nn.dot_product_attention``: cuDNN's fused kernel on a GPU in bf16 (no [N, N] scores in memory); XLA's
     in f32 or on CPU (or where cuDNN refuses the call while tracing), in chunks of ``QUERY_CHUNK`` queries
     (bounded scratch)."""
-    impl = _attention_impl(q.dtype)
+    impl = attention_impl(q.dtype)
 
     def block(qc):  # [B, c, H, d] -> [B, c, H, d]
         return jax.nn.dot_product_attention(qc, k, v, scale=scale, key_value_seq_lengths=lengths,

@@ -18,7 +18,8 @@ from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import DECODE_BLOCK_M, default_block_m, plan_tiles
 from pallas_kernels.moe.xla import clamped_swiglu, routed_experts_xla
 
-__all__ = ["IMPLS", "ExpertWeights", "check_offsets", "clamped_swiglu", "default_config", "routed_experts"]
+__all__ = ["IMPLS", "ExpertWeights", "as_words", "check_blocks", "check_offsets", "clamped_swiglu", "default_config",
+           "plane_chunks", "routed_experts", "weighted_gather_sum"]
 IMPLS = registry.IMPLEMENTATIONS
 
 
@@ -145,13 +146,13 @@ def default_config(num_pairs: int, weights: ExpertWeights, block_m: int | None =
         block_k=_largest_block(weights.dim, (128, 64, 32), "model width D"))
 
 
-def _plane_chunks(x: jax.Array, chunk: int) -> jax.Array:
+def plane_chunks(x: jax.Array, chunk: int) -> jax.Array:
     """x [N, D] with each chunk of ``chunk`` columns in plane order: columns ≡ 0, 1, 2, 3 mod 4 (``kernel``)."""
     n, d = x.shape
     return x.reshape(n, d // chunk, chunk // 4, 4).swapaxes(2, 3).reshape(n, d)
 
 
-def _as_words(weights: ExpertWeights) -> ExpertWeights:
+def as_words(weights: ExpertWeights) -> ExpertWeights:
     """fp4 experts with their code bytes [..., C/2] seen as 16-bit words [..., C/4] (four codes each, the first in
     the low nibble of the low byte): the kernels' view (``kernel``: words are addressed without wrapping)."""
     def words(codes):
@@ -184,7 +185,7 @@ def check_offsets(weights: ExpertWeights) -> None:
     """Refuse expert operands the Triton lowering would address past their end (``INT32_WRAP_BYTES``): the kernels
     see fp4 codes as 16-bit words, which never wrap, so only a one-byte scale operand of 2-4 GiB could (a stack of
     32-64 GiB of codes on one rank)."""
-    codes = ("w1", "w3", "w2") if weights.is_fp4 else ()  # read as 16-bit words (``_as_words``): never wrap
+    codes = ("w1", "w3", "w2") if weights.is_fp4 else ()  # read as 16-bit words (``as_words``): never wrap
     for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"):
         array = getattr(weights, name)
         if array is None or name in codes:
@@ -242,7 +243,7 @@ def routed_experts(
         check_offsets(flat)
     num_pairs = topk_ids.size
     cfg = config or default_config(num_pairs, layer, block_m)
-    _check_blocks(cfg, layer)
+    check_blocks(cfg, layer)
     return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=layer.num_experts,
                           swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
 
@@ -294,17 +295,17 @@ def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expe
     plan = dataclasses.replace(plan, tile_expert=plan.tile_expert + first_expert)
     x = x.astype(jnp.bfloat16)
     if weights.is_fp4:
-        x, weights = _plane_chunks(x, cfg.block_k), _as_words(weights)
+        x, weights = plane_chunks(x, cfg.block_k), as_words(weights)
     act = moe_kernel.gate_up(
         plan, x, weights.w1, weights.w3, weights.w1_scale, weights.w3_scale,
         width=weights.width, permute_out=weights.is_fp4, limit=swiglu_limit, cfg=cfg,
         interpret=interpret)
     y_pairs = moe_kernel.down(
         plan, act, weights.w2, weights.w2_scale, dim=weights.dim, cfg=cfg, interpret=interpret)
-    return _weighted_gather_sum(y_pairs, plan.pair_pos, plan.pair_valid, topk_weights)
+    return weighted_gather_sum(y_pairs, plan.pair_pos, plan.pair_valid, topk_weights)
 
 
-def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
+def check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
     """The kernels' grids cover F / BF and D / BN blocks and step over D / BK chunks: a block that does not
     divide its width would leave columns uncomputed (silently wrong output). fp4
     K chunks (BK for gate_up, ``down_chunk`` for down) are multiples of 64: four planes of 16+ columns (a GPU dot's
@@ -320,7 +321,7 @@ def _check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:
                          f"columns, whole scale groups), got {cfg}")
 
 
-def _weighted_gather_sum(y_pairs, pair_pos, pair_valid, topk_weights) -> jax.Array:
+def weighted_gather_sum(y_pairs, pair_pos, pair_valid, topk_weights) -> jax.Array:
     """y[n] = sum_j w[n, j] * y_pairs[pos(n, j)], slots added in order j = 0..k-1 (PLANNER.md §E step 6)."""
     n, k = pair_pos.shape
     y = jnp.zeros((n, y_pairs.shape[1]), jnp.float32)

@@ -19,11 +19,11 @@ from pallas_kernels.moe import ExpertWeights, grouping, routed_experts
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import max_tiles, plan_tiles
 from pallas_kernels.moe.ops import (
-    _as_words,
-    _plane_chunks,
-    _weighted_gather_sum,
+    as_words,
     check_offsets,
     default_config,
+    plane_chunks,
+    weighted_gather_sum,
 )
 from pallas_kernels.moe.reference import routed_experts_reference
 from pallas_kernels.registry import IMPLEMENTATIONS
@@ -229,13 +229,13 @@ def test_one_row_plan_gives_the_sorted_plan_s_result(fmt):
     sorted_plan = grouping.TilePlan(jnp.concatenate([order // k, jnp.zeros((cfg.block_m,), jnp.int32)]),
                                     jnp.where(valid.reshape(-1), pos, k).reshape(1, k), valid,
                                     expert, first, count)
-    xb, w_ = (_plane_chunks(x, cfg.block_k), _as_words(wts)) if wts.is_fp4 else (x, wts)  # the op's operands
+    xb, w_ = (plane_chunks(x, cfg.block_k), as_words(wts)) if wts.is_fp4 else (x, wts)  # the op's operands
 
     def run(plan):
         act = moe_kernel.gate_up(plan, xb, w_.w1, w_.w3, w_.w1_scale, w_.w3_scale, width=f,
                                  permute_out=wts.is_fp4, limit=LIMIT, cfg=cfg, interpret=True)
         y = moe_kernel.down(plan, act, w_.w2, w_.w2_scale, dim=d, cfg=cfg, interpret=True)
-        return np.asarray(_weighted_gather_sum(y, plan.pair_pos, plan.pair_valid, w))
+        return np.asarray(weighted_gather_sum(y, plan.pair_pos, plan.pair_valid, w))
 
     np.testing.assert_array_equal(run(one_row), run(sorted_plan))
     deq = wts.dequantized()
@@ -478,7 +478,7 @@ def test_a_stack_is_read_in_place():
 
 
 @pytest.mark.parametrize("layers", [4, 12])
-def test_fp4_stacks_are_read_in_place_as_words(layers):
+def test_fp4_stacks_are_read_in_placeas_words(layers):
     """Lowered for CUDA (abstract shapes, no memory): the release's fp4 experts at world 4 (384 experts at the
     padded F = 640, 629 MB of codes a matrix a layer) as a stack of 4 layers (2.5 GB: one-byte offsets would wrap)
     or 12 (7.5 GB) are passed whole as 16-bit words [L·E, F, D/4] (a view of the bytes); no expert and no layer
