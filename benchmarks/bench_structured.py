@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from dsv41_jax.structured import GrammarError, StructuredVocab, grammar_for
+from dsv41_jax.chat import Message, ToolCall, parse_reply, render_reply
+from dsv41_jax.structured import GrammarError, StructuredVocab, grammar_for, tool_grammar
 from dsv41_jax.tokenizer import DeepSeekTokenizer
 
 PERSON = {
@@ -38,11 +39,29 @@ PERSON = {
 }
 PERSON_DOC = {"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["math", "engines"],
               "address": {"city": "London", "zip": "W1"}}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+    "required": ["city", "days"]}}}]
+PARIS = '{"city": "Paris", "days": 3}'
 CASES = {
     "json_object": ({"type": "json_object"}, {"answer": [1, 2.5, None, True], "note": "any JSON object"}),
     "json_schema": ({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
                     PERSON_DOC),
+    "tool_call": ({"type": "tool_choice", "tools": WEATHER, "tool_choice": "required"},
+                  render_reply(Message("assistant", "", None, (ToolCall("get_weather", PARIS),)), thinking=False)),
 }
+
+
+def grammar_of(case: dict) -> str:
+    """A case's grammar: a response_format, or a forced tool choice (``type`` "tool_choice")."""
+    if case["type"] == "tool_choice":
+        return tool_grammar(case["tools"], case["tool_choice"])
+    return grammar_for(case)
+
+
+def document_text(case: dict, doc) -> str:
+    return doc if isinstance(doc, str) else json.dumps(doc)
 
 
 def bits_allowed(row: np.ndarray, token: int) -> bool:
@@ -56,10 +75,10 @@ def sample_under_mask(rng, row: np.ndarray, vocab: int) -> int:
 
 def measure_llguidance(tok, vocab, response_format, doc, args) -> dict:
     t0 = time.perf_counter()
-    grammar = grammar_for(response_format)
+    grammar = grammar_of(response_format)
     matchers = [vocab.matcher(grammar) for _ in range(args.slots)]
     compile_ms = (time.perf_counter() - t0) * 1e3 / args.slots
-    doc_ids = tok.encode(json.dumps(doc))
+    doc_ids = tok.encode(document_text(response_format, doc))
     masks = vocab.empty_masks(args.slots)
     times, checked = [], 0
     for step in range(min(args.steps, len(doc_ids))):
@@ -80,7 +99,8 @@ def measure_llguidance(tok, vocab, response_format, doc, args) -> dict:
             m.advance(token)
             ids.append(token)
         finished += m.done
-        valid += m.done and valid_json(tok.decode([i for i in ids if i != tok.eos_id]), response_format)
+        valid += m.done and valid_reply(tok.decode([i for i in ids if i != tok.eos_id], skip_special=False),
+                                        response_format)
     per_step = float(np.median(times)) * 1e6
     return {"compile_ms": compile_ms, "step_us": per_step, "slot_us": per_step / args.slots, "checked": checked,
             "valid": f"{valid}/{finished}",
@@ -88,9 +108,18 @@ def measure_llguidance(tok, vocab, response_format, doc, args) -> dict:
             if finished < args.samples else ""}
 
 
-def valid_json(text: str, response_format: dict) -> bool:
+def valid_reply(text: str, response_format: dict) -> bool:
     import jsonschema  # noqa: PLC0415 - a test extra, only for the check
 
+    if response_format["type"] == "tool_choice":
+        reply = parse_reply(text, thinking=False)
+        schema = response_format["tools"][0]["function"]["parameters"]
+        try:
+            for call in reply.tool_calls:
+                jsonschema.validate(json.loads(call.arguments), schema)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return bool(reply.tool_calls) and not reply.unparsed
     try:
         value = json.loads(text)
     except ValueError:
@@ -110,6 +139,8 @@ def measure_outlines(tok, response_format, doc, args) -> dict:
         from outlines_core.json_schema import build_regex_from_schema  # noqa: PLC0415
     except ImportError:
         return {"note": "not installed"}
+    if response_format["type"] == "tool_choice":
+        return {"note": "regexes over JSON only (no DSML tool-call grammar)"}
     if response_format["type"] != "json_schema":
         return {"note": "no grammar for any JSON object (a regex cannot nest without a depth bound)"}
     t0 = time.perf_counter()

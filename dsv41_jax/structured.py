@@ -9,6 +9,15 @@ Contract:
 - `grammar_for(response_format)` → a grammar, or `GrammarError` (the server's 400) for a format it cannot
   honour: ``json_object`` (any JSON object), ``json_schema`` (its ``schema``; ``strict`` or not, the output
   always satisfies the schema), ``text`` (no grammar: None).
+- `tool_grammar(tools, tool_choice, parallel=, think_end_id=)` → the grammar of a reply that is only tool calls in
+  DeepSeek's DSML markup (exactly as `chat.render_reply` writes a reply without content, so `chat.parse_reply`
+  reads it back): ``tool_choice`` "required" (any of ``tools``) or ``{"type": "function", "function": {"name":
+  N}}``; ``parallel`` False: exactly one call; ``think_end_id`` (the ``</think>`` token; thinking mode): free
+  reasoning up to that token first. Parameters
+  follow the function's JSON schema in its ``properties`` order (required ones always, the others optional);
+  a ``string`` parameter is written raw (``string="true"``) and may constrain ``enum``, ``pattern``,
+  ``minLength``, ``maxLength``; any other parameter is a JSON value under its schema. A schema keyword a raw
+  string cannot honour (``format``...) is refused.
 - `StructuredVocab(tokenizer, model_vocab)`: the tokenizer's tables, built once per server (about a second for
   the DeepSeek vocabulary). Ids at or above the tokenizer's size (the model's padding rows) are never allowed.
 - `Constraint` (``vocab.matcher(grammar)``): one request's state; `StructuredVocab.fill_masks` writes each
@@ -27,6 +36,16 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from .chat import (
+    CALLS_END,
+    CALLS_START,
+    INVOKE_END,
+    INVOKE_START,
+    PARAM_END,
+    PARAM_START,
+    ChatFormatError,
+    tool_function,
+)
 from .tokenizer import DeepSeekTokenizer
 
 # The document's layout: JSON's default separators and no other whitespace (Python's json.dumps layout; a
@@ -129,3 +148,102 @@ class StructuredVocab:
         if self._tail is not None:
             rows = [k for _, k in pairs]
             masks[rows] &= self._tail
+
+
+# String-schema keywords a raw (unquoted) DSML string parameter enforces, and those that only describe it.
+_RAW_STRING_KEYWORDS = {"type", "enum", "pattern", "minLength", "maxLength"}
+_DESCRIPTIVE_KEYWORDS = {"description", "title", "default", "examples", "$comment"}
+
+
+def tool_grammar(tools: Sequence[dict], tool_choice, *, parallel: bool = True, think_end_id: int | None = None) -> str:
+    """The grammar of a reply made of DSML tool calls (see the module docstring)."""
+    try:
+        functions = [tool_function(t, f"tools[{i}]") for i, t in enumerate(tools or [])]
+    except ChatFormatError as e:
+        raise GrammarError(str(e)) from None
+    if not functions:
+        raise GrammarError("tool_choice needs tools")
+    if tool_choice != "required":
+        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        chosen = [f for f in functions if f["name"] == name]
+        if not chosen:
+            raise GrammarError(f"tool_choice names {name!r}, which is not among the tools")
+        functions = chosen
+    rules = [f"invoke: {' | '.join(f'invoke_{i}' for i in range(len(functions)))}"]
+    for i, fn in enumerate(functions):
+        rules += _invoke_rules(i, fn)
+    calls = '"\\n" invoke' if not parallel else '"\\n" invoke ("\\n" invoke)*'
+    thinking = think_end_id is not None
+    head = f'think {_lit(chr(10) * 2)} calls' if thinking else f'{_lit(chr(10) * 2)} calls'
+    rules = [f"start: {head}", f"calls: {_lit(CALLS_START)} {calls} {_lit(chr(10) + CALLS_END)}", *rules]
+    if thinking:
+        # the grammar engine sees the marker as a token of its own (an added token), not as its text
+        rules.append(f"think: /(?s:.*)/ <[{int(think_end_id)}]>")
+    grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise GrammarError(f"tools: {messages[0]}")
+    return grammar
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal of ``text``."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _invoke_rules(i: int, fn: dict) -> list[str]:
+    """``invoke_i`` for function ``fn``: its head, each parameter on its line, its end (as `chat` renders it)."""
+    params = fn.get("parameters") or {}
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise GrammarError(f"tool {fn['name']!r}: parameters must be an object schema")
+    properties = params.get("properties") or {}
+    required = set(params.get("required") or ())
+    missing = required - set(properties)
+    if missing:
+        raise GrammarError(f"tool {fn['name']!r}: required parameters {sorted(missing)} have no schema")
+    head = _lit(f'{INVOKE_START} name="{fn["name"]}">\n')
+    if not properties:
+        return [f"invoke_{i}: {head} {_lit(chr(10) + INVOKE_END)}"]
+    rules, items = [], []
+    for j, (key, schema) in enumerate(properties.items()):
+        rules += _param_rules(f"p_{i}_{j}", key, schema if isinstance(schema, dict) else {}, fn["name"])
+        items.append(f"p_{i}_{j}" if key in required else f"p_{i}_{j}?")
+    return [f"invoke_{i}: {head} {' '.join(items)} {_lit(INVOKE_END)}", *rules]
+
+
+def _param_rules(rule: str, key: str, schema: dict, tool: str) -> list[str]:
+    """One parameter line: ``<｜DSML｜ parameter name="key" string="...">value</｜DSML｜ parameter>\\n``."""
+    head = f'{PARAM_START} name="{key}" string='
+    end = _lit(PARAM_END + "\n")
+    if schema.get("type") == "string":
+        extra = set(schema) - _RAW_STRING_KEYWORDS - _DESCRIPTIVE_KEYWORDS
+        if extra:
+            raise GrammarError(f"tool {tool!r}, parameter {key!r}: {sorted(extra)} cannot be enforced on a string")
+        return [f"{rule}: {_lit(head + chr(34) + 'true' + chr(34) + '>')} {rule}_v {_lit(chr(10))}",
+                *_raw_string(rule, schema)]
+    return [f"{rule}: {_lit(head + chr(34) + 'false' + chr(34) + '>')} {rule}_v {end}",
+            f"{rule}_v: %json {json.dumps(schema, ensure_ascii=False)}"]
+
+
+def _raw_string(rule: str, schema: dict) -> list[str]:
+    """The raw text of a string parameter: one of its ``enum``, or text bounded as the schema says, ended by the
+    parameter's end marker (lazily: the first end marker ends it; the marker must sit inside the lazy rule)."""
+    end = _lit(PARAM_END)
+    if "enum" in schema:
+        if not all(isinstance(v, str) for v in schema["enum"]):
+            raise GrammarError(f"parameter rule {rule}: a string enum must list strings")
+        return [f"{rule}_v: ({' | '.join(_lit(v) for v in schema['enum'])}) {end}"]
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    body = f"/(?s:.{{{low},{'' if high is None else int(high)}}})/"
+    if "pattern" in schema:
+        body = f"{body} & /{_anchored(schema['pattern'])}/"
+    return [f"{rule}_v[lazy]: {body} {end}"]
+
+
+def _anchored(pattern: str) -> str:
+    """A JSON-schema pattern (a search, unanchored unless it says so) as a whole-string regex."""
+    start = "" if pattern.startswith("^") else "(?s:.*)"
+    end = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
+    core = pattern.removeprefix("^")
+    core = core[:-1] if end == "" else core
+    return f"{start}({core}){end}".replace("/", "\\/")

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from dsv41_jax.structured import GrammarError, StructuredVocab, grammar_for
+from dsv41_jax.chat import Message, ToolCall, parse_reply, render_reply
+from dsv41_jax.structured import GrammarError, StructuredVocab, grammar_for, tool_grammar
 from dsv41_jax.tokenizer import DeepSeekTokenizer
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -106,3 +107,77 @@ def test_formats_that_cannot_be_honoured_are_refused(response_format, message):
 
 def test_text_means_no_grammar():
     assert grammar_for({"type": "text"}) is None and grammar_for(None) is None
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                       "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "pattern": "^[a-z ]{1,10}$"}},
+        "required": ["query"]}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def draw(tok, vocab, grammar, rng, prefix: str = "", limit: int = 400) -> str:
+    """A reply drawn uniformly over the allowed tokens (after forcing ``prefix``); its text, EOS left out."""
+    c, mask, ids = vocab.matcher(grammar), vocab.empty_masks(1), []
+    for token in tok.encode(prefix):
+        c.advance(token)
+    while not c.done and len(ids) < limit:
+        vocab.fill_masks([c], mask)
+        token = int(rng.choice(allowed(mask[0], vocab.size)))
+        c.advance(token)
+        ids.append(token)
+    assert c.done, tok.decode(ids, skip_special=False)
+    return prefix + tok.decode([i for i in ids if i != tok.eos_id], skip_special=False)
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False),
+                                              ({"type": "function", "function": {"name": "search"}}, True)])
+def test_tool_calls_drawn_under_the_masks_parse_and_validate(tok, vocab, choice, parallel):
+    """Each reply is tool calls only, read back by the chat parser (DSML), each call's arguments valid under
+    its function's schema, the named function the only one called, one call when not parallel."""
+    grammar, rng = tool_grammar(TOOLS, choice, parallel=parallel), np.random.default_rng(1)
+    for _ in range(6):
+        text = draw(tok, vocab, grammar, rng)
+        reply = parse_reply(text, thinking=False)
+        assert reply.content == "" and not reply.unparsed and reply.tool_calls, repr(text)
+        assert parallel or len(reply.tool_calls) == 1
+        for call in reply.tool_calls:
+            assert choice == "required" or call.name == "search"
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_with_thinking_the_reasoning_is_free_then_calls_follow(tok, vocab):
+    grammar = tool_grammar(TOOLS, "required", think_end_id=tok.token_to_id("</think>"))
+    text = draw(tok, vocab, grammar, np.random.default_rng(2), prefix="The user wants the weather.</think>")
+    reply = parse_reply(text, thinking=True)
+    assert reply.reasoning == "The user wants the weather." and reply.tool_calls and not reply.unparsed
+
+
+def test_a_rendered_call_is_in_the_grammar(tok, vocab):
+    """What the chat template writes for a call is what the grammar allows (one renderer, one grammar)."""
+    text = render_reply(Message("assistant", "", None, (ToolCall("get_weather", '{"city": "Paris", "days": 3}'),)),
+                        thinking=False)
+    c, mask = vocab.matcher(tool_grammar(TOOLS, "required")), vocab.empty_masks(1)
+    for token in tok.encode(text):
+        vocab.fill_masks([c], mask)
+        assert token in set(allowed(mask[0], vocab.size)), tok.decode([token], skip_special=False)
+        c.advance(token)
+
+
+@pytest.mark.parametrize("tools, choice, message", [
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+    ([], "required", "needs tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"d": {"type": "string", "format": "date"}}}}}], "required", "format"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "required", "object"),
+])
+def test_tool_choices_that_cannot_be_enforced_are_refused(tools, choice, message):
+    with pytest.raises(GrammarError, match=message):
+        tool_grammar(tools, choice)
