@@ -85,8 +85,8 @@ def parse_args(argv):
     p.add_argument("--decode-chunks", default="1", help="comma-separated decode steps per program call for the "
                    "generate loop (Engine decode_chunk), one row each")
     p.add_argument("--steps", type=int, default=64, help="chained steps timed for the step-only rate")
-    p.add_argument("--impl", choices=("reference", "pallas"), default=None,
-                   help="kernels (default: pallas on GPU, reference elsewhere)")
+    p.add_argument("--impl", choices=("xla", "pallas"), default=None,
+                   help="kernels (default: pallas on GPU, xla elsewhere)")
     p.add_argument("--bandwidth", type=float, default=H200_BYTES_PER_S,
                    help=f"bytes/s of the floor (default {H200_BYTES_PER_S:.2g}, the H200's)")
     p.add_argument("--quick", action="store_true", help="first world, batch 1, position 0, bf16, 32 tokens")

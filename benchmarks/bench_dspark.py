@@ -58,7 +58,7 @@ def parse_args(argv):
     p.add_argument("--position", type=int, default=4096, help="cache position (default 4096)")
     p.add_argument("--draft-tokens", type=int, default=5, help="K drafts a round (verify rows K + 1)")
     p.add_argument("--steps", type=int, default=50, help="chained calls per timing (default 50)")
-    p.add_argument("--impl", choices=("auto", "reference", "pallas"), default="auto")
+    p.add_argument("--impl", choices=("auto", "xla", "pallas"), default="auto")
     p.add_argument("--json-out", metavar="FILE", help="write the rows as JSON")
     args = p.parse_args(argv)
     try:

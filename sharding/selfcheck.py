@@ -32,7 +32,7 @@ from sharding import kernels
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sharding.selfcheck")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--impl", choices=("reference", "pallas"), default="pallas", help="kernel ops' impl")
+    parser.add_argument("--impl", choices=("xla", "pallas"), default="pallas", help="kernel ops' impl")
     args = parser.parse_args(argv)
 
 
