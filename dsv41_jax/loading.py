@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.layout import check_fp8_blocks
 from sharding.load import place
 from sharding.mesh import replicated
 
@@ -161,6 +162,7 @@ def build_sharded(run_cfg: ModelConfig, options, flat: Mapping[str, Any] | Itera
     ``sharding.ShardPlan``). An iterator is consumed one tensor at a time."""
     construct, graphdef, flat_params, rest = abstract_params(run_cfg, options)
     targets = {param_name(path): var for path, var in flat_params}
+    check_fp8_blocks(plan, {name: tuple(var.shape) for name, var in targets.items()})  # before any tensor is read
     owner = {part: (name, i) for name in targets for i, part in enumerate(layer_names(name))}
     if isinstance(flat, Mapping):
         check_names(owner, flat)  # before any tensor is read; an iterator is checked once consumed

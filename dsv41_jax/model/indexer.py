@@ -11,6 +11,7 @@ from sharding.kernels import index_topk as sharded_index_topk  # replicated shar
 
 from ..config import ModelConfig
 from ..planner import INDEX_BUDGET, KernelTiles
+from .dense import Dense
 from .norms import Linear, RMSNorm
 from .quant import round_index
 from .rope import apply_rope
@@ -21,7 +22,7 @@ class Indexer(nnx.Module):
     ``indexer.wk`` [d_I, d] and ``indexer.k_norm`` [d_I] (they make the index keys)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, impl: str = "xla",
-                 tiles: KernelTiles | None = None):
+                 tiles: KernelTiles | None = None, dense: Dense = Dense()):
         self.impl = impl  # "xla" (row-blocked scores) | "pallas" (fused kernel)
         # the kernel's scratch a launch of query rows (B_idx, §B-3): the plan's, else the planner's default
         self.kernel_budget = SCORE_BUDGET_BYTES if tiles is None else tiles.index_budget
@@ -33,7 +34,8 @@ class Indexer(nnx.Module):
         self.uses_candidates = cfg.uses_candidates(layer) and cfg.candidate_topk_blocks > 0
         self.block = cfg.candidate_block_size
         self.keep_blocks = cfg.candidate_topk_blocks
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, rngs=rngs)
+        self.wq_b = dense.linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, rngs=rngs,
+                                 rule="layers.0.attn.indexer.wq_b")
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=dtype, rngs=rngs)
         if layer in cfg.kv_source_layer_ids:
             self.wk = Linear(cfg.head_dim, self.head_dim, dtype=dtype, rngs=rngs)
