@@ -41,11 +41,11 @@ def full_plan(world: int, layout: str = "tp") -> ShardPlan:
     return ShardPlan(world, layout, Split(V_SPLIT[world]), Split(F_SPLIT[world] if layout == "tp" else (2304,)))
 
 
-@pytest.mark.parametrize("expert_format", ["dequantized", "fp4"])
+@pytest.mark.parametrize("expert_format,dense_format", [("dequantized", "dequantized"), ("fp4", "fp8")])
 @pytest.mark.parametrize("name", ["tiny", "dsv41_flash"])
-def test_every_model_tensor_matches_exactly_one_rule(name, expert_format):
+def test_every_model_tensor_matches_exactly_one_rule(name, expert_format, dense_format):
     cfg = load_named(name)
-    for tensor, shape in model_tensors(cfg, expert_format).items():
+    for tensor, shape in model_tensors(cfg, expert_format, dspark=True, dense_format=dense_format).items():
         hits = rules.matching_rules(tensor)
         assert len(hits) == 1, (tensor, [h.pattern for h in hits])
         assert hits[0].why
