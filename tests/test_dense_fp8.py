@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_engine import mini_config
+from test_sharding_model import mirror_config
 
 import sharding
 from dsv41_jax import planner
@@ -88,7 +89,7 @@ def test_fp8_dense_bf16_model_equals_the_dequantized_model(fp8_checkpoint):
 
 @pytest.mark.devices(4)
 def test_fp8_dense_world_4_matches_the_dequantized_model_on_one_device(fp8_checkpoint):
-    """World 4: the shared expert's 256 columns split 128/128/0/0 in 128-wide shards (padded scale rows too)."""
+    """World 4: 4 heads, 2 groups and 64 shared-expert columns a rank, their scales split with them."""
     cfg, path = fp8_checkpoint
     options = dict(quant_rounding=False)
     want, _ = _logits(_one_device(path, cfg, "float32", "dequantized", **options), cfg, "float32")
@@ -119,17 +120,30 @@ def test_a_world_that_cuts_a_scale_block_is_refused(fp8_checkpoint):
 
 
 @pytest.mark.devices(4)
-@pytest.mark.parametrize("world", [1, 4])
-def test_param_bytes_per_device_equal_planner(fp8_checkpoint, world):
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_param_bytes_per_device_equal_planner(tmp_path_factory, world):
     """The planner's count of fp8 dense weights (a code byte a parameter plus the rank's ue8m0 bytes) is what the
-    devices hold, padding included (bf16 model: the other weights 16-bit, f32 roles f32)."""
-    cfg, path = fp8_checkpoint
+    devices hold, padding included (bf16 model: the other weights 16-bit, f32 roles f32). tests/
+    test_sharding_model.py's mirror config: the shared expert's 1,152 columns split unevenly (384/256/256/256 at
+    world 4 in 384-wide shards), so its codes and scales carry padding, which is zero."""
+    cfg = mirror_config()
+    path = tmp_path_factory.mktemp("fp8-mirror")
+    write_checkpoint(path, cfg, random_weights(cfg, seed=0), "fp8")
     ckpt = open_checkpoint(path, cfg, dense_format="fp8")
     model, mesh = sharding.prepare(cfg, checkpoint_source(ckpt, "bfloat16"), world,
                                    ModelOptions(dtype="bfloat16", dense_format="fp8"))
     held = sharding.param_bytes_per_device(model)
     for rank, device in enumerate(mesh.devices.flat):
         assert held[device.id] == planner.param_bytes_per_rank(cfg, world, rank, experts="bf16", dense="fp8")
+    split = planner.admit(cfg, world).expert_split
+    w2 = model.inner.layers[0].ffn.shared_experts.w2  # [D, F]: F split on the columns, its scales by 32
+    stored = ckpt.read("layers.0.ffn.shared_experts.w2.scale")
+    for rank, device in enumerate(mesh.devices.flat):
+        lo, hi = split.real_range(rank)
+        codes = np.asarray(next(s.data for s in w2.weight[...].addressable_shards if s.device == device))
+        scale = np.asarray(next(s.data for s in w2.scale[...].addressable_shards if s.device == device))
+        np.testing.assert_array_equal(scale[:, : (hi - lo) // 32], stored[:, lo // 32: hi // 32])
+        assert not scale[:, (hi - lo) // 32:].any() and not codes.view(np.uint8)[:, hi - lo:].any()
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_engram"])
