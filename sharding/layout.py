@@ -234,8 +234,8 @@ def check_fp8_blocks(plan: ShardPlan, shapes: dict[str, tuple[int, ...]]) -> Non
             raise ShardingError(
                 f"world {plan.world} cuts the fp8 scale blocks of {weight}: its {split.total} {what} split into "
                 f"shards of {sorted(set(split.sizes))} {what}, not whole {FP8_BLOCK}-{what[:-1]} blocks. Hold the "
-                f"dense weights dequantized at this world (dense format 'dequantized'), or use a world whose "
-                f"shards are whole blocks")
+                f"dense weights dequantized at this world (--dense-format bf16), or use a world whose shards are "
+                f"whole blocks")
 
 
 def engram_splits(cfg, world: int) -> tuple[tuple[int, Split], ...]:

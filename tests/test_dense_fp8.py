@@ -12,7 +12,7 @@ operation on the same values. (2) f32 without rounding points (MODEL.md §C.4's 
 world 1: atol 1e-4 on logits O(4), as tests/test_sharding_model.py — the only difference is the order of f32
 sums (each rank's partial sums of wo_b, the shared expert and the experts all-reduced), ~1e-7 relative a sum,
 amplified by the layers to a few 1e-6 (observed 3e-6); without rounding points no quantisation boundary
-amplifies a last-bit change. Greedy tokens equal.
+amplifies a last-bit change. Greedy tokens equal. (3) The Pallas kernel in the model: the same f32 bound.
 """
 
 from __future__ import annotations
@@ -85,6 +85,19 @@ def test_fp8_dense_bf16_model_equals_the_dequantized_model(fp8_checkpoint):
     want, _ = _logits(_one_device(path, cfg, "bfloat16", "dequantized"), cfg, "bfloat16")
     got, _ = _logits(fp8, cfg, "bfloat16")
     np.testing.assert_array_equal(got, want)
+
+
+def test_fp8_dense_pallas_kernel_in_the_model(fp8_checkpoint):
+    """The model's dense projections on the Pallas kernel (interpret mode on CPU; compiled on a GPU), f32 without
+    rounding points: the kernel forms every product exactly (an f32 x as three exact bf16 pieces against the
+    decoded weight) and sums in f32 in its own order, so only summation order differs from the dequantised
+    model: the f32 bound of the world-4 test (observed 3e-6)."""
+    cfg, path = fp8_checkpoint
+    options = dict(quant_rounding=False)
+    want, _ = _logits(_one_device(path, cfg, "float32", "dequantized", **options), cfg, "float32")
+    got, _ = _logits(_one_device(path, cfg, "float32", "fp8", dense_impl="pallas", **options), cfg, "float32")
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.devices(4)
