@@ -33,6 +33,7 @@ layer matching the same rule), activations their activation rule.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import jax
@@ -60,8 +61,9 @@ from sharding.rules import (
 
 _ATTENTION = "layers.0.attn."        # any layer: every layer's tensors match the same rules
 _EXPERTS = "layers.0.ffn.experts."
-_STACKED_EXPERTS = "layers.0-1.ffn.experts."   # any stacked unit's: its layers' rule after the layer axis
-_SHARED = "layers.0.ffn.shared_experts."  # the loop slices a unit's shared expert a layer: a layer's rule
+_STACKED_UNIT = "layers.0-1."  # any stacked unit's names: its layers' rules after the layer axis
+_STACKED_EXPERTS = _STACKED_UNIT + "ffn.experts."
+_SHARED = "layers.0.ffn.shared_experts."  # the loop slices a unit's dequantised shared expert a layer: a layer's rule
 # The kernel's ExpertWeights fields (pallas_kernels/moe/ops.py) → the parameter each one is a view of.
 _EXPERT_FIELDS = {"w1": "w1", "w3": "w3", "w2": "w2", "w1_scale": "w1.scales", "w3_scale": "w3.scales",
                   "w2_scale": "w2.scales"}
@@ -128,9 +130,13 @@ def fp8_matmul(x, weight, *, rule: str, groups: int = 1, out_dtype=None, mesh: M
     op = fp8_ops.fp8_matmul if op is None else op
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     mesh = _mesh(mesh)
+    row = kwargs.pop("row", None)  # a stack of layers [L, N, K] (a scanned unit's) read at this layer's row
+    row_kwargs = {} if row is None else {"row": row}
     if mesh is None:
-        return op(x, weight, groups=groups, out_dtype=out_dtype, **kwargs)
+        return op(x, weight, groups=groups, out_dtype=out_dtype, **row_kwargs, **kwargs)
     layout = active_layout() if layout is None else layout
+    if row is not None:  # any stacked unit's name: its layers' rule after the unsplit layer axis
+        rule = re.sub(r"^layers\.\d+\.", _STACKED_UNIT, rule)
     codes_name, scales_name = rule + ".weight", rule + ".scale"
     weight_specs = fp8_ops.Fp8Weight(param_spec(codes_name, weight.codes.ndim, layout),
                                      param_spec(scales_name, weight.scales.ndim, layout))
@@ -147,13 +153,16 @@ def fp8_matmul(x, weight, *, rule: str, groups: int = 1, out_dtype=None, mesh: M
         else:  # input columns: x split like them, partial sums reduced
             x_spec, y_spec, local_groups, reduce = last, replicated, groups, True
 
-    def local(x, w):
+    def local(x, w, row_kwargs):
         if not reduce:
-            return op(x, w, groups=local_groups, out_dtype=out_dtype, **kwargs)
-        return jax.lax.psum(op(x, w, groups=local_groups, out_dtype=jnp.float32, **kwargs), TP).astype(out_dtype)
+            return op(x, w, groups=local_groups, out_dtype=out_dtype, **row_kwargs, **kwargs)
+        y = op(x, w, groups=local_groups, out_dtype=jnp.float32, **row_kwargs, **kwargs)
+        return jax.lax.psum(y, TP).astype(out_dtype)
 
-    run = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, weight_specs), out_specs=y_spec, check_vma=False)
-    return run(x, weight)
+    row_specs = {k: activation_spec("replicated", 0) for k in row_kwargs}
+    run = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, weight_specs, row_specs), out_specs=y_spec,
+                        check_vma=False)
+    return run(x, weight, row_kwargs)
 
 
 def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, mesh: Mesh | None = None,
@@ -175,7 +184,7 @@ def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, m
     mesh = _mesh(mesh)
     if mesh is None:
         y = op(x, topk_ids, topk_weights, weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs)
-        return y if shared is None else y + shared[0](x, shared[1], partial=False)
+        return y if shared is None else y + shared[0](x, shared[1], partial=False, row=row)
     layout = active_layout() if layout is None else layout
     split_shared = shared is not None and mesh_axes((SHARED_MLP,), layout)[0] is not None
     output, shared_weights = shared if split_shared else (None, {})
@@ -191,7 +200,7 @@ def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, m
             ids, w = _local_experts(ids, w, experts_here)
         y = op(x, ids, w, local_weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs).astype(jnp.float32)
         if output is not None:
-            y = y + output(x, local_shared, partial=True)
+            y = y + output(x, local_shared, partial=True, **row_kwargs)
         return jax.lax.psum(y, TP)
 
     row_specs = {k: activation_spec("replicated", 0) for k in row_kwargs}
@@ -200,7 +209,7 @@ def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, m
                         in_specs=(*_replicated(x, topk_ids, topk_weights), weight_specs, row_specs, shared_specs),
                         out_specs=y_spec, check_vma=False)
     y = run(x, topk_ids, topk_weights, weights, row_kwargs, shared_weights)
-    return y if shared is None or split_shared else y + shared[0](x, shared[1], partial=False)
+    return y if shared is None or split_shared else y + shared[0](x, shared[1], partial=False, row=row)
 
 
 def _shared_spec(proj: str, weight, layout: str):
@@ -208,6 +217,8 @@ def _shared_spec(proj: str, weight, layout: str):
     scales (their ``.weight`` and ``.scale`` rules)."""
     name = _SHARED + proj
     if isinstance(weight, fp8_ops.Fp8Weight):
+        if weight.codes.ndim == 3:  # a scanned unit's stack, read at the layer's row (model.moe.SharedExpert)
+            name = _STACKED_UNIT + "ffn.shared_experts." + proj
         return fp8_ops.Fp8Weight(param_spec(name + ".weight", weight.codes.ndim, layout),
                                  param_spec(name + ".scale", weight.scales.ndim, layout))
     return param_spec(name + ".weight", weight.ndim, layout)

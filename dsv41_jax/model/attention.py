@@ -109,14 +109,15 @@ class Attention(nnx.Module):
         self.indexer = (Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl, tiles=tiles, dense=dense)
                         if is_index_source else None)
 
-    def __call__(self, u, seg: Segment, cache: LayerCache, csa: CsaState):
+    def __call__(self, u, seg: Segment, cache: LayerCache, csa: CsaState, row=None):
         """u [B,T,D] (normed collapse), the CSA state of the layers before -> (out [B,T,D], new LayerCache, the
-        CSA state with this layer's entries published)."""
+        CSA state with this layer's entries published). ``row``: int32 scalar when this layer's fp8 dense
+        weights are its unit's stack (``transformer._scan_run``)."""
         b, t, _ = u.shape
-        q_res = self.q_norm(self.wq_a(u))
-        q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
+        q_res = self.q_norm(self.wq_a(u, row))
+        q = self.wq_b(q_res, row).reshape(b, t, self.n_heads, self.head_dim)
         q = apply_rope(q, seg.positions[..., None], self.inv_freq)
-        kv = self.kv_norm(self.wkv(u))
+        kv = self.kv_norm(self.wkv(u, row))
         kv = round_window_kv(apply_rope(kv, seg.positions, self.inv_freq), self.rounding)
         kv = jnp.where(seg.valid[..., None], kv, 0).astype(cache.window.dtype)  # padding rows: zero, never NaN
         window = jnp.concatenate([window_in_order(cache.window, seg.offset), kv], axis=1)
@@ -127,12 +128,12 @@ class Attention(nnx.Module):
             if self.compressor is not None:
                 cache, csa = self._compress(u, seg, cache, csa)
             if self.indexer is not None:
-                csa = self._index(u, q_res, seg, csa)
+                csa = self._index(u, q_res, seg, csa, row)
             kv_pool = csa.kv[self.kv_src]
             topk = csa.topk[self.idx_src]
         o = self._attend(q, kv_pool, topk, window, seg)
         o = apply_rope(o, seg.positions[..., None], self.inv_freq, inverse=True)
-        return self._output(o), cache, csa
+        return self._output(o, row), cache, csa
 
     def _attend(self, q, kv_pool, topk, window, seg: Segment):
         """The sparse attention op (``pallas_kernels.sparse_attention``, ``self.impl``): the kernel through the
@@ -149,10 +150,10 @@ class Attention(nnx.Module):
         block = rows_per_block(t, scratch_bytes_per_row(h, window.shape[1], k, dh))
         return sparse_attention(*args, **kwargs, impl="xla", rows_per_block=block)
 
-    def _output(self, o):
+    def _output(self, o, row=None):
         """Grouped low-rank output: group g's heads (head-major) through row block g of wo_a, then wo_b."""
         b, t = o.shape[:2]
-        return self.wo_b(grouped_linear(self.wo_a, o.reshape(b, t, -1), self.groups))
+        return self.wo_b(grouped_linear(self.wo_a, o.reshape(b, t, -1), self.groups, row), row)
 
     def _compress(self, u, seg: Segment, cache: LayerCache, csa: CsaState) -> tuple[LayerCache, CsaState]:
         """Close this segment's groups; publish compressed entries (and index keys) before any attention."""
@@ -167,9 +168,9 @@ class Attention(nnx.Module):
             cache = cache.replace(index_keys=write_rows(cache.index_keys, entry, valid, ik))
         return cache, csa.published(self.layer, kv=cache.compressed, index_keys=cache.index_keys)
 
-    def _index(self, u, q_res, seg: Segment, csa: CsaState) -> CsaState:
+    def _index(self, u, q_res, seg: Segment, csa: CsaState, row=None) -> CsaState:
         topk, kept = self.indexer.topk(u, q_res, seg.positions, csa.index_keys[self.ik_src], self.inv_freq,
-                                       self.rounding, kept_blocks=csa.candidates)
+                                       self.rounding, kept_blocks=csa.candidates, row=row)
         if self.indexer.is_candidate_source:
             csa = csa.replace(candidates=kept)
         return csa.published(self.layer, topk=topk)

@@ -42,10 +42,16 @@ class Dense:
         return Linear(in_features, out_features, dtype=dtype, rngs=rngs)
 
 
+class Fp8Param(nnx.Param):
+    """An fp8 dense weight's codes or scale bytes. In a scanned unit they stay the unit's whole stack [n, ...],
+    read in place at the layer's row by the op (``transformer._split_routed``): a loop-sliced layer handed to the
+    Pallas kernel would be a copy of the layer's weights every step."""
+
+
 class Fp8Linear(nnx.Module):
     """``weight`` float8_e4m3fn [out, in] and ``scale`` uint8 ue8m0 bytes [⌈out/32⌉, ⌈in/32⌉], as the checkpoint
-    stores them; y = x · dequant(weight, scale)ᵀ in the promoted dtype of x and the model dtype (what ``Linear``
-    gives for the dequantised weight)."""
+    stores them (a scanned unit's: stacked [n, ...], read at ``row``); y = x · dequant(weight, scale)ᵀ in the
+    promoted dtype of x and the model dtype (what ``Linear`` gives for the dequantised weight)."""
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, impl: str, rule: str):
         self.dtype = jnp.dtype(dtype)
@@ -53,28 +59,31 @@ class Fp8Linear(nnx.Module):
         self.rule = rule
         # random init: codes ~ N(0, 64²) in e4m3, one scale 2^-round(log2(64·√in)): values of std ~ 1/√in
         codes = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * 64.0
-        self.weight = nnx.Param(jnp.clip(codes, -448.0, 448.0).astype(jnp.float8_e4m3fn))
+        self.weight = Fp8Param(jnp.clip(codes, -448.0, 448.0).astype(jnp.float8_e4m3fn))
         byte = 127 - round(math.log2(64.0 * math.sqrt(in_features)))
-        self.scale = nnx.Param(jnp.full((-(-out_features // BLOCK), -(-in_features // BLOCK)), byte, jnp.uint8))
+        self.scale = Fp8Param(jnp.full((-(-out_features // BLOCK), -(-in_features // BLOCK)), byte, jnp.uint8))
 
     def stored(self) -> Fp8Weight:
         return Fp8Weight(self.weight[...], self.scale[...])
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self.grouped(x, 1)
+    def __call__(self, x: jnp.ndarray, row=None) -> jnp.ndarray:
+        return self.grouped(x, 1, row)
 
-    def grouped(self, x: jnp.ndarray, groups: int) -> jnp.ndarray:
+    def grouped(self, x: jnp.ndarray, groups: int, row=None) -> jnp.ndarray:
         """x [..., G·K] → [..., N]: row block g of W (N/G rows) against x's columns g·K .. (g+1)·K (``groups`` =
-        G; 1 for a plain projection), in the promoted dtype of x and the model dtype."""
+        G; 1 for a plain projection), in the promoted dtype of x and the model dtype. ``row``: the layer's row
+        when the weight is its unit's stack (int32 scalar), else unused."""
+        stacked = {"row": row} if self.weight[...].ndim == 3 else {}
         return sharded_fp8_matmul(x, self.stored(), rule=self.rule, groups=groups,
-                                  out_dtype=jnp.promote_types(x.dtype, self.dtype), impl=self.impl)
+                                  out_dtype=jnp.promote_types(x.dtype, self.dtype), impl=self.impl, **stacked)
 
 
-def grouped_linear(layer, x: jnp.ndarray, groups: int) -> jnp.ndarray:
+def grouped_linear(layer, x: jnp.ndarray, groups: int, row=None) -> jnp.ndarray:
     """``layer`` (a ``Linear`` or an ``Fp8Linear`` of W [N, K]) applied per group: x [..., G·K] → [..., N] in x's
-    dtype, group g's rows of W against its columns of x (the grouped output projection ``wo_a``, MODEL.md §B.6)."""
+    dtype, group g's rows of W against its columns of x (the grouped output projection ``wo_a``, MODEL.md §B.6).
+    ``row``: as ``Fp8Linear.grouped``."""
     if isinstance(layer, Fp8Linear):
-        return layer.grouped(x, groups).astype(x.dtype)
+        return layer.grouped(x, groups, row).astype(x.dtype)
     w = layer.weight[...]
     xg = x.reshape(*x.shape[:-1], groups, -1)
     z = jnp.einsum("...gi,goi->...go", xg, w.reshape(groups, -1, w.shape[-1]).astype(x.dtype),

@@ -48,17 +48,18 @@ class Indexer(nnx.Module):
         k = self.k_norm(self.wk(latent))
         return round_index(apply_rope(k, positions, inv_freq), rounding)
 
-    def topk(self, u, q_res, positions, keys, inv_freq, rounding: bool, kept_blocks=None):
+    def topk(self, u, q_res, positions, keys, inv_freq, rounding: bool, kept_blocks=None, row=None):
         """Top-K entries of ``keys`` per query (−1 = none) and, for the candidate source, its kept blocks.
 
         u [B,T,D]; q_res [B,T,R_q]; positions [B,T]; keys [B,N,d_I]; kept_blocks bool [B,T,⌈N/B_c⌉] (the
-        candidate source's, for a candidate-masked layer). Returns (int32 [B,T,K], kept_blocks | None).
+        candidate source's, for a candidate-masked layer); ``row``: as ``Attention.__call__``'s. Returns
+        (int32 [B,T,K], kept_blocks | None).
         Scores and selection: ``pallas_kernels.indexer`` (``impl``; see ``XLA_DECODE_ROWS``), over blocks of
         query rows: the XLA path's [rows, H_I, N] scores, the kernel's workspace (``tiling.launch_rows``) within
         SCORE_BUDGET_BYTES.
         """
         b, t = u.shape[:2]
-        q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
+        q = self.wq_b(q_res, row).reshape(b, t, self.n_heads, self.head_dim)
         q = round_index(apply_rope(q, positions[..., None], inv_freq), rounding)
         if rounding:  # fp4-grid values (§C.2) are exact in the keys' dtype: the XLA path's product stays in it
             q = q.astype(keys.dtype)

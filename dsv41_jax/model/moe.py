@@ -121,9 +121,9 @@ class SharedExpert(nnx.Module):
         self.w3 = dense.linear(dim, width, dtype=dtype, rngs=rngs, rule=rule + "w3")
         self.w2 = dense.linear(width, dim, dtype=dtype, rngs=rngs, rule=rule + "w2")
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, row=None) -> jnp.ndarray:
         """x [N, D] -> [N, D] in the model dtype (the promoted dtype of x and the weights)."""
-        return self.output(x, self.weights(), partial=False).astype(jnp.promote_types(x.dtype, self.dtype))
+        return self.output(x, self.weights(), partial=False, row=row).astype(jnp.promote_types(x.dtype, self.dtype))
 
     def weights(self) -> dict:
         """``{"w1", "w3", "w2"}``: the weights ``output`` takes (a rank's slices of them under a mesh): arrays, or
@@ -131,25 +131,31 @@ class SharedExpert(nnx.Module):
         return {k: (m.stored() if isinstance(m, Fp8Linear) else m.weight[...])
                 for k, m in (("w1", self.w1), ("w3", self.w3), ("w2", self.w2))}
 
-    def output(self, x: jnp.ndarray, weights: dict, *, partial: bool) -> jnp.ndarray:
+    def output(self, x: jnp.ndarray, weights: dict, *, partial: bool, row=None) -> jnp.ndarray:
         """f32 [N, D] from ``weights`` (``weights()``, or one rank's F slices of them). ``partial=False``: this
         module's output (rounded to the model dtype as ``__call__`` rounds it); ``partial=True``: w2's f32 sum
         over the given columns before any rounding, the partial sum a rank adds to the routed experts' before
         their one all-reduce (``sharding.kernels.routed_experts``). fp8 weights go through the op itself: this
-        runs inside the routed experts' shard_map with a rank's slices, or unsharded."""
-        h = clamped_swiglu(self._up(x, weights["w1"]), self._up(x, weights["w3"]), self.limit)
+        runs inside the routed experts' shard_map with a rank's slices, or unsharded. ``row``: the layer's row of
+        fp8 weights held as their unit's stack [n, ...] (a scanned unit's, ``transformer._split_routed``)."""
+        h = clamped_swiglu(self._up(x, weights["w1"], row), self._up(x, weights["w3"], row), self.limit)
         w2 = weights["w2"]
         if isinstance(w2, Fp8Weight):
-            y, w2_dtype = fp8_matmul(h, w2, out_dtype=jnp.float32, impl=self.impl), self.dtype
+            y, w2_dtype = fp8_matmul(h, w2, out_dtype=jnp.float32, impl=self.impl, **_at(w2, row)), self.dtype
         else:
             y, w2_dtype = linear_f32(h, w2), w2.dtype
         return y if partial else y.astype(jnp.promote_types(h.dtype, w2_dtype)).astype(jnp.float32)
 
-    def _up(self, x: jnp.ndarray, w) -> jnp.ndarray:
+    def _up(self, x: jnp.ndarray, w, row) -> jnp.ndarray:
         """x · wᵀ in the promoted dtype of x and the weight (for fp8: of x and the model dtype)."""
         if isinstance(w, Fp8Weight):
-            return fp8_matmul(x, w, out_dtype=jnp.promote_types(x.dtype, self.dtype), impl=self.impl)
+            return fp8_matmul(x, w, out_dtype=jnp.promote_types(x.dtype, self.dtype), impl=self.impl, **_at(w, row))
         return linear(x, w)
+
+
+def _at(weight: Fp8Weight, row) -> dict:
+    """The op's ``row`` argument for ``weight``: its layer's row when it is a stack [n, N, K], else none."""
+    return {"row": row} if weight.codes.ndim == 3 else {}
 
 
 class MoE(nnx.Module):

@@ -21,7 +21,7 @@ from ..vision.preprocess import END, IMAGE, NEWLINE, START
 from .attention import Attention, CsaState, Segment
 from .cache import Cache
 from .dense import FORMATS as _DENSE_FORMATS
-from .dense import Dense
+from .dense import Dense, Fp8Param
 from .dspark import Stage
 from .engram import Engram, EngramInput
 from .hc import collapse, expand, hc_mix, mix_kwargs, mix_params
@@ -165,7 +165,8 @@ class Block(nnx.Module):
         layers before, is_image bool [B,T] or None (all text), engram rows (engram layers) -> (streams, pre of
         the FFN mix, new LayerCache, CSA state with this layer's entries). ``taps``: a dict this layer adds its
         taps to ("entering": the stream mean after the engram; "u": the normed attention input).
-        ``expert_row``: int32 scalar when this Block's routed experts are its unit's whole stack (``_scan_run``)."""
+        ``expert_row``: int32 scalar when this Block's routed experts (and fp8 dense weights) are its unit's whole
+        stack (``_scan_run``)."""
         if hasattr(self, "engram"):
             with jax.named_scope("engram"):  # §B.4: before the attention HC mix
                 streams = self.engram(streams, engram)
@@ -183,7 +184,7 @@ class Block(nnx.Module):
             u = whole(self.attn_norm(collapse(streams, pre_prev)))
             if taps is not None:
                 taps["u"] = u
-            y, cache, csa = self.attn(u, seg, cache, csa)
+            y, cache, csa = self.attn(u, seg, cache, csa, expert_row)
             streams = rows(expand(y, streams, post_a, comb_a))
         with jax.named_scope("moe"):
             pre_f, post_f, comb_f = hc_mix(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...],
@@ -249,11 +250,12 @@ def _loop(body, carry, xs, n: int, scan: bool):
 
 
 def _split_routed(block: Block):
-    """(graphdef, routed experts, other weights) of a stacked unit's Block. The loop slices the other weights a
-    layer a step; the routed experts stay the unit's whole stack [n, E, ...], which each layer's MoE op reads in
-    place at its row (``expert_row``): a loop-sliced layer of them is a copy of all E experts a layer every
-    step (measured: see docs/BENCHMARKS.md, section "Scanned layers read their experts in place")."""
-    return nnx.split(block, nnx.PathContains("experts"), ...)
+    """(graphdef, routed experts and fp8 dense weights, other weights) of a stacked unit's Block. The loop slices
+    the other weights a layer a step; the routed experts stay the unit's whole stack [n, E, ...], which each
+    layer's MoE op reads in place at its row (``expert_row``): a loop-sliced layer of them is a copy of all E
+    experts a layer every step (measured: see docs/BENCHMARKS.md, section "Scanned layers read their experts in
+    place"). fp8 dense weights held as stored (``dense.Fp8Param``) stay stacked for the same reason."""
+    return nnx.split(block, nnx.Any(nnx.PathContains("experts"), Fp8Param), ...)
 
 
 def _scan_run(graphdef, routed, weights, rows, caches, streams, pre, seg: Segment, csa: CsaState, is_image,
