@@ -133,7 +133,7 @@ def test_a_world_that_cuts_a_scale_block_is_refused(fp8_checkpoint):
 
 
 @pytest.mark.devices(4)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4])
 def test_param_bytes_per_device_equal_planner(tmp_path_factory, world):
     """The planner's count of fp8 dense weights (a code byte a parameter plus the rank's ue8m0 bytes) is what the
     devices hold, padding included (bf16 model: the other weights 16-bit, f32 roles f32). tests/
