@@ -8,7 +8,9 @@ headers alone before any data is read: a missing, unexpected or mis-shaped tenso
 
 With ``expert_format="fp4"`` the routed experts are returned packed as stored (``layers.L.ffn.experts.wN.codes``
 uint8 ``[E, out, in/2]`` and ``.scales`` ue8m0 bytes uint8 ``[E, out, in/32]``, `param_specs.model_tensors`):
-the checkpoint must then hold them as fp4.
+the checkpoint must then hold them as fp4. With ``dense_format="fp8"`` the dense matrices the release stores in
+fp8 (`param_specs.is_fp8_dense`) are returned as stored too: ``….weight`` e4m3 codes and ``….scale`` ue8m0 bytes
+uint8 (the checkpoint must hold them as fp8).
 
 Three entry points:
 
@@ -140,19 +142,26 @@ class Checkpoint:
     vision: bool = False  # the image path's tensors are read too (param_specs.vision_tensors)
     engram: bool = True  # the engram layers' tensors are part of the model (False: skipped, --skip-engram)
     dspark: bool = False  # the DSpark stages' mtp.* tensors are part of the model (param_specs.dspark_tensors)
+    dense_format: str = "dequantized"  # or "fp8": fp8 dense matrices read as stored (codes + .scale bytes)
     _files: _Files = field(default_factory=_Files, repr=False)
 
     @property
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
         """Model name → shape (`param_specs.model_tensors` in this checkpoint's ``expert_format``)."""
         return param_specs.model_tensors(self.cfg, self.expert_format, vision=self.vision, engram=self.engram,
-                                         dspark=self.dspark)
+                                         dspark=self.dspark, dense_format=self.dense_format)
 
     @property
     def stored_expert_format(self) -> str:
         """"fp4" when every routed expert is stored packed fp4 (the official release), else "dequantized"."""
         codecs = {s.codec for name, s in self.sources.items() if param_specs.expert_name(name) is not None}
         return "fp4" if codecs == {"fp4"} else "dequantized"
+
+    @property
+    def stored_dense_format(self) -> str:
+        """"fp8" when every dense matrix the release stores in fp8 is stored so here, else "dequantized"."""
+        codecs = {s.codec for name, s in self.sources.items() if param_specs.is_fp8_dense(name)}
+        return "fp8" if codecs == {"fp8"} else "dequantized"
 
     @property
     def nbytes(self) -> int:
@@ -175,6 +184,8 @@ class Checkpoint:
             return self._read_packed(*packed, experts)
         if param_specs.is_engram_table(name):
             return self.read_table(name)
+        if self._as_stored_fp8(name):
+            return self._read_fp8(name)
         out_dtype = _out_dtype(name, dtype)
         if name == "head.weight" and self.cfg.tie_word_embeddings:
             name = "embed.weight"
@@ -204,6 +215,8 @@ class Checkpoint:
             name = "embed.weight"
         if _packed(name) is not None or _stacked(name)[0] is not None:
             raise ValueError(f"{name} is a stacked routed-expert tensor: read it with read(name, experts=...)")
+        if self._as_stored_fp8(name):
+            return self._read_fp8(name, index)
         if name not in self.sources:
             raise KeyError(f"{name} is not a tensor of this model")
         src = self.sources[name]
@@ -234,6 +247,22 @@ class Checkpoint:
         codes = self._files.array(src.weight)[(*lead, *wide)]
         scale = self._files.array(src.scale)[(*lead, *scale_window)]
         return formats.fp8_dequantize(codes, scale, dtype=out_dtype)[(..., *crop)]
+    def _as_stored_fp8(self, name: str) -> bool:
+        """True for an fp8 dense matrix's codes or ``.scale`` read as stored (``dense_format="fp8"``)."""
+        return self.dense_format == "fp8" and param_specs.is_fp8_dense(name)
+
+    def _read_fp8(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """The e4m3 codes (``….weight``) or ue8m0 scale bytes uint8 (``….scale``) of an fp8 dense matrix as stored,
+        ``index`` (basic slices) of them."""
+        src = self.sources[name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name]
+        if src.codec != "fp8":
+            raise CheckpointError(f"tensor {src.weight.name} is stored as {src.weight.dtype}, not fp8: it cannot be "
+                                  f"held as fp8 dense weights")
+        if name.endswith(".weight"):
+            return np.asarray(self._files.array(src.weight)[index])
+        raw = self._files.array(src.scale)[index]
+        return raw.view(np.uint8) if raw.dtype.itemsize == 1 else _ue8m0_bytes(raw, src.scale.name)
+
     def read_table(self, name: str, rows: slice | np.ndarray | None = None) -> np.ndarray:
         """An engram table as stored (``…engram.embed.weight``: e4m3 ``[rows, d]``; ``…engram.embed.scale``:
         ue8m0 bytes uint8 ``[rows, d/32]``), memory-mapped: ``rows`` picks rows without reading the rest."""
@@ -346,10 +375,12 @@ def _logical_shape(src: Source) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------------- opening
 def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
                     expert_format: str = "dequantized", vision: bool = False, engram: bool = True,
-                    dspark: bool = False) -> Checkpoint:
+                    dspark: bool = False, dense_format: str = "dequantized") -> Checkpoint:
     """Validate the directory against the inventory of ``cfg`` (default: its ``config.json``).
 
     ``expert_format="fp4"``: routed experts are read packed; every one must be stored as fp4 (refused by name).
+    ``dense_format="fp8"``: the fp8 dense matrices are read as stored; every one must be stored as fp8 (refused by
+    name).
     ``vision=True``: the image path's tensors (docs/VISION.md §V.F) are part of the inventory (missing or mis-shaped
     ones refused by name) instead of skipped; the config must have a ``vision_config``.
     ``engram=False``: the engram layers' tensors are skipped (the output is then not the model's).
@@ -357,6 +388,8 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
     """
     if expert_format not in param_specs.EXPERT_FORMATS:
         raise CheckpointError(f"expert format {expert_format!r} is not one of {param_specs.EXPERT_FORMATS}")
+    if dense_format not in param_specs.DENSE_FORMATS:
+        raise CheckpointError(f"dense format {dense_format!r} is not one of {param_specs.DENSE_FORMATS}")
     path = checkpoint_dir(path)
     if cfg is None:
         cfg = _read_config(path)
@@ -384,7 +417,12 @@ def open_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *,
             if param_specs.expert_name(name) is not None and src.codec != "fp4":
                 raise CheckpointError(f"expert format fp4 needs routed experts stored as packed fp4; tensor {name} "
                                       f"in {src.weight.file.name} is {src.weight.dtype}")
-    return Checkpoint(path, cfg, sources, lines, expert_format, vision, engram, dspark)
+    if dense_format == "fp8":
+        for name, src in sources.items():
+            if param_specs.is_fp8_dense(name) and src.codec != "fp8":
+                raise CheckpointError(f"dense format fp8 needs the dense matrices stored as fp8; tensor {name} in "
+                                      f"{src.weight.file.name} is {src.weight.dtype}")
+    return Checkpoint(path, cfg, sources, lines, expert_format, vision, engram, dspark, dense_format)
 
 
 def checkpoint_dir(path: str | Path) -> Path:
@@ -485,16 +523,16 @@ def _source(spec: param_specs.TensorSpec, stored: dict[str, StoredTensor]) -> So
 # -------------------------------------------------------------------------------------------------- loading
 def iter_tensors(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
                  progress: bool = True, expert_format: str = "dequantized",
-                 vision: bool = False, engram: bool = True, dspark: bool = False
-                 ) -> Iterator[tuple[str, np.ndarray]]:
+                 vision: bool = False, engram: bool = True, dspark: bool = False,
+                 dense_format: str = "dequantized") -> Iterator[tuple[str, np.ndarray]]:
     """Validate, then yield ``(model name, array)`` one tensor at a time (see `Checkpoint.read`)."""
     yield from open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram,
-                               dspark=dspark).iter_tensors(dtype=dtype, progress=progress)
+                               dspark=dspark, dense_format=dense_format).iter_tensors(dtype=dtype, progress=progress)
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: str = "float32",
                     progress: bool = True, expert_format: str = "dequantized", vision: bool = False,
-                    engram: bool = True, dspark: bool = False
+                    engram: bool = True, dspark: bool = False, dense_format: str = "dequantized"
                     ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(cfg, {model name: array})`` for the whole text model, dequantised to ``dtype``.
 
@@ -502,8 +540,10 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig | None = None, *, dtype: 
     ``progress``, the skipped parts are printed to stderr and large loads show a progress bar.
     ``expert_format="fp4"``: routed experts stay packed (uint8 ``.codes`` / ``.scales``, see `open_checkpoint`).
     ``vision=True``: the image path's tensors are returned too (see `open_checkpoint`).
+    ``dense_format="fp8"``: the fp8 dense matrices stay as stored (e4m3 codes, ``.scale`` bytes; `open_checkpoint`).
     """
-    ckpt = open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram, dspark=dspark)
+    ckpt = open_checkpoint(path, cfg, expert_format=expert_format, vision=vision, engram=engram, dspark=dspark,
+                           dense_format=dense_format)
     if progress:
         for line in ckpt.skipped:
             print(f"{ckpt.path.name}: {line}", file=sys.stderr)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.layout import check_fp8_blocks
 from sharding.load import place
 from sharding.mesh import replicated
 
@@ -33,6 +34,24 @@ from .config import ModelConfig
 from .model.transformer import Transformer, WeightsError
 from .param_specs import layer_names
 from .planner import kernel_tiles
+
+DENSE_FORMAT_CHOICES = ("auto", "bf16", "dequantized", "fp8")
+
+
+def choose_dense_format(requested: str, stored: str, dense_impl: str) -> str:
+    """``ModelOptions.dense_format`` for a run: ``requested`` "fp8" (the checkpoint must store its dense matrices
+    in fp8, ``stored``: `checkpoint.Checkpoint.stored_dense_format`, "dequantized" for random weights), "bf16" /
+    "dequantized" (in the model dtype), or "auto": "fp8" where the checkpoint stores fp8 and the fp8 op runs as
+    the Pallas kernel (``dense_impl``, a GPU), else "dequantized" (the XLA implementation would dequantise every
+    call). ValueError (one line, for the user) when fp8 is asked of weights not stored so."""
+    if requested not in DENSE_FORMAT_CHOICES:
+        raise ValueError(f"dense format {requested!r} must be one of {', '.join(DENSE_FORMAT_CHOICES)}")
+    if requested == "fp8" and stored != "fp8":
+        raise ValueError("dense format fp8 holds the dense weights as the checkpoint stores them: it needs a "
+                         "checkpoint whose dense matrices are stored in fp8 (these weights are not)")
+    if requested == "auto":
+        return "fp8" if stored == "fp8" and dense_impl == "pallas" else "dequantized"
+    return "fp8" if requested == "fp8" else "dequantized"
 
 
 def param_name(path: tuple) -> str:
@@ -161,6 +180,7 @@ def build_sharded(run_cfg: ModelConfig, options, flat: Mapping[str, Any] | Itera
     ``sharding.ShardPlan``). An iterator is consumed one tensor at a time."""
     construct, graphdef, flat_params, rest = abstract_params(run_cfg, options)
     targets = {param_name(path): var for path, var in flat_params}
+    check_fp8_blocks(plan, {name: tuple(var.shape) for name, var in targets.items()})  # before any tensor is read
     owner = {part: (name, i) for name in targets for i, part in enumerate(layer_names(name))}
     if isinstance(flat, Mapping):
         check_names(owner, flat)  # before any tensor is read; an iterator is checked once consumed

@@ -11,7 +11,9 @@ Two naming schemes (docs/DESIGN.md, "Parameter names"):
   ``layers.L.ffn.experts.w1.weight [E, F, D]``, ``w3 [E, F, D]``, ``w2 [E, D, F]``. With
   ``expert_format="fp4"`` the routed experts stay packed as stored (§E.1), each stacked projection as two
   uint8 tensors: ``layers.L.ffn.experts.wN.codes`` (e2m1 pairs, ``[E, F, D/2]`` for w1/w3, ``[E, D, F/2]`` for
-  w2) and ``layers.L.ffn.experts.wN.scales`` (ue8m0 bytes, ``[E, F, D/32]`` / ``[E, D, F/32]``).
+  w2) and ``layers.L.ffn.experts.wN.scales`` (ue8m0 bytes, ``[E, F, D/32]`` / ``[E, D, F/32]``). With
+  ``dense_format="fp8"`` the dense matrices the release stores in fp8 (`is_fp8_dense`) stay as stored too, under
+  their official names: ``….weight`` e4m3 codes ``[out, in]`` and ``….scale`` ue8m0 bytes ``[⌈out/32⌉, ⌈in/32⌉]``.
 
 Only the text model is listed by default, with its engram layers (`MODEL.md` §B.12) unless ``engram=False``. An
 engram table is held as stored in both schemes (kind "fp8r": e4m3 rows ``layers.L.engram.embed.weight [rows, d]``
@@ -327,7 +329,24 @@ def model_name(official: str) -> str:
 
 
 EXPERT_FORMATS = ("dequantized", "fp4")
+DENSE_FORMATS = ("dequantized", "fp8")
 PACKED_PARTS = ("codes", "scales")
+# The dense matrices the release stores in fp8 (§E.2; ``release_tensors`` kind "fp8"), by model name: attention's
+# projections, the indexer's query projection, the shared expert, DSpark's tap projection, engram's projection.
+_FP8_DENSE = re.compile(
+    r"(?:layers\.[\d_-]+|mtp\.\d+)\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|"
+    r"ffn\.shared_experts\.w[123]|main_proj|engram\.wkv)\.(weight|scale)")
+
+
+def is_fp8_dense(name: str) -> bool:
+    """True for the model name of a dense matrix the release stores in fp8 (its ``.weight`` or ``.scale``; a
+    stacked unit's name too): the tensors ``dense_format="fp8"`` holds as stored."""
+    return _FP8_DENSE.fullmatch(name) is not None
+
+
+def fp8_scale_name(weight: str) -> str:
+    """``….weight`` → its ``….scale`` companion."""
+    return weight.removesuffix(".weight") + ".scale"
 
 
 def packed_expert_name(layer: int | str, proj: str, part: str) -> str:
@@ -341,18 +360,24 @@ def packed_expert_shapes(stacked: tuple[int, ...]) -> dict[str, tuple[int, ...]]
 
 
 def model_tensors(cfg: ModelConfig, expert_format: str = "dequantized", *,
-                  vision: bool = False, engram: bool = True, dspark: bool = False) -> dict[str, tuple[int, ...]]:
+                  vision: bool = False, engram: bool = True, dspark: bool = False,
+                  dense_format: str = "dequantized") -> dict[str, tuple[int, ...]]:
     """Model name → shape; routed experts stacked (w1, w3 ``[E, F, D]``, w2 ``[E, D, F]``), dequantised or,
     with ``expert_format="fp4"``, as packed ``.codes`` / ``.scales`` (see the module docstring); engram tables
-    as their codes and ``.scale`` bytes (``engram=False``: no engram tensors). ``vision=True`` appends the image
-    path (`vision_tensors`)."""
+    as their codes and ``.scale`` bytes (``engram=False``: no engram tensors). ``dense_format="fp8"``: the fp8
+    dense matrices as their codes (``.weight``) and ``.scale`` bytes. ``vision=True`` appends the image path
+    (`vision_tensors`)."""
     if expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert format {expert_format!r} must be one of {EXPERT_FORMATS}")
+    if dense_format not in DENSE_FORMATS:
+        raise ValueError(f"dense format {dense_format!r} must be one of {DENSE_FORMATS}")
     out: dict[str, tuple[int, ...]] = {}
     for spec in release_tensors(cfg, vision=vision, engram=engram, dspark=dspark):
         hit = expert_name(spec.name)
         if spec.stored == TABLE_KIND:
             out.update({n: t.shape for n, t in stored_form(spec.name, spec.shape, TABLE_KIND).items()})
+        elif dense_format == "fp8" and hit is None and spec.stored == "fp8":
+            out.update({n: t.shape for n, t in stored_form(spec.name, spec.shape, "fp8").items()})
         elif hit is None:
             out[spec.name] = spec.shape
         elif hit[1] == 0 and expert_format == "fp4":

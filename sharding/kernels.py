@@ -16,6 +16,11 @@ The partitioner cannot split a Pallas call, so under a mesh the kernels run per 
 * ``hc_comb``: in a row-parallel segment the HC mix's comb kernel on each device's rows of the
   segment (activation rule "stream_rows"); a Pallas call cannot be partitioned, so XLA would otherwise gather
   every row's logits to each device, run the whole kernel there and slice. No collective.
+* ``fp8_matmul``: a dense projection held as stored in fp8 (codes and ``.scale`` split by the weight's rules, the
+  scale blocks whole on each rank: ``layout.check_fp8_blocks``). Replicated weight: everything replicated, no
+  collective. Output rows split (wq_b, wo_a, the shared gate/up): y split on its last dim like them (wo_a's x split
+  with its groups' columns). Input columns split (wo_b, the shared down-projection): x split on its last dim,
+  each rank's f32 partial sum, one ``psum``, then the output dtype.
 * ``index_topk``: every input and output replicated (``rules``: the indexer's top-k is one selection for
   all heads, computed redundantly); the shard_map only lets each device run the whole kernel. No collective.
 
@@ -28,26 +33,37 @@ layer matching the same rule), activations their activation rule.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from dsv41_jax.engram import column_splits
+from pallas_kernels.fp8_matmul import ops as fp8_ops
 from pallas_kernels.hc_mix import ops as hc_mix_ops
 from pallas_kernels.indexer import ops as indexer_ops
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.sparse_attention import ops as attention_ops
 from sharding.context import active_mesh
 from sharding.mesh import TP
-from sharding.rules import EXPERTS, SHARED_MLP, activation_spec, active_layout, mesh_axes, param_spec
+from sharding.rules import (
+    EXPERTS,
+    SHARED_MLP,
+    activation_spec,
+    active_layout,
+    mesh_axes,
+    param_spec,
+    split_axis,
+)
 
 _ATTENTION = "layers.0.attn."        # any layer: every layer's tensors match the same rules
 _EXPERTS = "layers.0.ffn.experts."
-_STACKED_EXPERTS = "layers.0-1.ffn.experts."   # any stacked unit's: its layers' rule after the layer axis
-_SHARED = "layers.0.ffn.shared_experts."  # the loop slices a unit's shared expert a layer: a layer's rule
+_STACKED_UNIT = "layers.0-1."  # any stacked unit's names: its layers' rules after the layer axis
+_STACKED_EXPERTS = _STACKED_UNIT + "ffn.experts."
+_SHARED = "layers.0.ffn.shared_experts."  # the loop slices a unit's dequantised shared expert a layer: a layer's rule
 # The kernel's ExpertWeights fields (pallas_kernels/moe/ops.py) → the parameter each one is a view of.
 _EXPERT_FIELDS = {"w1": "w1", "w3": "w3", "w2": "w2", "w1_scale": "w1.scales", "w3_scale": "w3.scales",
                   "w2_scale": "w2.scales"}
@@ -106,6 +122,49 @@ def index_topk(q, w, keys, positions, kept_blocks=None, *, mesh: Mesh | None = N
     return run(*args)
 
 
+def fp8_matmul(x, weight, *, rule: str, groups: int = 1, out_dtype=None, mesh: Mesh | None = None,
+               layout: str | None = None, op: Callable | None = None, **kwargs):
+    """y [..., N] = op(x [..., G·K], weight) (``pallas_kernels.fp8_matmul.ops.fp8_matmul``'s signature) with the
+    weight's codes and scales split by the rules of ``rule + ".weight"`` / ``rule + ".scale"`` (``rule``: the
+    model name of the weight, any layer's, without its suffix: ``"layers.0.attn.wo_b"``)."""
+    op = fp8_ops.fp8_matmul if op is None else op
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    mesh = _mesh(mesh)
+    row = kwargs.pop("row", None)  # a stack of layers [L, N, K] (a scanned unit's) read at this layer's row
+    row_kwargs = {} if row is None else {"row": row}
+    if mesh is None:
+        return op(x, weight, groups=groups, out_dtype=out_dtype, **row_kwargs, **kwargs)
+    layout = active_layout() if layout is None else layout
+    if row is not None:  # any stacked unit's name: its layers' rule after the unsplit layer axis
+        rule = re.sub(r"^layers\.\d+\.", _STACKED_UNIT, rule)
+    codes_name, scales_name = rule + ".weight", rule + ".scale"
+    weight_specs = fp8_ops.Fp8Weight(param_spec(codes_name, weight.codes.ndim, layout),
+                                     param_spec(scales_name, weight.scales.ndim, layout))
+    hit = split_axis(codes_name, weight.codes.ndim, layout)
+    replicated = activation_spec("replicated", x.ndim)
+    if hit is None:
+        x_spec, y_spec, local_groups, reduce = replicated, replicated, groups, False
+    else:
+        axis, logical = hit
+        last = PartitionSpec(*(None,) * (x.ndim - 1), *mesh_axes((logical,), layout))  # the weight's split
+        if axis == weight.codes.ndim - 2:  # output rows: y split like them; a grouped x with its groups' columns
+            x_spec, y_spec, reduce = (last if groups > 1 else replicated), last, False
+            local_groups = groups // mesh.size if groups > 1 else 1
+        else:  # input columns: x split like them, partial sums reduced
+            x_spec, y_spec, local_groups, reduce = last, replicated, groups, True
+
+    def local(x, w, row_kwargs):
+        if not reduce:
+            return op(x, w, groups=local_groups, out_dtype=out_dtype, **row_kwargs, **kwargs)
+        y = op(x, w, groups=local_groups, out_dtype=jnp.float32, **row_kwargs, **kwargs)
+        return jax.lax.psum(y, TP).astype(out_dtype)
+
+    row_specs = {k: activation_spec("replicated", 0) for k in row_kwargs}
+    run = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, weight_specs, row_specs), out_specs=y_spec,
+                        check_vma=False)
+    return run(x, weight, row_kwargs)
+
+
 def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, mesh: Mesh | None = None,
                    layout: str | None = None, op: Callable | None = None, row=None, shared=None, **kwargs):
     """y [N,D] f32 = op(...) (+ the shared expert) with the expert weights split by ``layout`` and the partial
@@ -125,7 +184,7 @@ def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, m
     mesh = _mesh(mesh)
     if mesh is None:
         y = op(x, topk_ids, topk_weights, weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs)
-        return y if shared is None else y + shared[0](x, shared[1], partial=False)
+        return y if shared is None else y + shared[0](x, shared[1], partial=False, row=row)
     layout = active_layout() if layout is None else layout
     split_shared = shared is not None and mesh_axes((SHARED_MLP,), layout)[0] is not None
     output, shared_weights = shared if split_shared else (None, {})
@@ -141,16 +200,28 @@ def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, m
             ids, w = _local_experts(ids, w, experts_here)
         y = op(x, ids, w, local_weights, swiglu_limit=swiglu_limit, **row_kwargs, **kwargs).astype(jnp.float32)
         if output is not None:
-            y = y + output(x, local_shared, partial=True)
+            y = y + output(x, local_shared, partial=True, **row_kwargs)
         return jax.lax.psum(y, TP)
 
     row_specs = {k: activation_spec("replicated", 0) for k in row_kwargs}
-    shared_specs = {k: param_spec(f"{_SHARED}{k}.weight", a.ndim, layout) for k, a in shared_weights.items()}
+    shared_specs = {k: _shared_spec(k, a, layout) for k, a in shared_weights.items()}
     run = jax.shard_map(local, mesh=mesh,
                         in_specs=(*_replicated(x, topk_ids, topk_weights), weight_specs, row_specs, shared_specs),
                         out_specs=y_spec, check_vma=False)
     y = run(x, topk_ids, topk_weights, weights, row_kwargs, shared_weights)
-    return y if shared is None or split_shared else y + shared[0](x, shared[1], partial=False)
+    return y if shared is None or split_shared else y + shared[0](x, shared[1], partial=False, row=row)
+
+
+def _shared_spec(proj: str, weight, layout: str):
+    """The rule-table spec of the shared expert's ``proj`` weight: an array's, or an ``Fp8Weight``'s codes and
+    scales (their ``.weight`` and ``.scale`` rules)."""
+    name = _SHARED + proj
+    if isinstance(weight, fp8_ops.Fp8Weight):
+        if weight.codes.ndim == 3:  # a scanned unit's stack, read at the layer's row (model.moe.SharedExpert)
+            name = _STACKED_UNIT + "ffn.shared_experts." + proj
+        return fp8_ops.Fp8Weight(param_spec(name + ".weight", weight.codes.ndim, layout),
+                                 param_spec(name + ".scale", weight.scales.ndim, layout))
+    return param_spec(name + ".weight", weight.ndim, layout)
 
 
 def _expert_spec(path, leaf, layout: str, stacked: bool = False):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.engram import column_splits
+from dsv41_jax.param_specs import FP8_BLOCK, is_fp8_dense
 from dsv41_jax.planner import Split
 from sharding.mesh import ShardingError
 from sharding.rules import (
@@ -29,13 +30,17 @@ from sharding.rules import (
     EXPERT_MLP,
     EXPERT_MLP_CODES,
     EXPERT_MLP_SCALES,
+    O_GROUPS_SCALES,
+    Q_HEADS_SCALES,
     SHARED_MLP,
+    SHARED_MLP_SCALES,
     VISION_GATE_UP,
     VISION_HEADS,
     VISION_MLP,
     VISION_QKV,
     VOCAB,
     check_layout,
+    split_axis,
 )
 
 
@@ -166,11 +171,13 @@ class ShardPlan:
             return self.vocab
         if logical in (EXPERT_MLP, SHARED_MLP):
             return self.expert_width
-        if logical in (EXPERT_MLP_CODES, EXPERT_MLP_SCALES):  # fp4 w2 packed on F: 2 or 32 inputs a byte
+        if logical in (EXPERT_MLP_CODES, EXPERT_MLP_SCALES, SHARED_MLP_SCALES):  # fp4 / fp8 bytes on F
             try:
                 return self.expert_width.grouped(2 if logical == EXPERT_MLP_CODES else 32)
             except ValueError as e:
                 raise ShardingError(str(e)) from None
+        if logical in (Q_HEADS_SCALES, O_GROUPS_SCALES) and size % self.world:  # `check_fp8_blocks` says why
+            raise ShardingError(f"world {self.world} does not split the {size} fp8 scale blocks of {name} evenly")
         return Split.even(size, self.world)
 
     def run_config(self, cfg):
@@ -207,6 +214,28 @@ class ShardPlan:
         shard = self.vocab.shard
         parts = [logits[..., r * shard: r * shard + n] for r, n in enumerate(self.vocab.sizes)]
         return jnp.concatenate(parts, axis=-1)
+
+
+def check_fp8_blocks(plan: ShardPlan, shapes: dict[str, tuple[int, ...]]) -> None:
+    """ShardingError when a split fp8 dense weight held as stored (a model name in ``shapes`` with a ``.scale``
+    companion) has a shard boundary inside one of its 32×32 scale blocks: a rank would hold part of a block whose
+    scale byte it shares with another rank. ``shapes``: model name → the model's (padded) shape."""
+    for name, shape in shapes.items():
+        if not (name.endswith(".scale") and is_fp8_dense(name)):
+            continue
+        weight = name.removesuffix(".scale") + ".weight"
+        hit = split_axis(weight, len(shapes[weight]), plan.layout)
+        if hit is None:
+            continue
+        axis, logical = hit
+        split = plan.split(logical, shapes[weight][axis], weight)
+        if any(n % FP8_BLOCK for n in split.sizes):
+            what = "rows" if axis == len(shapes[weight]) - 2 else "columns"
+            raise ShardingError(
+                f"world {plan.world} cuts the fp8 scale blocks of {weight}: its {split.total} {what} split into "
+                f"shards of {sorted(set(split.sizes))} {what}, not whole {FP8_BLOCK}-{what[:-1]} blocks. Hold the "
+                f"dense weights dequantized at this world (--dense-format bf16), or use a world whose shards are "
+                f"whole blocks")
 
 
 def engram_splits(cfg, world: int) -> tuple[tuple[int, Split], ...]:

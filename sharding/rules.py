@@ -49,6 +49,9 @@ EXPERT_MLP = "expert_mlp"    # routed-expert intermediate width F (128-blocks, p
 SHARED_MLP = "shared_mlp"    # shared-expert intermediate width (follows the routed split, §F.1)
 EXPERT_MLP_CODES = "expert_mlp_codes"    # fp4 w2 codes: F/2 bytes (two inputs a byte); the F split halved
 EXPERT_MLP_SCALES = "expert_mlp_scales"  # fp4 w2 scales: F/32 bytes (one per 32 inputs); the F split / 32
+Q_HEADS_SCALES = "q_heads_scales"  # fp8 wq_b .scale rows: one per 32 rows of wq_b; the head split in 32-row blocks
+O_GROUPS_SCALES = "o_groups_scales"  # fp8 wo_a .scale rows / wo_b .scale columns: the group split in 32-blocks
+SHARED_MLP_SCALES = "shared_mlp_scales"  # fp8 shared-expert .scale rows (w1/w3) / columns (w2): the F split / 32
 ENGRAM_ROWS = "engram_rows"  # engram table rows, split by hash column (whole columns a rank, slabs padded)
 ROWS = "rows"                # a row-parallel segment's token axis (the planner's row_parallel_rows; activations only)
 
@@ -91,6 +94,19 @@ PARAM_RULES: tuple[Rule, ...] = (
          "shared expert split like the routed ones; its partial output joins the routed partial sum (§F.1)"),
     Rule(_LAYER + r"ffn\.shared_experts\.w2\.weight", (None, SHARED_MLP),
          "down-projection input columns of the shared expert"),
+    # fp8 dense weights held as stored (ModelOptions.dense_format "fp8"): codes are the ``.weight`` above; each
+    # ``.scale`` [⌈out/32⌉, ⌈in/32⌉] is split on the same dimension as its weight, in 32×32 blocks (a world whose
+    # shard boundary cuts a block is refused: sharding/layout.py). Replicated weights' scales are below.
+    Rule(_LAYER + r"attn\.wq_b\.scale", (Q_HEADS_SCALES, None),
+         "fp8 scale rows of wq_b: its head split, one scale row per 32 rows"),
+    Rule(_LAYER + r"attn\.wo_a\.scale", (O_GROUPS_SCALES, None),
+         "fp8 scale rows of wo_a: its group split, one scale row per 32 rows"),
+    Rule(_LAYER + r"attn\.wo_b\.scale", (None, O_GROUPS_SCALES),
+         "fp8 scale columns of wo_b: its input-column split, one scale column per 32 columns"),
+    Rule(_LAYER + r"ffn\.shared_experts\.w[13]\.scale", (SHARED_MLP_SCALES, None),
+         "fp8 scale rows of the shared gate/up: its F split (128-blocks) in 32-row blocks"),
+    Rule(_LAYER + r"ffn\.shared_experts\.w2\.scale", (None, SHARED_MLP_SCALES),
+         "fp8 scale columns of the shared down-projection: its F split in 32-column blocks"),
     Rule(r"layers\.\d+\.engram\.embed\.(?:weight|scale)", (ENGRAM_ROWS, None),
          "engram tables split by hash column (§B.12; docs/PLANNER.md §C): each rank holds its 24/W columns' rows "
          "(one contiguous range thanks to the per-column offsets, padded to the largest slab), gathers only "
@@ -103,12 +119,13 @@ PARAM_RULES: tuple[Rule, ...] = (
          "hyper-connection mix: computed redundantly on every rank, it only reads all-reduced streams (§F.4)"),
     Rule(_LAYER + r"(?:attn_norm|ffn_norm)\.weight", (None,),
          "sublayer input norms: the normed input feeds every rank's heads / expert columns"),
-    Rule(_LAYER + r"attn\.(?:wq_a|q_norm|wkv|kv_norm)\.weight", (None, None),
+    Rule(_LAYER + r"attn\.(?:wq_a|q_norm|wkv|kv_norm)\.weight|" + _LAYER + r"attn\.(?:wq_a|wkv)\.scale",
+         (None, None),
          "the q low-rank input and the one shared K=V latent (MQA) are needed by every head: replicated, "
          "so window KV is computed redundantly and no collective is needed (§F.1)"),
     Rule(_LAYER + r"attn\.compressor\.\w+(?:\.weight)?", (None, None),
          "compressed KV entries are shared by all heads: computed redundantly, deterministic on every rank"),
-    Rule(_LAYER + r"attn\.indexer\.\w+(?:\.weight)?", (None, None),
+    Rule(_LAYER + r"attn\.indexer\.\w+(?:\.weight|\.scale)?", (None, None),
          "the indexer's top-k is one selection for all heads: computed redundantly (identical on every rank)"),
     Rule(_LAYER + r"ffn\.gate\.(?:weight|bias|bias_vl)", (None, None),
          "router: every rank must pick the same experts, so it routes the same all-reduced input itself"),
@@ -119,7 +136,7 @@ PARAM_RULES: tuple[Rule, ...] = (
     Rule(r"mtp\.\d+\.markov_head\.(?:embed|head)\.weight", (VOCAB, None),
          "DSpark Markov head [V, R] (§B.13): vocabulary rows like embed / head, so the bias is a logits slice "
          "per rank and the previous token's row is looked up as the embedding is"),
-    Rule(r"mtp\.\d+\.(?:main_proj|confidence_head\.proj)\.weight", (None, None),
+    Rule(r"mtp\.\d+\.(?:main_proj\.(?:weight|scale)|confidence_head\.proj\.weight)", (None, None),
          "DSpark tap projection [D, 3D] and confidence [1, D + R]: once a round over few rows, replicated"),
     Rule(r"mtp\.\d+\.(?:main_norm|norm)\.weight", (None,),
          "DSpark tap and output norms: every rank needs the whole normed row"),
@@ -147,7 +164,7 @@ PARAM_RULES: tuple[Rule, ...] = (
          "which is replicated between blocks (after each all-reduce)"),
     Rule(r"image_(?:start|newline|end)", (None,),
          "image span delimiters [D]: replaced into the replicated input embeddings on every rank"),
-    Rule(r"layers\.\d+\.engram\.(?:wkv\.weight|q_weight|k_weight)", (None, None),
+    Rule(r"layers\.\d+\.engram\.(?:wkv\.(?:weight|scale)|q_weight|k_weight)", (None, None),
          "engram projection and gate (§B.12): wkv, computed redundantly on every rank on the all-gathered rows; "
          "splitting wkv by input columns would replace the rows' all-gather (6,336 B a token) by an all-reduce "
          "of [T, 25,600] f32 (~100 KB a token), and wkv is small (157 MB fp8 a layer)"),
@@ -156,13 +173,14 @@ PARAM_RULES: tuple[Rule, ...] = (
 
 LOGICAL_TO_MESH: dict[str, dict[str, str | None]] = {
     "tp": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: None, EXPERT_MLP: TP, SHARED_MLP: TP,
-           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP, ENGRAM_ROWS: TP, ROWS: TP, **dict.fromkeys(VISION_AXES, TP)},
+           EXPERT_MLP_CODES: TP, EXPERT_MLP_SCALES: TP, ENGRAM_ROWS: TP, ROWS: TP, **dict.fromkeys(VISION_AXES, TP),
+           Q_HEADS_SCALES: TP, O_GROUPS_SCALES: TP, SHARED_MLP_SCALES: TP},
     # Expert parallelism: whole routed experts a rank (E/P each, no padding of F). The shared expert is then
     # replicated: splitting it on F would force F's 128-block padding onto every routed expert too, since
     # both share moe_intermediate_size; it is 1/E of the expert weights.
     "ep": {VOCAB: TP, Q_HEADS: TP, HEADS: TP, O_GROUPS: TP, EXPERTS: TP, EXPERT_MLP: None, SHARED_MLP: None,
            EXPERT_MLP_CODES: None, EXPERT_MLP_SCALES: None, ENGRAM_ROWS: TP, ROWS: TP,
-           **dict.fromkeys(VISION_AXES, TP)},
+           **dict.fromkeys(VISION_AXES, TP), Q_HEADS_SCALES: TP, O_GROUPS_SCALES: TP, SHARED_MLP_SCALES: None},
 }
 
 # Activations: logical axes of the *trailing* dims (leading batch dims are never split; the token dim only in a

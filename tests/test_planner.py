@@ -26,6 +26,7 @@ from dsv41_jax.planner import (
     param_bytes_per_rank,
     plan_decode_window,
     plan_segment,
+    planned_only,
     segment_sizes,
     window_bytes,
 )
@@ -254,6 +255,38 @@ def test_dense_bytes_fp8_world4():
     # which the text model does not hold yet): tolerance 0.15 GiB.
     got = param_bytes_per_rank(FULL, 4, 0, dense="fp8", split="dense") / GiB
     assert abs(got - 2.85) <= 0.15
+
+
+def test_fp8_dense_bytes_world4_by_hand():
+    """fp8 dense weights as the model holds them (docs/PLANNER.md §F): a code byte a parameter plus one ue8m0 byte
+    per 32×32 block of the rank's shard. Rank 0 of world 4, written out from MODEL.md §E.2's shapes: every layer's
+    wq_a [1280, 5120], wq_b [8192, 1280], wkv [512, 5120], wo_a [2048, 4096], wo_b [5120, 2048] and the shared
+    expert's w1, w3 [640, 5120] (the widest shard) and w2 [5120, 640]; the 8 index layers' wq_b [4096, 1280]."""
+    def fp8(n, k):
+        return n * k + -(-n // 32) * -(-k // 32)
+
+    layer = (fp8(1280, 5120) + fp8(8192, 1280) + fp8(512, 5120) + fp8(2048, 4096) + fp8(5120, 2048)
+             + 2 * fp8(640, 5120) + fp8(5120, 640))
+    want = 40 * layer + 8 * fp8(4096, 1280)
+    bf16_params = (40 * (1280 * 5120 + 8192 * 1280 + 512 * 5120 + 2048 * 4096 + 5120 * 2048 + 3 * 640 * 5120)
+                   + 8 * 4096 * 1280)  # the same tensors in bf16: 2 B a parameter (every other tensor is equal)
+    got = param_bytes_per_rank(FULL, 4, 0, dense="fp8", split="dense") - param_bytes_per_rank(
+        FULL, 4, 0, dense="bf16", split="dense")
+    assert got == want - 2 * bf16_params
+
+
+def test_fp8_dense_k_split_workspace():
+    """``L.fp8_splits``: the fp8 kernel's f32 partial sums of a decode-sized call, the largest projection's. World
+    4, the 17-row program (32-row blocks): wq_b [8192, 1280] is 128 programs of 64 rows with K in 5 steps of 256,
+    split 5 ways to make a wave of 132 multiprocessors: 5 × 32 × 8,192 × 4 B; none without fp8 dense weights."""
+    assert buffer_plan(FULL, 4, 0, PlanOptions(experts="fp4", dense="fp8")).bytes["L.fp8_splits"] == 5 * 32 * 8192 * 4
+    assert buffer_plan(FULL, 4, 0, PlanOptions(experts="fp4", dense="bf16")).bytes["L.fp8_splits"] == 0
+
+
+def test_fp8_dense_weights_are_not_planned_only():
+    """fp8 dense weights run (the model's dense_format fp8); fp8 routed experts are still planned only."""
+    assert "fp8_weights" not in planned_only(PlanOptions(experts="fp4", dense="fp8"))
+    assert "fp8_weights" in planned_only(PlanOptions(experts="fp8", dense="fp8"))
 
 
 # ---------------------------------------------------------------------------------------------- §B-3 paths

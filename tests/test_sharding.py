@@ -21,11 +21,14 @@ from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights
 from dsv41_jax.model import ModelOptions, WeightsError
 from dsv41_jax.param_specs import model_tensors
+from pallas_kernels.fp8_matmul.ops import Fp8Weight
+from pallas_kernels.fp8_matmul.ops import fp8_matmul as fp8_op
 from pallas_kernels.moe.ops import ExpertWeights
 from pallas_kernels.moe.ops import routed_experts as moe_op
 from pallas_kernels.sparse_attention.ops import sparse_attention as attention_op
 from sharding import rules
 from sharding.kernels import _expert_spec
+from sharding.kernels import fp8_matmul as sharded_fp8_matmul
 from sharding.kernels import routed_experts as sharded_routed_experts
 from sharding.kernels import sparse_attention as sharded_sparse_attention
 from sharding.layout import ShardPlan, Split
@@ -41,11 +44,11 @@ def full_plan(world: int, layout: str = "tp") -> ShardPlan:
     return ShardPlan(world, layout, Split(V_SPLIT[world]), Split(F_SPLIT[world] if layout == "tp" else (2304,)))
 
 
-@pytest.mark.parametrize("expert_format", ["dequantized", "fp4"])
+@pytest.mark.parametrize("expert_format,dense_format", [("dequantized", "dequantized"), ("fp4", "fp8")])
 @pytest.mark.parametrize("name", ["tiny", "dsv41_flash"])
-def test_every_model_tensor_matches_exactly_one_rule(name, expert_format):
+def test_every_model_tensor_matches_exactly_one_rule(name, expert_format, dense_format):
     cfg = load_named(name)
-    for tensor, shape in model_tensors(cfg, expert_format).items():
+    for tensor, shape in model_tensors(cfg, expert_format, dspark=True, dense_format=dense_format).items():
         hits = rules.matching_rules(tensor)
         assert len(hits) == 1, (tensor, [h.pattern for h in hits])
         assert hits[0].why
@@ -195,6 +198,30 @@ def test_wrappers_run_the_kernel_ops_per_device():
     expected = jax.jit(functools.partial(attention_op, **kwargs))(*args)
     got = jax.jit(functools.partial(sharded_sparse_attention, mesh=mesh, **kwargs))(*args)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("rule,n,k,groups,stacked", [
+    ("layers.0.attn.wq_a", 64, 96, 1, False),            # replicated
+    ("layers.0.attn.wq_b", 256, 64, 1, False),           # output rows split: y split like them
+    ("layers.0.attn.wo_a", 256, 64, 8, False),           # whole groups a rank: x with its groups' columns
+    ("layers.0.attn.wo_b", 64, 256, 1, False),           # input columns split: partial sums, one psum
+    ("layers.0.ffn.shared_experts.w2", 64, 256, 1, False),
+    ("layers.0.attn.wo_a", 256, 64, 8, True), ("layers.0.attn.wo_b", 64, 256, 1, True)])
+def test_fp8_matmul_wrapper_matches_the_op(rule, n, k, groups, stacked):
+    """The fp8 dense wrapper at world 4, its specs from the rules of ``rule.weight`` / ``rule.scale`` (with
+    ``row``: a scanned unit's stack of 3 layers, read at row 1): the unsharded op's result, up to the order of the
+    f32 sums where the input columns are split (f32 x: a few ulps of values of size ~10)."""
+    rng = np.random.default_rng(5)
+    lead = (3,) if stacked else ()
+    codes = rng.choice(np.arange(256, dtype=np.uint8)[np.arange(256) & 0x7F != 0x7F], (*lead, n, k))
+    weight = Fp8Weight.from_stored(codes, rng.integers(120, 125, (*lead, n // 32, k // 32), dtype=np.uint8))
+    x = jnp.asarray(rng.standard_normal((2, 3, groups * k)), jnp.float32)
+    row = {"row": jnp.int32(1)} if stacked else {}
+    expected = jax.jit(functools.partial(fp8_op, groups=groups, impl="xla", **row))(x, weight)
+    got = jax.jit(functools.partial(sharded_fp8_matmul, rule=rule, groups=groups, mesh=make_mesh(4), layout="tp",
+                                    impl="xla", **row))(x, weight)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
 def test_every_activation_rule_is_used():

@@ -15,8 +15,9 @@ from ..config import ModelConfig
 from ..planner import KernelTiles
 from .cache import LayerCache
 from .compressor import Compressor, write_rows
+from .dense import Dense, grouped_linear
 from .indexer import Indexer, rows_per_block
-from .norms import HIGHEST, Linear, RMSNorm
+from .norms import RMSNorm
 from .quant import round_compressed_kv, round_window_kv
 from .rope import apply_rope, inv_frequencies
 
@@ -78,8 +79,9 @@ class Attention(nnx.Module):
     """``attn.*`` of one layer; owns a compressor (kv sources) and an indexer (index sources)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rounding: bool, impl: str, rngs: nnx.Rngs,
-                 indexer_impl: str = "xla", tiles: KernelTiles | None = None):
-        """``tiles``: the plan's kernel tiles (``planner.kernel_tiles``; None: the ops' defaults)."""
+                 indexer_impl: str = "xla", tiles: KernelTiles | None = None, dense: Dense = Dense()):
+        """``tiles``: the plan's kernel tiles (``planner.kernel_tiles``; None: the ops' defaults); ``dense``: how
+        the fp8-stored projections are held (`model/dense.py`)."""
         D, d, H = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
         self.layer = layer
         self.n_heads, self.head_dim, self.groups = H, d, cfg.o_groups
@@ -93,27 +95,29 @@ class Attention(nnx.Module):
         self.idx_src = cfg.index_source(layer)
         self.ik_src = cfg.index_key_source(layer) if layer in cfg.index_source_layer_ids else None
         self.inv_freq = inv_frequencies(cfg, self.ratio)
-        self.wq_a = Linear(D, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
+        proj = lambda n_in, n_out, name: dense.linear(n_in, n_out, dtype=dtype, rngs=rngs, rule=f"layers.0.attn.{name}")
+        self.wq_a = proj(D, cfg.q_lora_rank, "wq_a")
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-        self.wq_b = Linear(cfg.q_lora_rank, H * d, dtype=dtype, rngs=rngs)
-        self.wkv = Linear(D, d, dtype=dtype, rngs=rngs)
+        self.wq_b = proj(cfg.q_lora_rank, H * d, "wq_b")
+        self.wkv = proj(D, d, "wkv")
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
-        self.wo_a = Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype=dtype, rngs=rngs)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, dtype=dtype, rngs=rngs)
+        self.wo_a = proj(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, "wo_a")
+        self.wo_b = proj(cfg.o_groups * cfg.o_lora_rank, D, "wo_b")
         self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32))
         self.compressor = Compressor(cfg, layer, rngs=rngs) if self.role == "full" else None
         is_index_source = self.ratio > 0 and layer in cfg.index_source_layer_ids
-        self.indexer = (Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl, tiles=tiles)
+        self.indexer = (Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl, tiles=tiles, dense=dense)
                         if is_index_source else None)
 
-    def __call__(self, u, seg: Segment, cache: LayerCache, csa: CsaState):
+    def __call__(self, u, seg: Segment, cache: LayerCache, csa: CsaState, row=None):
         """u [B,T,D] (normed collapse), the CSA state of the layers before -> (out [B,T,D], new LayerCache, the
-        CSA state with this layer's entries published)."""
+        CSA state with this layer's entries published). ``row``: int32 scalar when this layer's fp8 dense
+        weights are its unit's stack (``transformer._scan_run``)."""
         b, t, _ = u.shape
-        q_res = self.q_norm(self.wq_a(u))
-        q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
+        q_res = self.q_norm(self.wq_a(u, row))
+        q = self.wq_b(q_res, row).reshape(b, t, self.n_heads, self.head_dim)
         q = apply_rope(q, seg.positions[..., None], self.inv_freq)
-        kv = self.kv_norm(self.wkv(u))
+        kv = self.kv_norm(self.wkv(u, row))
         kv = round_window_kv(apply_rope(kv, seg.positions, self.inv_freq), self.rounding)
         kv = jnp.where(seg.valid[..., None], kv, 0).astype(cache.window.dtype)  # padding rows: zero, never NaN
         window = jnp.concatenate([window_in_order(cache.window, seg.offset), kv], axis=1)
@@ -124,12 +128,12 @@ class Attention(nnx.Module):
             if self.compressor is not None:
                 cache, csa = self._compress(u, seg, cache, csa)
             if self.indexer is not None:
-                csa = self._index(u, q_res, seg, csa)
+                csa = self._index(u, q_res, seg, csa, row)
             kv_pool = csa.kv[self.kv_src]
             topk = csa.topk[self.idx_src]
         o = self._attend(q, kv_pool, topk, window, seg)
         o = apply_rope(o, seg.positions[..., None], self.inv_freq, inverse=True)
-        return self._output(o), cache, csa
+        return self._output(o, row), cache, csa
 
     def _attend(self, q, kv_pool, topk, window, seg: Segment):
         """The sparse attention op (``pallas_kernels.sparse_attention``, ``self.impl``): the kernel through the
@@ -146,14 +150,10 @@ class Attention(nnx.Module):
         block = rows_per_block(t, scratch_bytes_per_row(h, window.shape[1], k, dh))
         return sparse_attention(*args, **kwargs, impl="xla", rows_per_block=block)
 
-    def _output(self, o):
+    def _output(self, o, row=None):
         """Grouped low-rank output: group g's heads (head-major) through row block g of wo_a, then wo_b."""
         b, t = o.shape[:2]
-        wo_a = self.wo_a.weight[...]
-        o = o.reshape(b, t, self.groups, -1)
-        z = jnp.einsum("btgi,goi->btgo", o, wo_a.reshape(self.groups, -1, wo_a.shape[-1]).astype(o.dtype),
-                       preferred_element_type=jnp.float32, precision=HIGHEST).astype(o.dtype)
-        return self.wo_b(z.reshape(b, t, -1))
+        return self.wo_b(grouped_linear(self.wo_a, o.reshape(b, t, -1), self.groups, row), row)
 
     def _compress(self, u, seg: Segment, cache: LayerCache, csa: CsaState) -> tuple[LayerCache, CsaState]:
         """Close this segment's groups; publish compressed entries (and index keys) before any attention."""
@@ -168,9 +168,9 @@ class Attention(nnx.Module):
             cache = cache.replace(index_keys=write_rows(cache.index_keys, entry, valid, ik))
         return cache, csa.published(self.layer, kv=cache.compressed, index_keys=cache.index_keys)
 
-    def _index(self, u, q_res, seg: Segment, csa: CsaState) -> CsaState:
+    def _index(self, u, q_res, seg: Segment, csa: CsaState, row=None) -> CsaState:
         topk, kept = self.indexer.topk(u, q_res, seg.positions, csa.index_keys[self.ik_src], self.inv_freq,
-                                       self.rounding, kept_blocks=csa.candidates)
+                                       self.rounding, kept_blocks=csa.candidates, row=row)
         if self.indexer.is_candidate_source:
             csa = csa.replace(candidates=kept)
         return csa.published(self.layer, topk=topk)

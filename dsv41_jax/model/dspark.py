@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from .attention import Attention, window_in_order
 from .hc import collapse, expand, hc_mix, mix_kwargs, mix_params
 from .moe import MoE
-from .norms import HIGHEST, Linear, RMSNorm, random_normal
+from .norms import HIGHEST, RMSNorm, random_normal
 from .quant import round_window_kv
 from .rope import apply_rope
 
@@ -73,12 +73,14 @@ class Stage(nnx.Module):
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = mix_params(cfg, rngs)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding, impl="reference", rngs=rngs)
+        self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding, impl="reference", rngs=rngs,
+                              dense=options.dense)
         self.ffn = MoE(stage_config(cfg), dtype=dtype, moe_impl=options.moe_impl, rngs=rngs,
-                       expert_format=options.expert_format)  # text bias only (§V.H item 8)
+                       expert_format=options.expert_format, dense=options.dense)  # text bias only (§V.H item 8)
         n_taps = len(cfg.dspark_target_layer_ids)
         if stage == 0:
-            self.main_proj = Linear(n_taps * cfg.hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+            self.main_proj = options.dense.linear(n_taps * cfg.hidden_size, cfg.hidden_size, dtype=dtype,
+                                                  rngs=rngs, rule="mtp.0.main_proj")
             self.main_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if stage == cfg.num_nextn_predict_layers - 1:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

@@ -21,7 +21,7 @@ from sharding.kernels import engram_gather  # split by hash column when sharded
 from ..config import ModelConfig
 from ..formats import BLOCK as SCALE_GROUP  # one ue8m0 scale per 32 dims of a table row (§B.12)
 from ..formats import decode_ue8m0
-from .norms import Linear
+from .dense import Dense
 
 GATE_FLOOR = 1e-6  # sqrt(max(|dot|, 1e-6)) (§B.12)
 
@@ -89,7 +89,8 @@ class EngramTable(nnx.Module):
 class Engram(nnx.Module):
     """``layers.L.engram``: gated n-gram value added to every stream (§B.12 "Forward")."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, tables: str = "device"):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, tables: str = "device",
+                 dense: Dense = Dense()):
         """``tables``: "device" (``embed`` is a parameter) or "host" (no table here: every call brings its
         gathered rows, `EngramInput.gathered`)."""
         if tables not in ("device", "host"):
@@ -100,7 +101,8 @@ class Engram(nnx.Module):
         self.head_dim = cfg.engram_head_dim
         if tables == "device":
             self.embed = EngramTable(cfg, layer, rngs=rngs)
-        self.wkv = Linear(engram_columns(cfg) * cfg.engram_head_dim, (s + 1) * d, dtype=dtype, rngs=rngs)
+        self.wkv = dense.linear(engram_columns(cfg) * cfg.engram_head_dim, (s + 1) * d, dtype=dtype, rngs=rngs,
+                                rule=f"layers.{layer}.engram.wkv")
         self.q_weight = nnx.Param(jnp.ones((s, d), jnp.float32))
         self.k_weight = nnx.Param(jnp.ones((s, d), jnp.float32))
 

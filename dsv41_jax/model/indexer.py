@@ -11,6 +11,7 @@ from sharding.kernels import index_topk as sharded_index_topk  # replicated shar
 
 from ..config import ModelConfig
 from ..planner import INDEX_BUDGET, KernelTiles
+from .dense import Dense
 from .norms import Linear, RMSNorm
 from .quant import round_index
 from .rope import apply_rope
@@ -21,7 +22,7 @@ class Indexer(nnx.Module):
     ``indexer.wk`` [d_I, d] and ``indexer.k_norm`` [d_I] (they make the index keys)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, impl: str = "xla",
-                 tiles: KernelTiles | None = None):
+                 tiles: KernelTiles | None = None, dense: Dense = Dense()):
         self.impl = impl  # "xla" (row-blocked scores) | "pallas" (fused kernel)
         # the kernel's scratch a launch of query rows (B_idx, §B-3): the plan's, else the planner's default
         self.kernel_budget = SCORE_BUDGET_BYTES if tiles is None else tiles.index_budget
@@ -33,7 +34,8 @@ class Indexer(nnx.Module):
         self.uses_candidates = cfg.uses_candidates(layer) and cfg.candidate_topk_blocks > 0
         self.block = cfg.candidate_block_size
         self.keep_blocks = cfg.candidate_topk_blocks
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, rngs=rngs)
+        self.wq_b = dense.linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, rngs=rngs,
+                                 rule="layers.0.attn.indexer.wq_b")
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=dtype, rngs=rngs)
         if layer in cfg.kv_source_layer_ids:
             self.wk = Linear(cfg.head_dim, self.head_dim, dtype=dtype, rngs=rngs)
@@ -46,17 +48,18 @@ class Indexer(nnx.Module):
         k = self.k_norm(self.wk(latent))
         return round_index(apply_rope(k, positions, inv_freq), rounding)
 
-    def topk(self, u, q_res, positions, keys, inv_freq, rounding: bool, kept_blocks=None):
+    def topk(self, u, q_res, positions, keys, inv_freq, rounding: bool, kept_blocks=None, row=None):
         """Top-K entries of ``keys`` per query (−1 = none) and, for the candidate source, its kept blocks.
 
         u [B,T,D]; q_res [B,T,R_q]; positions [B,T]; keys [B,N,d_I]; kept_blocks bool [B,T,⌈N/B_c⌉] (the
-        candidate source's, for a candidate-masked layer). Returns (int32 [B,T,K], kept_blocks | None).
+        candidate source's, for a candidate-masked layer); ``row``: as ``Attention.__call__``'s. Returns
+        (int32 [B,T,K], kept_blocks | None).
         Scores and selection: ``pallas_kernels.indexer`` (``impl``; see ``XLA_DECODE_ROWS``), over blocks of
         query rows: the XLA path's [rows, H_I, N] scores, the kernel's workspace (``tiling.launch_rows``) within
         SCORE_BUDGET_BYTES.
         """
         b, t = u.shape[:2]
-        q = self.wq_b(q_res).reshape(b, t, self.n_heads, self.head_dim)
+        q = self.wq_b(q_res, row).reshape(b, t, self.n_heads, self.head_dim)
         q = round_index(apply_rope(q, positions[..., None], inv_freq), rounding)
         if rounding:  # fp4-grid values (§C.2) are exact in the keys' dtype: the XLA path's product stays in it
             q = q.astype(keys.dtype)

@@ -8,12 +8,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.fp8_matmul.ops import Fp8Weight, fp8_matmul
 from pallas_kernels.moe.ops import ExpertWeights, clamped_swiglu
 from sharding.kernels import routed_experts as sharded_experts
 
 from ..config import ModelConfig
 from ..planner import KernelTiles
-from .norms import HIGHEST, Linear, linear, linear_f32, random_normal
+from .dense import Dense, Fp8Linear
+from .norms import HIGHEST, linear, linear_f32, random_normal
 
 
 class Router(nnx.Module):
@@ -107,38 +109,61 @@ class Experts(nnx.Module):
 
 
 class SharedExpert(nnx.Module):
-    """The always-on expert: same clamped SwiGLU, unweighted."""
+    """The always-on expert: same clamped SwiGLU, unweighted. Its projections are in the model dtype, or as stored
+    in fp8 (``dense``, `model/dense.py`)."""
 
-    def __init__(self, dim: int, width: int, limit: float, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, width: int, limit: float, *, dtype, rngs: nnx.Rngs, dense: Dense = Dense()):
         self.limit = limit
-        self.w1 = Linear(dim, width, dtype=dtype, rngs=rngs)
-        self.w3 = Linear(dim, width, dtype=dtype, rngs=rngs)
-        self.w2 = Linear(width, dim, dtype=dtype, rngs=rngs)
+        self.dtype = jnp.dtype(dtype)
+        self.impl = dense.impl
+        rule = "layers.0.ffn.shared_experts."
+        self.w1 = dense.linear(dim, width, dtype=dtype, rngs=rngs, rule=rule + "w1")
+        self.w3 = dense.linear(dim, width, dtype=dtype, rngs=rngs, rule=rule + "w3")
+        self.w2 = dense.linear(width, dim, dtype=dtype, rngs=rngs, rule=rule + "w2")
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, row=None) -> jnp.ndarray:
         """x [N, D] -> [N, D] in the model dtype (the promoted dtype of x and the weights)."""
-        w = self.weights()
-        return self.output(x, w, partial=False).astype(jnp.promote_types(x.dtype, w["w2"].dtype))
+        return self.output(x, self.weights(), partial=False, row=row).astype(jnp.promote_types(x.dtype, self.dtype))
 
     def weights(self) -> dict:
-        """``{"w1", "w3", "w2"}``: the weight arrays ``output`` takes (a rank's slices of them under a mesh)."""
-        return {"w1": self.w1.weight[...], "w3": self.w3.weight[...], "w2": self.w2.weight[...]}
+        """``{"w1", "w3", "w2"}``: the weights ``output`` takes (a rank's slices of them under a mesh): arrays, or
+        ``Fp8Weight`` codes + scales as stored."""
+        return {k: (m.stored() if isinstance(m, Fp8Linear) else m.weight[...])
+                for k, m in (("w1", self.w1), ("w3", self.w3), ("w2", self.w2))}
 
-    def output(self, x: jnp.ndarray, weights: dict, *, partial: bool) -> jnp.ndarray:
+    def output(self, x: jnp.ndarray, weights: dict, *, partial: bool, row=None) -> jnp.ndarray:
         """f32 [N, D] from ``weights`` (``weights()``, or one rank's F slices of them). ``partial=False``: this
         module's output (rounded to the model dtype as ``__call__`` rounds it); ``partial=True``: w2's f32 sum
         over the given columns before any rounding, the partial sum a rank adds to the routed experts' before
-        their one all-reduce (``sharding.kernels.routed_experts``)."""
-        h = clamped_swiglu(linear(x, weights["w1"]), linear(x, weights["w3"]), self.limit)
-        y = linear_f32(h, weights["w2"])
-        return y if partial else y.astype(jnp.promote_types(h.dtype, weights["w2"].dtype)).astype(jnp.float32)
+        their one all-reduce (``sharding.kernels.routed_experts``). fp8 weights go through the op itself: this
+        runs inside the routed experts' shard_map with a rank's slices, or unsharded. ``row``: the layer's row of
+        fp8 weights held as their unit's stack [n, ...] (a scanned unit's, ``transformer._split_routed``)."""
+        h = clamped_swiglu(self._up(x, weights["w1"], row), self._up(x, weights["w3"], row), self.limit)
+        w2 = weights["w2"]
+        if isinstance(w2, Fp8Weight):
+            y, w2_dtype = fp8_matmul(h, w2, out_dtype=jnp.float32, impl=self.impl, **_at(w2, row)), self.dtype
+        else:
+            y, w2_dtype = linear_f32(h, w2), w2.dtype
+        return y if partial else y.astype(jnp.promote_types(h.dtype, w2_dtype)).astype(jnp.float32)
+
+    def _up(self, x: jnp.ndarray, w, row) -> jnp.ndarray:
+        """x · wᵀ in the promoted dtype of x and the weight (for fp8: of x and the model dtype)."""
+        if isinstance(w, Fp8Weight):
+            return fp8_matmul(x, w, out_dtype=jnp.promote_types(x.dtype, self.dtype), impl=self.impl, **_at(w, row))
+        return linear(x, w)
+
+
+def _at(weight: Fp8Weight, row) -> dict:
+    """The op's ``row`` argument for ``weight``: its layer's row when it is a stack [n, N, K], else none."""
+    return {"row": row} if weight.codes.ndim == 3 else {}
 
 
 class MoE(nnx.Module):
     """``ffn.{gate, experts, shared_experts}``: out = bf16(Σ routed + shared)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, moe_impl: str, rngs: nnx.Rngs,
-                 expert_format: str = "dequantized", image_bias: bool = False, tiles: KernelTiles | None = None):
+                 expert_format: str = "dequantized", image_bias: bool = False, tiles: KernelTiles | None = None,
+                 dense: Dense = Dense()):
         self.limit = cfg.swiglu_limit
         self.moe_impl = moe_impl
         self.block_m = None if tiles is None else tiles.moe_block_m  # the plan's BM (§E); None: the op's
@@ -147,7 +172,7 @@ class MoE(nnx.Module):
                                dtype=dtype, rngs=rngs, expert_format=expert_format)
         if cfg.n_shared_experts:
             self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                                               dtype=dtype, rngs=rngs)
+                                               dtype=dtype, rngs=rngs, dense=dense)
         else:
             self.shared_experts = None
 

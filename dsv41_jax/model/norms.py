@@ -88,7 +88,9 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(random_normal(rngs, (out_features, in_features), in_features**-0.5, dtype))
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, row=None) -> jnp.ndarray:
+        """``row``: unused (the call signature of ``model.dense.Fp8Linear``, whose stacked weights need it; a
+        plain weight is always the layer's own slice)."""
         return linear(x, self.weight[...])
 
 

@@ -20,6 +20,8 @@ from ..planner import KernelTiles
 from ..vision.preprocess import END, IMAGE, NEWLINE, START
 from .attention import Attention, CsaState, Segment
 from .cache import Cache
+from .dense import FORMATS as _DENSE_FORMATS
+from .dense import Dense, Fp8Param
 from .dspark import Stage
 from .engram import Engram, EngramInput
 from .hc import collapse, expand, hc_mix, mix_kwargs, mix_params
@@ -36,6 +38,9 @@ class ModelOptions:
     are held: "dequantized" (stacked floats in ``dtype``) or "fp4" (packed codes + ue8m0 scales as stored,
     MODEL.md §E.1; decoded inside the kernel, or on the fly per layer on the reference path); ``engram``: run
     the config's engram layers (§B.12; their rows are a call input), or leave them and their tensors out.
+    ``dense_format``: how the dense matrices the release stores in fp8 are held: "dequantized" (in ``dtype``) or
+    "fp8" (e4m3 codes + ue8m0 block scales as stored, MODEL.md §E.1; computed by the block-scaled fp8 matmul op,
+    ``dense_impl``; `model/dense.py`).
 
     ``moe_impl="pallas"`` computes the routed experts in bfloat16 whatever ``dtype`` is (the kernel casts its
     activations to bf16, f32 accumulation): a float32 model then has float32 everything except the expert
@@ -50,6 +55,7 @@ class ModelOptions:
     moe_impl: str = "xla"
     indexer_impl: str = "xla"  # "pallas": the fused scores + top-k kernel (pallas_kernels/indexer)
     hc_impl: str = "xla"  # "pallas": the HC comb's softmax + Sinkhorn in one kernel (pallas_kernels/hc_mix)
+    dense_impl: str = "xla"  # the fp8 dense projections' op (pallas_kernels/fp8_matmul), with dense_format="fp8"
     expert_format: str = "dequantized"
     vision: bool = False  # build the image path (VISION.md): tower, aligner, span delimiters, gate.bias_vl
     engram: bool = True  # run the config's engram layers (False = --skip-engram: no engram parameters either)
@@ -57,18 +63,26 @@ class ModelOptions:
     tiles: KernelTiles | None = None  # the plan's kernel tiles (planner.kernel_tiles); None: the ops' defaults
     dspark: bool = False  # build the config's DSpark draft stages ``mtp.*`` (§B.13; `model/dspark.py`)
     scan_layers: bool = True  # run a stacked run of layers with one lax.scan (False: unrolled, same weights)
+    dense_format: str = "dequantized"  # "fp8": the release's fp8 dense matrices held as stored (model/dense.py)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelOptions.dtype {self.dtype!r} must be one of {_DTYPES}")
-        for name in ("attention_impl", "moe_impl", "indexer_impl", "hc_impl"):
+        for name in ("attention_impl", "moe_impl", "indexer_impl", "hc_impl", "dense_impl"):
             object.__setattr__(self, name, registry.resolve(getattr(self, name), f"ModelOptions.{name}"))
         if self.expert_format not in _EXPERT_FORMATS:
             raise ValueError(f"ModelOptions.expert_format {self.expert_format!r} must be one of {_EXPERT_FORMATS}")
+        if self.dense_format not in _DENSE_FORMATS:
+            raise ValueError(f"ModelOptions.dense_format {self.dense_format!r} must be one of {_DENSE_FORMATS}")
 
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def dense(self) -> Dense:
+        """How the fp8-stored dense projections are held and computed (`model/dense.py`)."""
+        return Dense(self.dense_format, self.dense_impl)
 
 
 class Taps(NamedTuple):
@@ -132,11 +146,12 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
                               impl=options.attention_impl, rngs=rngs, indexer_impl=options.indexer_impl,
-                              tiles=options.tiles)
+                              tiles=options.tiles, dense=options.dense)
         self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format,
-                       image_bias=options.vision, tiles=options.tiles)
+                       image_bias=options.vision, tiles=options.tiles, dense=options.dense)
         if options.engram and layer in cfg.engram_layer_ids:
-            self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs, tables=options.engram_tables)
+            self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs, tables=options.engram_tables,
+                                 dense=options.dense)
         self.tiles = options.tiles
 
     def _row_split(self, rows: int) -> bool:
@@ -150,7 +165,8 @@ class Block(nnx.Module):
         layers before, is_image bool [B,T] or None (all text), engram rows (engram layers) -> (streams, pre of
         the FFN mix, new LayerCache, CSA state with this layer's entries). ``taps``: a dict this layer adds its
         taps to ("entering": the stream mean after the engram; "u": the normed attention input).
-        ``expert_row``: int32 scalar when this Block's routed experts are its unit's whole stack (``_scan_run``)."""
+        ``expert_row``: int32 scalar when this Block's routed experts (and fp8 dense weights) are its unit's whole
+        stack (``_scan_run``)."""
         if hasattr(self, "engram"):
             with jax.named_scope("engram"):  # §B.4: before the attention HC mix
                 streams = self.engram(streams, engram)
@@ -168,7 +184,7 @@ class Block(nnx.Module):
             u = whole(self.attn_norm(collapse(streams, pre_prev)))
             if taps is not None:
                 taps["u"] = u
-            y, cache, csa = self.attn(u, seg, cache, csa)
+            y, cache, csa = self.attn(u, seg, cache, csa, expert_row)
             streams = rows(expand(y, streams, post_a, comb_a))
         with jax.named_scope("moe"):
             pre_f, post_f, comb_f = hc_mix(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...],
@@ -234,11 +250,12 @@ def _loop(body, carry, xs, n: int, scan: bool):
 
 
 def _split_routed(block: Block):
-    """(graphdef, routed experts, other weights) of a stacked unit's Block. The loop slices the other weights a
-    layer a step; the routed experts stay the unit's whole stack [n, E, ...], which each layer's MoE op reads in
-    place at its row (``expert_row``): a loop-sliced layer of them is a copy of all E experts a layer every
-    step (measured: see docs/BENCHMARKS.md, section "Scanned layers read their experts in place")."""
-    return nnx.split(block, nnx.PathContains("experts"), ...)
+    """(graphdef, routed experts and fp8 dense weights, other weights) of a stacked unit's Block. The loop slices
+    the other weights a layer a step; the routed experts stay the unit's whole stack [n, E, ...], which each
+    layer's MoE op reads in place at its row (``expert_row``): a loop-sliced layer of them is a copy of all E
+    experts a layer every step (measured: see docs/BENCHMARKS.md, section "Scanned layers read their experts in
+    place"). fp8 dense weights held as stored (``dense.Fp8Param``) stay stacked for the same reason."""
+    return nnx.split(block, nnx.Any(nnx.PathContains("experts"), Fp8Param), ...)
 
 
 def _scan_run(graphdef, routed, weights, rows, caches, streams, pre, seg: Segment, csa: CsaState, is_image,

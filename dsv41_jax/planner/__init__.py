@@ -5,7 +5,7 @@ every name importable from here (``from dsv41_jax.planner import plan_segment``)
 
 * ``options``: limits, ``PlanOptions``, ``MemoryBudget``, ``PlanRefused``; ``PLANNED_ONLY``, what is planned but
   no engine path runs (replay, two-batch overlap, multi-span, split KV, staging rings, decode windows, MoE blocks,
-  fp8-resident weights and caches), and ``planned_only(options)``.
+  fp8-resident experts and caches), and ``planned_only(options)``.
 * ``admission``: ``admit`` splits heads, output groups, expert width and vocabulary over a tensor-parallel world
   (§C) with ``Split``, and says how each rank's shard sits inside the evenly padded layout JAX shards.
 * ``rules``: the rank-independent shape rules (R1, R2, R6–R9); each refusal names the rule, the numbers and the
@@ -73,6 +73,9 @@ from .segment import (
 from .sizes import (
                       cache_pool_bytes,
                       engram_bytes_per_rank,
+                      fp8_dense_bytes,
+                      fp8_dense_shapes,
+                      fp8_partial_sums_bytes,
                       index_key_bytes,
                       kv_bytes,
                       kv_row_bytes,
@@ -109,6 +112,7 @@ __all__ = ["BMQ_MAX", "CAP_2K", "CAP_4K", "DECODE_HEAD_TILE", "DECODE_SMALL_ROWS
            "index_paths", "kernel_tiles", "kv_bytes", "kv_row_bytes", "max_context", "max_patches", "memory_need",
            "moe_bound_floats", "param_bytes_per_rank", "patch_bucket", "patch_buckets", "plan_decode_window",
            "plan_segment", "plan_shape", "plan_vision", "planned_only", "prefill_rows", "ring_rows", "segment_sizes",
-           "split_blocks", "stash_row_bytes", "tensor_bytes_per_param", "tensor_rank_shape", "token_bucket",
+           "split_blocks", "stash_row_bytes", "tensor_bytes_per_param", "fp8_dense_bytes", "fp8_dense_shapes",
+           "fp8_partial_sums_bytes", "tensor_rank_shape", "token_bucket",
            "token_buckets", "vision_param_bytes_per_rank", "vision_tensor_rank_shape", "vision_workspace",
            "weight_bytes", "window_bytes"]

@@ -109,8 +109,8 @@ PLANNED_ONLY: dict[str, str] = {
                      "step is one row a sequence, without drafts",
     "moe_blocks": "the bounded / halving MoE strategies (R5): the model's MoE runs every pair of a segment in one "
                   "call (the whole-block strategy)",
-    "fp8_weights": "fp8-resident weights (dense or experts): the loader decodes fp8 tensors to the model dtype; "
-                   "only fp4 experts stay packed",
+    "fp8_weights": "fp8-resident routed experts: the loader decodes fp8 experts to the model dtype (fp4 experts "
+                   "stay packed; fp8 dense weights stay as stored with the model's dense_format fp8)",
     "fp8_cache": "fp8 compressed rows / fp8-fp4 index keys: the cache holds them in its dtype (bfloat16 by "
                  "default; plan with kv='bf16' for the engine's bytes)",
 }
@@ -126,7 +126,7 @@ def planned_only(options: PlanOptions, *, staged: bool = False, moe_strategy: st
         "split_kv": options.split_kv,
         "staging_ring": staged,
         "moe_blocks": moe_strategy != "whole",
-        "fp8_weights": "fp8" in (options.dense, options.experts),
+        "fp8_weights": options.experts == "fp8",
         "fp8_cache": options.kv == "fp8",
     }
     return tuple(key for key, on in used.items() if on)

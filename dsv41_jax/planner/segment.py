@@ -31,7 +31,7 @@ from .options import (
     prefill_rows,
 )
 from .rules import check_position, check_shape, decoder_start, segment_label
-from .sizes import cache_pool_bytes, kv_row_bytes, weight_bytes
+from .sizes import cache_pool_bytes, fp8_partial_sums_bytes, kv_row_bytes, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -398,6 +398,9 @@ def _workspace(cfg: ModelConfig, adm: Admission, rank: int, n: int, options: Pla
         ("s.staging_ring", ring * kv_row_bytes(cfg, options.kv) if staged else 0),
         ("s.ced_stash", cfg.sliding_window * stash_row_bytes(cfg) if replay else 0),
         ("w.head_logits", vocab * 4),  # the last row only
+        # fp8 dense weights as stored: a decode-sized call's K-split partial sums (one projection at a time)
+        ("L.fp8_splits", fp8_partial_sums_bytes(cfg, adm, rank, n, options.padded, options.dspark)
+         if options.dense == "fp8" else 0),
     ]
     return tuple(roles)
 

@@ -7,7 +7,15 @@ import functools
 import math
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.param_specs import STORED_BYTES, engram_tensors, model_dtype_kind, model_tensors
+from dsv41_jax.param_specs import (
+    STORED_BYTES,
+    engram_tensors,
+    fp8_scale_shape,
+    is_fp8_dense,
+    model_dtype_kind,
+    model_tensors,
+)
+from pallas_kernels.fp8_matmul.tiling import partial_sums_bytes
 
 from .admission import Admission, admit
 from .options import CAP_2K, MemoryBudget, PlanOptions, PlanRefused, context_limit
@@ -61,11 +69,9 @@ def cache_pool_bytes(cfg: ModelConfig, world: int, options: PlanOptions, budget:
 
 
 # ------------------------------------------------------------------------------------------------ weights
-_DTYPE_BYTES = {"f32": 4.0, "bf16": 2.0, "fp8": 1.0 + 1 / 1024, "fp4": 0.5 + 1 / 32}  # fp8: 32×32 ue8m0 scales;
-# fp4: one ue8m0 scale per 32 inputs (MXFP4, 4.25 bits)
-_FP8_DENSE = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_a.weight",
-              ".attn.wo_b.weight", ".indexer.wq_b.weight", ".shared_experts.w1.weight",
-              ".shared_experts.w2.weight", ".shared_experts.w3.weight")  # the release's fp8 matrices (§E.2)
+_DTYPE_BYTES = {"f32": 4.0, "bf16": 2.0, "fp8": 1.0 + 1 / 1024, "fp4": 0.5 + 1 / 32}  # fp8 experts: 32×32 ue8m0
+# scales (planned only); fp4: one ue8m0 scale per 32 inputs (MXFP4, 4.25 bits). fp8 dense weights are counted
+# exactly: a code byte a parameter plus the rank's ue8m0 bytes (`fp8_dense_bytes`).
 
 
 def tensor_rank_shape(name: str, shape: tuple[int, ...], adm: Admission, rank: int,
@@ -94,14 +100,41 @@ def tensor_rank_shape(name: str, shape: tuple[int, ...], adm: Admission, rank: i
 
 def tensor_bytes_per_param(name: str, experts: str, dense: str) -> float:
     """Bytes a parameter of ``name`` takes: f32 roles stay f32 (MODEL.md §B.1); experts and the release's
-    fp8 matrices take their chosen format; everything else the 16-bit/f32 model dtype."""
+    fp8 matrices (`param_specs.is_fp8_dense`) take their chosen format (fp8 dense: the code byte; its scale
+    bytes are the tensor's, `fp8_dense_bytes`); everything else the 16-bit/f32 model dtype."""
     if model_dtype_kind(name) == "f32":
         return 4.0
     if ".ffn.experts." in name:
         return _DTYPE_BYTES[experts]
     if dense == "fp8":
-        return _DTYPE_BYTES["fp8"] if name.endswith(_FP8_DENSE) else 2.0
+        return 1.0 if is_fp8_dense(name) else 2.0
     return _DTYPE_BYTES[dense]
+
+
+def fp8_dense_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of an fp8 dense weight of (a rank's) ``shape`` held as stored: one e4m3 code a parameter plus one ue8m0
+    byte per 32×32 block (edge blocks partial)."""
+    return math.prod(shape) + math.prod(fp8_scale_shape(shape))
+
+
+def fp8_dense_shapes(cfg: ModelConfig, adm: Admission, rank: int, padded: bool = True,
+                     dspark: bool = False) -> tuple[tuple[str, tuple[int, int], int], ...]:
+    """(model name, rank's [N, K], groups) of every fp8 dense projection of the text model (with ``dspark`` the
+    DSpark stages' too): the calls of the block-scaled fp8 matmul op (``groups``: wo_a's groups on the rank)."""
+    out = []
+    for name, shape in _model_tensors(cfg, dspark):
+        if is_fp8_dense(name):
+            groups = cfg.o_groups // adm.world if name.endswith(".attn.wo_a.weight") else 1
+            out.append((name, tensor_rank_shape(name, shape, adm, rank, padded), groups))
+    return tuple(out)
+
+
+def fp8_partial_sums_bytes(cfg: ModelConfig, adm: Admission, rank: int, rows: int, padded: bool = True,
+                           dspark: bool = False) -> int:
+    """The largest K-split workspace of an fp8 dense call of ``rows`` rows on ``rank`` (the Pallas kernel's f32
+    partial sums, `pallas_kernels.fp8_matmul.tiling.partial_sums_bytes`; one call at a time)."""
+    return max((partial_sums_bytes(rows, n, k, groups)
+                for _, (n, k), groups in fp8_dense_shapes(cfg, adm, rank, padded, dspark)), default=0)
 
 
 def param_bytes_per_rank(cfg: ModelConfig, world: int, rank: int, *, experts: str = "bf16",
@@ -137,8 +170,11 @@ def _param_bytes(cfg: ModelConfig, world: int, rank: int, experts: str, dense: s
         is_expert = ".ffn.experts." in name
         if (split == "experts" and not is_expert) or (split == "dense" and is_expert):
             continue
-        count = math.prod(tensor_rank_shape(name, shape, adm, rank, padded))
-        total += count * tensor_bytes_per_param(name, experts, dense)
+        rank_shape = tensor_rank_shape(name, shape, adm, rank, padded)
+        if dense == "fp8" and is_fp8_dense(name):
+            total += fp8_dense_bytes(rank_shape)
+        else:
+            total += math.prod(rank_shape) * tensor_bytes_per_param(name, experts, dense)
     return int(round(total))
 
 
@@ -183,6 +219,8 @@ def engram_bytes_per_rank(cfg: ModelConfig, world: int, *, tables: str = "host",
                 continue
             if spec.stored == "f32":
                 projection += 4 * n
+            elif dense == "fp8":
+                projection += fp8_dense_bytes(spec.shape)
             else:
                 projection += n * (_DTYPE_BYTES[dense] if dense in _DTYPE_BYTES else STORED_BYTES["bf16"])
     return {"tables": slabs if tables == "device" else 0, "host_tables": whole if tables == "host" else 0,

@@ -26,31 +26,12 @@ checkpoint holds (the writer clips to ±448), give NaN ("cvt") or ±480·2^(e−
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-SCALE_BLOCK = 32  # one ue8m0 scale per 32×32 block of W (MODEL.md §E.1)
-DECODES = ("cvt", "alu")
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Block sizes and launch settings. block_m: activation rows a program (the MMA's narrow side, ≥ 16);
-    block_n: weight rows a program (≥ 16, divides the rows of a group); block_k: K columns a step (a multiple of
-    32: whole scale blocks); k_splits: programs along K (each stores an f32 partial sum; 1: the kernel stores y)."""
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 256
-    k_splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    decode: str = "cvt"
-
+from pallas_kernels.fp8_matmul.tiling import DECODES, SCALE_BLOCK, KernelConfig  # noqa: F401 - re-exported
 
 _TRANS_B = (((1,), (1,)), ((), ()))  # a [m, k] · b [n, k]ᵀ
 

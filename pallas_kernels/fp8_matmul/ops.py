@@ -15,17 +15,22 @@ import jax.numpy as jnp
 
 from dsv41_jax.formats import BLOCK, decode_fp8, ue8m0_bytes
 from pallas_kernels import registry
-from pallas_kernels.fp8_matmul.kernel import DECODES, SCALE_BLOCK, KernelConfig, fp8_matmul_pallas
+from pallas_kernels.fp8_matmul.kernel import fp8_matmul_pallas
+from pallas_kernels.fp8_matmul.tiling import (  # noqa: F401 - DECODE_ROWS, SM_COUNT, _k_splits: re-exported
+    DECODE_ROWS,
+    DECODES,
+    SCALE_BLOCK,
+    SM_COUNT,
+    KernelConfig,
+    _k_splits,
+    default_config,
+)
 from pallas_kernels.fp8_matmul.xla import fp8_matmul_xla
 
 __all__ = ["IMPLS", "Fp8Weight", "KernelConfig", "check_offsets", "default_config", "fp8_matmul"]
 IMPLS = registry.IMPLEMENTATIONS
 
 ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float32)
-DECODE_ROWS = 64  # up to this many rows a call is decode-sized (``default_config``)
-SM_COUNT = 132  # H200 multiprocessors: decode-sized calls split K until about one wave of programs runs
-
-
 @dataclass(frozen=True)
 class Fp8Weight:
     """A dense weight as the checkpoint stores it (MODEL.md §E.1): ``codes`` float8_e4m3fn [.., N, K] (N = out,
@@ -58,42 +63,6 @@ class Fp8Weight:
 
 jax.tree_util.register_dataclass(
     Fp8Weight, data_fields=[f.name for f in dataclasses.fields(Fp8Weight)], meta_fields=[])
-
-
-def _largest_block(size: int, candidates: tuple[int, ...]) -> int:
-    return next(b for b in candidates if size % b == 0)
-
-
-def _k_splits(steps: int, programs: int) -> int:
-    """The fewest K splits (a divisor of the K steps) that give about one wave of programs."""
-    for splits in range(1, steps + 1):
-        if steps % splits == 0 and programs * splits >= SM_COUNT:
-            return splits
-    return steps
-
-
-def default_config(rows: int, n: int, k: int, groups: int = 1) -> KernelConfig:
-    """Blocks for ``rows`` activation rows against W [N, K] (``groups`` row blocks; the Pallas path's shape rules
-    hold: ``check_kernel_shapes``).
-
-    Decode-sized (≤ 64 rows): 16 / 32 / 64 rows a program, 64 weight rows, 256-wide K chunks where they divide
-    (the most bytes a program has in flight a step), 3 stages, and K split until the programs make one wave of the
-    H200's 132 multiprocessors (unsplit, a 576-row shared-expert projection is 9 programs reading 320 KB each in
-    sequence). Prefill-sized: 128 × 128 tiles (8 warps) from 64-wide K chunks, no split. At one row the
-    fastest of six variants timed on the H200; at 2,048 rows none was faster on all three shapes timed
-    (BENCHMARKS.md "The block-scaled fp8 matmul op, one rank of world 4")."""
-    rows_per_group = n // groups
-    if rows <= DECODE_ROWS:
-        block_m = next(b for b in (16, 32, 64) if rows <= b)
-        block_n = _largest_block(rows_per_group, (64, 32, 16))
-        block_k = _largest_block(k, (256, 128, 64, 32))
-        splits = _k_splits(k // block_k, n // block_n)
-        return KernelConfig(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=splits,
-                            num_warps=4, num_stages=3)
-    block_n = _largest_block(rows_per_group, (128, 64, 32, 16))
-    block_k = _largest_block(k, (64, 32))
-    return KernelConfig(block_m=128, block_n=block_n, block_k=block_k, num_warps=8 if block_n == 128 else 4,
-                        num_stages=3)
 
 
 def check_kernel_shapes(n: int, k: int, groups: int) -> None:

@@ -30,9 +30,10 @@ from flax import nnx
 from jaxpr_walk import equations, scan_xs
 
 from dsv41_jax.config import load_named
+from dsv41_jax.formats import fp8_dequantize
 from dsv41_jax.loading import build_model, param_name
 from dsv41_jax.model import ModelOptions, Transformer, WeightsError, init_cache
-from dsv41_jax.param_specs import layer_names
+from dsv41_jax.param_specs import is_fp8_dense, layer_names
 
 F32 = ModelOptions(dtype="float32", quant_rounding=True)
 
@@ -221,3 +222,75 @@ def test_no_loop_slices_the_routed_experts_nor_feeds_a_loop(cfg):
     assert any(a.shape[-2:] == (f, d) for a in sliced)            # the shared expert's stack is still sliced
     assert not [a.shape for a in sliced if tuple(a.shape[-3:]) in experts]
     assert {depth for depth, _ in found} == {0}                   # no loop inside a loop
+
+
+FP8 = dataclasses.replace(F32, dense_format="fp8")
+
+
+def _per_layer_weights(model, dequantize: bool = True) -> dict:
+    """Per-layer model name → array of ``model``'s parameters; with ``dequantize`` every fp8 dense weight held as
+    stored (codes + ``.scale`` bytes) dequantised into one weight (MODEL.md §E.1): the same model in the model
+    dtype."""
+    per_layer = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = layer_names(param_name(path))
+        value = np.asarray(var[...])
+        per_layer.update({n: value[i] for i, n in enumerate(names)} if len(names) > 1 else {names[0]: value})
+    if not dequantize:
+        return per_layer
+    for scale in [n for n in per_layer if n.endswith(".scale") and is_fp8_dense(n)]:
+        weight = scale.removesuffix(".scale") + ".weight"
+        per_layer[weight] = fp8_dequantize(per_layer[weight], per_layer.pop(scale))
+    return per_layer
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's bound, as test_scan_equals_unrolled")
+def test_fp8_dense_weights_in_a_group_scan_equal_the_dequantized_model():
+    """fp8 dense weights held as stored (``dense_format="fp8"``) in the leads and runs of a group scan, read at
+    each layer's row of their unit's stack: logits, caches, selections and taps as the same weights dequantised
+    (bound 1e-6 as above: the op's XLA implementation is the dequantised weight and the same f32 dot)."""
+    cfg = group_config(repeats=2)
+    fp8 = Transformer(cfg, FP8, rngs=nnx.Rngs(1))
+    got = _run(cfg, FP8, nnx.state(fp8))
+    want = _run(cfg, F32, nnx.state(build_model(cfg, F32, _per_layer_weights(fp8))))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [scan_config(3), group_config(2)], ids=["run", "group"])
+def test_no_loop_slices_the_fp8_dense_weights(cfg):
+    """Like the routed experts, fp8 dense weights held as stored enter a loop whole and each layer's op reads its
+    row (``dense.Fp8Param``): a loop-sliced layer handed to the Pallas kernel would be a copy of the layer's
+    dense weights every step."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, FP8, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: init_cache(cfg, 1, 32, "float32"))
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda s, i, c: nnx.merge(graphdef, s)(i, c))(state, ids, cache).jaxpr
+    sliced = [aval for _, aval in _scan_inputs(jaxpr)]
+    assert sliced, "the config should have a scanned unit"
+    assert not [a.shape for a in sliced if a.dtype in (jnp.float8_e4m3fn, jnp.uint8)]
+
+
+@pytest.mark.devices(4)
+def test_fp8_dense_weights_in_a_sharded_group_scan():
+    """World 4 (heads, groups and the shared expert's width split; their fp8 stacks read in place at each layer's
+    row inside the shard_map wrappers) against the dequantised model on one device, f32 without rounding points:
+    only the order of f32 sums differs (the ranks' partial sums all-reduced), so tests/test_sharding_model.py's
+    bound 1e-4 (observed 3e-6)."""
+    import sharding  # noqa: PLC0415 - the sharded loader; only this test needs it
+
+    cfg = group_config(repeats=2)
+    options = dataclasses.replace(FP8, quant_rounding=False)
+    fp8 = Transformer(cfg, options, rngs=nnx.Rngs(1))
+    stored = _per_layer_weights(fp8, dequantize=False)
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 24)), jnp.int32)
+
+    def logits(model):
+        graphdef, state = nnx.split(model)
+        run = jax.jit(lambda state, ids, cache: nnx.merge(graphdef, state)(ids, cache)[0])
+        return np.asarray(run(state, ids, init_cache(cfg, 2, 32, "float32")))
+
+    want = logits(build_model(cfg, dataclasses.replace(F32, quant_rounding=False), _per_layer_weights(fp8)))
+    model, _ = sharding.prepare(cfg, stored, 4, options)
+    np.testing.assert_allclose(logits(model), want, rtol=0, atol=1e-4)
