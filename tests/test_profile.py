@@ -12,7 +12,7 @@ import pytest
 
 import dsv41_jax.profile as profile
 from dsv41_jax.config import load_named
-from dsv41_jax.formats import decode_fp4
+from dsv41_jax.formats import decode_fp4, decode_fp8
 from dsv41_jax.model import ModelOptions
 from dsv41_jax.param_specs import model_tensors
 from dsv41_jax.planner import admit, engram_bytes_per_rank, param_bytes_per_rank, tensor_rank_shape
@@ -107,6 +107,20 @@ def test_profile_fp4_experts_as_released(capsys):
     rms = float(np.sqrt(np.mean(values**2))) * np.sqrt(fan_in)
     assert 0.5 <= rms <= 2.5, rms
     assert len({int(b) for b in np.asarray(w1.codes[...]).ravel()[:4096]}) > 200  # codes cover the bytes
+
+
+def test_fp8_dense_weights_drawn_as_stored_have_the_init_spread():
+    """``dense_format="fp8"``: dense projections drawn as e4m3 codes + one ue8m0 byte a 32×32 block; decoded,
+    their RMS is within the power-of-two rounding of the scale (a factor √2) of the dense init's 1/√fan_in."""
+    cfg = cut_layers(load_named("tiny"), 2)
+    model, _ = build.build_model(cfg, 1, ModelOptions(dtype="float32", dense_format="fp8"))
+    for proj in (model.inner.layers[0].attn.wq_a, model.inner.layers[0].ffn.shared_experts.w2):
+        codes, scale = proj.weight[...], proj.scale[...]
+        assert codes.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.uint8
+        values = np.asarray(decode_fp8(codes, scale, jnp.float32))
+        rms = float(np.sqrt(np.mean(values**2))) * np.sqrt(values.shape[-1])
+        assert 0.65 <= rms <= 1.5, rms
+        assert len(np.unique(np.asarray(codes.astype(jnp.float32)))) > 100  # codes spread over e4m3's values
 
 
 def test_fewer_experts_cut_the_expert_weights(capsys):

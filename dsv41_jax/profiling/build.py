@@ -48,8 +48,8 @@ def build_model(cfg: ModelConfig, world: int, options: ModelOptions, *, seed: in
     construct, graphdef, flat, rest = abstract_params(run_cfg, options)
     names = [param_name(path) for path, _ in flat]
     shardings = [NamedSharding(mesh, param_spec(n, len(v.shape), layout)) for n, (_, v) in zip(names, flat)]
-    specs = [(zlib.crc32(n.encode()) ^ seed, tuple(v.shape), jnp.dtype(v.dtype), *_scale(n, v.shape))
-             for n, (_, v) in zip(names, flat)]
+    specs = [(zlib.crc32(n.encode()) ^ seed, tuple(v.shape), jnp.dtype(v.dtype),
+              *_scale(n, v.shape, jnp.dtype(v.dtype))) for n, (_, v) in zip(names, flat)]
     if abstract:
         arrays = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for (_, v), sh in zip(flat, shardings)]
         rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(mesh)), rest)
@@ -61,13 +61,22 @@ def build_model(cfg: ModelConfig, world: int, options: ModelOptions, *, seed: in
     return ShardedTransformer(inner, mesh, plan, cfg, run_cfg), mesh
 
 
-def _scale(name: str, shape: tuple[int, ...]) -> tuple[float, float | None]:
-    """(mean, std) of a parameter, as ``make_tiny.random_weights`` draws it; for fp4 expert ``codes`` std is None
-    and for their ``scales`` it is 1/√fan_in of the decoded weight (fan_in = 32 · the scales' last axis)."""
+FP8_CODE_STD = 64.0  # fp8 dense codes' spread (well inside e4m3's ±448), as Fp8Linear's own init
+
+
+def _scale(name: str, shape: tuple[int, ...], dtype=None) -> tuple[float, float | None]:
+    """(mean, std) of a parameter, as ``make_tiny.random_weights`` draws it. Stored formats: fp4 expert ``codes``
+    get std None (random bytes); fp8 dense codes (float8_e4m3fn) std ``FP8_CODE_STD``; the ue8m0 scale bytes
+    (fp4 ``scales``, fp8 ``.scale``) get, in place of a std, the scale that makes the decoded weights' spread
+    1/√fan_in (fan_in = 32 · the scales' last axis): e2m1 codes spread about 2, fp8 ones ``FP8_CODE_STD``."""
     if name.endswith(".codes"):
         return 0.0, None
+    if dtype == jnp.float8_e4m3fn:
+        return 0.0, FP8_CODE_STD
     if name.endswith(".scales"):
-        return 0.0, 1.0 / math.sqrt(32 * shape[-1])
+        return 0.0, 1.0 / (2.0 * math.sqrt(32 * shape[-1]))
+    if name.endswith(".scale") and dtype == jnp.uint8:
+        return 0.0, 1.0 / (FP8_CODE_STD * math.sqrt(32 * shape[-1]))
     if name.endswith("embed.weight"):
         return 0.0, 1.0
     if name.endswith("norm.weight"):
@@ -87,7 +96,7 @@ def _scale(name: str, shape: tuple[int, ...]) -> tuple[float, float | None]:
 
 def _draw_all(specs) -> list[jax.Array]:
     """One program drawing every parameter: mean + std·U, U uniform with unit variance, in the parameter's dtype;
-    fp4-resident experts (uint8 ``codes`` / ``scales``, ``ModelOptions.expert_format="fp4"``) as ``_draw_packed``.
+    the uint8 bytes of stored formats (fp4 experts' ``codes`` / ``scales``, fp8 dense ``.scale``) as ``_draw_packed``.
 
     A counter hash (``_hash_uniform``), not threefry: it compiles in well under a second for hundreds of
     tensors (threefry took ~50 s on CPU for the tiny model) and, being elementwise over iotas, each device
@@ -103,13 +112,12 @@ def _draw_all(specs) -> list[jax.Array]:
     return out
 
 
-def _draw_packed(shape: tuple[int, ...], salt: int, std: float | None) -> jax.Array:
-    """fp4 experts as the release stores them (MODEL.md §E.1): ``codes`` (``std`` None) are uniform random bytes,
-    two e2m1 values each; ``scales`` one constant ue8m0 byte chosen like ``moe._Packed``, so the decoded weights
-    have roughly the dense init's spread 1/√fan_in."""
-    if std is None:
+def _draw_packed(shape: tuple[int, ...], salt: int, scale: float | None) -> jax.Array:
+    """Bytes of the stored formats (MODEL.md §E.1): fp4 ``codes`` (``scale`` None) are uniform random bytes, two
+    e2m1 values each; a ue8m0 scale tensor is one constant byte, 2^(byte − 127) ≈ ``scale`` (see `_scale`)."""
+    if scale is None:
         return (_hash_uniform(shape, salt) * 256.0).astype(jnp.uint8)
-    return jnp.full(shape, 127 + round(math.log2(std / 2.0)), jnp.uint8)
+    return jnp.full(shape, 127 + round(math.log2(scale)), jnp.uint8)
 
 
 def _hash_uniform(shape: tuple[int, ...], salt: int) -> jax.Array:
