@@ -40,32 +40,7 @@ folds the tokenizer's ids (id mod 512).
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m dsv41_jax.serve", description="An OpenAI-compatible server for DeepSeek-V4.1 in JAX.",
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = p.add_argument_group("model (as python -m dsv41_jax.generate)")
-    model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
-    model.add_argument("--config", metavar="NAME|FILE",
-                       help="the random-weight model's config: tiny, tiny_engram, tiny_vision, dsv41_flash, or a "
-                            "config.json path (default: tiny); with --checkpoint, overrides its config.json")
-    model.add_argument("--layers", type=positive_int, metavar="K",
-                       help="a K-layer cut of --config (default the released dsv41_flash) keeping its layer roles, "
-                            "random weights drawn on the devices, sharded (as python -m dsv41_jax.profile): e.g. "
-                            "the 2-layer full-width model for serving benchmarks")
-    model.add_argument("--world", type=positive_int, default=1, metavar="N",
-                       help="devices to shard over (default 1: unsharded)")
-    model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                       help="activations, weights and cache (default: bfloat16)")
-    model.add_argument("--expert-format", choices=("auto", "dequantized", "fp4"), default="auto",
-                       help="with --checkpoint: routed experts packed fp4 as stored, or dequantised (default auto)")
-    model.add_argument("--impl", choices=("auto", "xla", "pallas", "reference"), default="auto",
-                       metavar="auto|xla|pallas",
-                       help="kernels; auto (default): pallas on GPU, xla elsewhere ('reference' = xla, deprecated)")
-    model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
-                       help="the release's fp8/fp4 rounding points (docs/MODEL.md §C.2; default on; off for "
-                            "comparisons)")
-    model.add_argument("--skip-engram", action="store_true",
-                       help="run a config with engram layers without them (NOT the model's output)")
-    model.add_argument("--compile-cache", metavar="DIR",
-                       help="persistent compilation cache (default: $DSV41_JAX_COMPILE_CACHE or "
-                            "~/.cache/dsv41_jax/xla; 'off' disables it)")
+    runspec.add_model_args(p, cut_layers=True, engram_tables=False)
     serve = p.add_argument_group("serving")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
@@ -94,6 +69,9 @@ def check_args(args) -> None:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.drain_timeout < float("inf"):
         raise UsageError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    if runspec.spec_from_args(args).processes.several:
+        raise UsageError("--coordinator: the server runs in one process (its devices, --world); several processes "
+                         "are for python -m dsv41_jax.generate and profile")
     served_names(args)
 
 
@@ -124,9 +102,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_spec(args) -> runspec.RunSpec:
     """The model setup this command line asks for (engram tables on the devices; no speculation)."""
-    return runspec.RunSpec(checkpoint=args.checkpoint, config=args.config, layers=args.layers, world=args.world,
-                           dtype=args.dtype, expert_format=args.expert_format, impl=args.impl,
-                           quant_rounding=args.quant_rounding, skip_engram=args.skip_engram, engram_tables="device")
+    return runspec.spec_from_args(args, engram_tables="device")
 
 
 def build_server(args):
@@ -141,7 +117,7 @@ def build_server(args):
     from .worker import Worker  # noqa: PLC0415 - brings JAX (see above)
 
     spec = run_spec(args)
-    runspec.check_world(args.world)
+    runspec.start(spec)
     cache_dir = enable_compile_cache(args.compile_cache)
     say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
     inputs = runspec.open_inputs(spec)
@@ -234,7 +210,7 @@ def run(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(build_parser(), run, argv, interrupted=None)
+    return cli_main(build_parser(), run, argv, interrupted=None, local_devices=runspec.local_devices)
 
 
 if __name__ == "__main__":
