@@ -36,7 +36,7 @@ AUTO = "auto"
 DEFAULT_PEER_TIMEOUT_S = 120
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UsageError):
     """The processes could not form their mesh (the coordinator unreachable, a cluster not detected)."""
 
 

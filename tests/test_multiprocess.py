@@ -169,3 +169,17 @@ def test_process_flags_are_checked_before_jax_starts(capsys):
         assert len(err) == 1 and message in err[0], (flags, err)
     assert serve_main(["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0", "--world", "2"]) == 2
     assert "the server runs in one process" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_over_two_processes_reports_on_process_0():
+    port = _free_port()
+    args = ["--config", "tiny", "--world", "2", "--rows", "8", "--repeats", "1", "--json"]
+    procs = [subprocess.Popen([sys.executable, "-m", "dsv41_jax.profile", *args, "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i), "--peer-timeout", "60"], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    (rc0, out0, err0), (rc1, out1, err1) = _finish(procs)
+    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    report = json.loads(out0)
+    assert report["world"] == 2 and [s["error"] for s in report["steps"]] == [None]
+    assert out1 == "" and "compiling" not in err1
