@@ -12,7 +12,7 @@ from typing import Sequence
 
 import uvicorn
 
-from .. import runspec
+from .. import distributed, runspec
 from ..cli import Parser, UsageError, cli_main, positive_int, say
 from ..compile_cache import enable as enable_compile_cache
 from .metrics import Metrics
@@ -69,9 +69,6 @@ def check_args(args) -> None:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.drain_timeout < float("inf"):
         raise UsageError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
-    if runspec.spec_from_args(args).processes.several:
-        raise UsageError("--coordinator: the server runs in one process (its devices, --world); several processes "
-                         "are for python -m dsv41_jax.generate and profile")
     served_names(args)
 
 
@@ -105,20 +102,18 @@ def run_spec(args) -> runspec.RunSpec:
     return runspec.spec_from_args(args, engram_tables="device")
 
 
-def build_server(args):
-    """(app, state): the model, its engine and slots compiled, the HTTP app over them."""
-    # The engine, the server's pieces and JAX itself: after the command line is checked.
-    import jax  # noqa: PLC0415 - JAX starts after the CLI asked for its simulated devices
-
+def build_slots(args, spec: runspec.RunSpec, before_compile=lambda: None):
+    """(slots, engine, tokenizer): the model, its engine and its slot engine, compiled (``runspec.start`` done;
+    ``before_compile()`` just before). Among several processes, process 0's slot engine sends its calls to the
+    others' (`lockstep`)."""
+    # The engine and the slots bring JAX: after the command line is checked.
     from ..compiler import compiling_note  # noqa: PLC0415 - brings JAX (see above)
     from ..engine import Engine  # noqa: PLC0415 - brings JAX (see above)
-    from .app import ServerState, create_app  # noqa: PLC0415 - brings JAX (see above)
+    from .lockstep import Channel, LeaderSlots  # noqa: PLC0415 - brings JAX (see above)
     from .slots import SlotEngine  # noqa: PLC0415 - brings JAX (see above)
-    from .worker import Worker  # noqa: PLC0415 - brings JAX (see above)
 
-    spec = run_spec(args)
-    runspec.start(spec)
-    cache_dir = enable_compile_cache(args.compile_cache)
+    distributed.agree(distributed.run_fingerprint(args))
+    cache_dir = enable_compile_cache(distributed.cache_dir(args.compile_cache))
     say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
     inputs = runspec.open_inputs(spec)
     cfg = inputs.cfg
@@ -134,18 +129,35 @@ def build_server(args):
     model, mesh = runspec.build(inputs, spec)
     engine = Engine(model, cfg, max_context=args.max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
                     hasher=inputs.hasher)
-    slots = SlotEngine(engine, args.max_batch)
+    if distributed.several() and distributed.is_leader():
+        LeaderSlots.channel = Channel()
+        slots = LeaderSlots(engine, args.max_batch)
+    else:
+        slots = SlotEngine(engine, args.max_batch)
+    before_compile()
+    say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
+    seconds = slots.precompile()
+    loaded = f" ({engine.programs_loaded} loaded from the cache)" if engine.programs_loaded else ""
+    say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
+    return slots, engine, tokenizer
+
+
+def build_server(args, spec: runspec.RunSpec):
+    """(app, state): the model, its engine and slots compiled (`build_slots`), the HTTP app over them."""
+    # The server's pieces and JAX itself: after the command line is checked.
+    import jax  # noqa: PLC0415 - JAX starts after the CLI asked for its simulated devices
+
+    from .app import ServerState, create_app  # noqa: PLC0415 - brings JAX (see above)
+    from .worker import Worker  # noqa: PLC0415 - brings JAX (see above)
+
     compile_events = [0]
 
     def on_compile(event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             compile_events[0] += 1
 
-    jax.monitoring.register_event_duration_secs_listener(on_compile)
-    say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
-    seconds = slots.precompile()
-    loaded = f" ({engine.programs_loaded} loaded from the cache)" if engine.programs_loaded else ""
-    say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
+    slots, engine, tokenizer = build_slots(
+        args, spec, before_compile=lambda: jax.monitoring.register_event_duration_secs_listener(on_compile))
     metrics = Metrics({})
     worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
     metrics.gauges.update({
@@ -196,9 +208,36 @@ class DrainingServer(uvicorn.Server):
 
 def run(args) -> int:
     check_args(args)
-    sock = listen(args.host, args.port)
-    app, state = build_server(args)
+    spec = run_spec(args)
+    processes = spec.processes
+    # The port is taken before the slow start-up (a port in use is refused at once), by the process that serves.
+    sock = listen(args.host, args.port) if not processes.several or (
+        processes.coordinator != distributed.AUTO and processes.index == 0) else None
+    runspec.start(spec)
+    if not distributed.is_leader():
+        return follow(args, spec)
+    sock = sock or listen(args.host, args.port)
+    app, state = build_server(args, spec)
     state.worker.start()
+    try:
+        return _serve(app, state, sock, args)
+    finally:
+        if distributed.several():
+            from .lockstep import LeaderSlots, stop_followers  # noqa: PLC0415 - brings JAX
+
+            stop_followers(LeaderSlots.channel)
+
+
+def follow(args, spec: runspec.RunSpec) -> int:
+    """A process other than process 0: the same model and slot engine, stepped as process 0 says (`lockstep`)."""
+    from .lockstep import follow as follow_leader  # noqa: PLC0415 - brings JAX
+
+    slots, _, _ = build_slots(args, spec)
+    follow_leader(slots)
+    return 0
+
+
+def _serve(app, state, sock, args) -> int:
     host, port = sock.getsockname()[:2]
     say(f"dsv41_jax.serve: listening on http://{host}:{port} (model {state.model_name}, "
         f"{args.max_batch} slots, context {args.max_context:,}, queue {args.max_queue})")
