@@ -1,5 +1,6 @@
 """Several processes, one mesh (`dsv41_jax.distributed`): ``generate`` over two processes of two CPU devices each
-(gloo collectives) is ``generate --world 4`` in one process, and a peer that fails ends the others.
+(gloo collectives) is ``generate --world 4`` in one process (with engram layers, with DSpark), ``serve`` over two
+answers as one, ``profile`` reports from process 0, and a peer that fails ends the others.
 
 Every run is a subprocess of the tiny model with few tokens. Tolerance: float32 with the rounding points off, one
 process of four devices and two of two run the same programs over the same mesh (the collectives' order may differ
@@ -167,8 +168,8 @@ def test_process_flags_are_checked_before_jax_starts(capsys):
         assert generate.main(["--prompt-ids", "1", *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (flags, err)
-    assert serve_main(["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0", "--world", "2"]) == 2
-    assert "the server runs in one process" in capsys.readouterr().err
+    assert serve_main(["--process-id", "1"]) == 2
+    assert capsys.readouterr().err == "error: --process-id goes with --coordinator HOST:PORT (several processes)\n"
 
 
 @pytest.mark.slow
@@ -183,3 +184,52 @@ def test_profile_over_two_processes_reports_on_process_0():
     report = json.loads(out0)
     assert report["world"] == 2 and [s["error"] for s in report["steps"]] == [None]
     assert out1 == "" and "compiling" not in err1
+
+
+def _serve(args, **processes) -> subprocess.Popen:
+    extra = []
+    if processes:
+        extra = ["--coordinator", f"127.0.0.1:{processes['port']}", "--num-processes", "2",
+                 "--process-id", str(processes["id"]), "--peer-timeout", "60"]
+    return subprocess.Popen([sys.executable, "-m", "dsv41_jax.serve", *args, *extra], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _listening(proc: subprocess.Popen) -> str:
+    """The server's URL, from its start-up line on stderr."""
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "listening on " in line:
+            return line.split("listening on ")[1].split()[0]
+    raise AssertionError("".join(seen)[-3000:])
+
+
+@pytest.mark.slow
+def test_serve_over_two_processes_answers_as_one_process_of_four():
+    """A request to process 0 of a two-process server gets the completion a one-process world-4 server gives,
+    greedy and sampled (a seed); SIGTERM to process 0 ends both processes with status 0."""
+    import httpx
+
+    args = ["--world", "4", "--max-batch", "2", "--max-context", "64", "--dtype", "float32", "--no-quant-rounding",
+            "--port", "0"]
+    port = _free_port()
+    procs = [_serve(args), *(_serve(args, port=port, id=i) for i in (0, 1))]
+    try:
+        one, two = _listening(procs[0]), _listening(procs[1])
+        bodies = [{"prompt": [5, 6, 7, 8, 9], "max_tokens": 5, "temperature": 0},
+                  {"prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 4, "temperature": 0.8, "seed": 3}]
+        for body in bodies:
+            body = {**body, "return_token_ids": True}
+            answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=120).json() for url in (one, two)]
+            assert answers[1]["choices"][0]["token_ids"] == answers[0]["choices"][0]["token_ids"], answers
+        for p in procs[:2]:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=120)
+        assert [p.returncode for p in procs] == [0, 0, 0], procs[2].stderr.read()[-3000:]
+        assert procs[2].stdout.read() == "" and "listening" not in procs[2].stderr.read()
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
