@@ -233,3 +233,55 @@ def test_serve_over_two_processes_answers_as_one_process_of_four():
         for p in procs:
             p.kill()
             p.communicate()
+
+
+LOAD_SCRIPT = """
+import json, sys
+import jax
+from flax import nnx
+from dsv41_jax import checkpoint, distributed, runspec
+from sharding.mesh import request_host_devices
+
+ckpt, world, port, count, index = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+request_host_devices(world // count)
+processes = distributed.Processes(f"127.0.0.1:{port}", count, index, 60) if count > 1 else distributed.ONE_PROCESS
+spec = runspec.RunSpec(checkpoint=ckpt, world=world, dtype="float32", processes=processes)
+runspec.start(spec)
+read = [0]
+for name in ("read", "read_window"):
+    original = getattr(checkpoint.Checkpoint, name)
+    def counted(self, *a, _original=original, **k):
+        out = _original(self, *a, **k)
+        read[0] += out.nbytes
+        return out
+    setattr(checkpoint.Checkpoint, name, counted)
+model, mesh = runspec.build(runspec.open_inputs(spec), spec)
+held = {}
+for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+    for shard in leaf.addressable_shards:
+        held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+open(sys.argv[6], "w").write(json.dumps({"held": held, "read": read[0]}))  # a follower's stdout is quiet
+"""
+
+
+def test_each_process_loads_only_its_own_shards(tmp_path):
+    """A checkpoint loaded over two processes of one device each: each process holds exactly what that device
+    holds in a one-process world-2 load (one rank's share, nothing of the other's) and reads less of the
+    checkpoint than the one process does (its ranks' windows; the replicated tensors whole)."""
+    subprocess.run([sys.executable, "-m", "dsv41_jax.make_tiny", str(tmp_path / "ckpt")], cwd=ROOT, env=_env(),
+                   check=True, capture_output=True)
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_SCRIPT)
+    port = _free_port()
+    run = (lambda count, index: subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt"), "2", str(port), str(count), str(index),
+         str(tmp_path / f"{count}-{index}.json")], cwd=ROOT,
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = _finish([run(1, 0), run(2, 0), run(2, 1)], timeout=200)
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    one, *two = (json.loads((tmp_path / name).read_text()) for name in ("1-0.json", "2-0.json", "2-1.json"))
+    assert sorted(one["held"]) == ["0", "1"]
+    for rank, process in enumerate(two):
+        assert list(process["held"].values()) == [one["held"][str(rank)]]  # its device: one rank's share
+        assert process["read"] < one["read"]
