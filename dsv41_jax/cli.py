@@ -56,7 +56,7 @@ def quiet() -> None:
     """From now on `say` prints nothing and stdout goes nowhere: a process that follows another's run (several
     processes: process 0 prints). Errors still print (`cli_main`)."""
     _quiet[0] = True
-    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+    sys.stdout = open(os.devnull, "w")  # for the rest of the process
 
 
 def quieted() -> bool:

@@ -141,7 +141,7 @@ def _stdout_for_python_only() -> None:
     sys.stdout.flush()
     real = os.dup(1)
     os.dup2(2, 1)
-    sys.stdout = open(real, "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors,  # noqa: SIM115
+    sys.stdout = open(real, "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors,
                       buffering=1 if os.isatty(real) else -1)
 
 

@@ -18,8 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+
+from dsv41_jax import generate
+from dsv41_jax.serve.__main__ import main as serve_main
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = ["--prompt-ids", "5,6,7,8,9,10,11,12", "--max-new-tokens", "4", "--greedy", "--dtype", "float32",
@@ -153,9 +157,6 @@ def test_a_killed_peer_ends_the_others():
 
 
 def test_process_flags_are_checked_before_jax_starts(capsys):
-    from dsv41_jax import generate
-    from dsv41_jax.serve.__main__ import main as serve_main
-
     cases = [(["--num-processes", "2"], "error: --num-processes goes with --coordinator HOST:PORT"),
              (["--coordinator", "h:1", "--num-processes", "2"], "needs --num-processes N and --process-id I"),
              (["--coordinator", "h", "--num-processes", "2", "--process-id", "0"], "give HOST:PORT"),
@@ -209,8 +210,6 @@ def _listening(proc: subprocess.Popen) -> str:
 def test_serve_over_two_processes_answers_as_one_process_of_four():
     """A request to process 0 of a two-process server gets the completion a one-process world-4 server gives,
     greedy and sampled (a seed); SIGTERM to process 0 ends both processes with status 0."""
-    import httpx
-
     args = ["--world", "4", "--max-batch", "2", "--max-context", "64", "--dtype", "float32", "--no-quant-rounding",
             "--port", "0"]
     port = _free_port()
