@@ -129,7 +129,11 @@ def initialize(processes: Processes) -> None:
         else:
             jax.distributed.initialize(processes.coordinator, processes.count, processes.index, **timeouts)
     except (RuntimeError, ValueError) as e:
-        raise DistributedError(f"cannot join {where}: {str(e).splitlines()[0]}") from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if processes.coordinator == AUTO:
+            raise DistributedError(f"--coordinator auto: JAX found no cluster to join ({reason}); give --coordinator "
+                                   f"HOST:PORT --num-processes N --process-id I") from None
+        raise DistributedError(f"cannot join {where}: {reason}") from None
     finally:
         watchdog.cancel()
 

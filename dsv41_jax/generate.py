@@ -54,6 +54,8 @@ examples:
   python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi"
   python -m dsv41_jax.generate --config tiny_engram --prompt-ids 5,6,7,5,6,7 --greedy
   python -m dsv41_jax.generate --chat --image photo.png --prompt "What is in this picture?"
+  python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 4 --coordinator host-0:12345 \\
+      --num-processes 4 --process-id 0 --prompt "Hi"      # one process a host, each with its own --process-id
 
 Engram layers (the released config has two) run by default: their n-gram rows are hashed on the host from the
 token map of the checkpoint's tokenizer.json (or engram_token_map.json; else the packaged tokenizer's), and the

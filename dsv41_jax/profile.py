@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41_jax import distributed, runspec, with_flags
-from dsv41_jax.cli import UsageError, say  # UsageError: a bad command line, one line and exit code 2
+from dsv41_jax.cli import UsageError, quieted, say  # UsageError: a bad command line, one line and exit code 2
 from dsv41_jax.compile_cache import CompileCacheError
 from dsv41_jax.compile_cache import enable as enable_compile_cache
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def on_step(report: dict, entry: dict) -> None:
-        if req.json_out is not None:
+        if req.json_out is not None and not quieted():  # one process writes it
             req.json_out.write_text(json.dumps(report, indent=1))
         if not req.as_json:
             if len(report["steps"]) == 1:

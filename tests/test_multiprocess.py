@@ -284,3 +284,13 @@ def test_each_process_loads_only_its_own_shards(tmp_path):
     for rank, process in enumerate(two):
         assert list(process["held"].values()) == [one["held"][str(rank)]]  # its device: one rank's share
         assert process["read"] < one["read"]
+
+
+def test_coordinator_auto_without_a_cluster_is_one_line():
+    (rc, out, err), = _finish([subprocess.Popen(
+        [sys.executable, "-m", "dsv41_jax.generate", "--prompt-ids", "1,2", "--coordinator", "auto"], cwd=ROOT,
+        env={k: v for k, v in _env().items() if not k.startswith(("SLURM_", "OMPI_"))}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)], timeout=120)
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [err.strip().splitlines()[-1]]
+    assert err.startswith("error: --coordinator auto: JAX found no cluster to join")
