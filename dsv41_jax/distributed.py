@@ -213,7 +213,7 @@ def run_fingerprint(args: argparse.Namespace, skip: tuple[str, ...] = ("process_
     """A command line's flags (but ``skip``: what may differ between processes) and the model files it names
     (a checkpoint folder's file names, sizes and config.json; a config file's text)."""
     flags = {k: v for k, v in sorted(vars(args).items()) if k not in skip}
-    parts = [json.dumps(flags, default=repr, sort_keys=True)]
+    parts = [json.dumps(flags, default=_plain, sort_keys=True)]
     checkpoint, config = getattr(args, "checkpoint", None), getattr(args, "config", None)
     if checkpoint and Path(checkpoint).is_dir():
         for path in sorted(Path(checkpoint).iterdir()):
@@ -224,6 +224,11 @@ def run_fingerprint(args: argparse.Namespace, skip: tuple[str, ...] = ("process_
     if config and Path(config).is_file():
         parts.append(Path(config).read_text(errors="replace"))
     return "\n".join(parts)
+
+
+def _plain(value):
+    """A flag's value as JSON takes it, the same in every process (a set's order is its process's hash seed's)."""
+    return sorted(map(repr, value)) if isinstance(value, (set, frozenset)) else repr(value)
 
 
 def share(value):

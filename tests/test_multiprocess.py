@@ -294,3 +294,14 @@ def test_coordinator_auto_without_a_cluster_is_one_line():
     assert rc == 2 and out == ""
     assert err.strip().splitlines() == [err.strip().splitlines()[-1]]
     assert err.startswith("error: --coordinator auto: JAX found no cluster to join")
+
+
+def test_the_flags_fingerprint_does_not_depend_on_the_hash_seed():
+    """Processes have their own hash seeds: a set among the parsed flags (generate's ``given``) is fingerprinted
+    in one order everywhere."""
+    code = ("from dsv41_jax import distributed, generate; "
+            "print(distributed.run_fingerprint(generate.build_parser().parse_args("
+            "['--prompt', 'x', '--temperature', '1', '--seed', '3', '--top-k', '5', '--top-p', '0.9'])))")
+    prints = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**_env(), "PYTHONHASHSEED": str(seed)},
+                             capture_output=True, text=True, check=True).stdout for seed in range(4)}
+    assert len(prints) == 1
