@@ -4,16 +4,19 @@
 ``--coordinator auto``: the cluster's, as JAX detects SLURM, Open MPI and the like) start one process a host (or
 a GPU); ``--world`` then counts the devices of every process, each giving ``world / N``. Contract:
 
-- `initialize` joins the processes before JAX starts its backends (collectives: NCCL on GPUs, gloo on CPUs). A
-  process that does not join within ``--peer-timeout`` seconds ends every other with one error line; a peer that
-  dies later is noticed by the runtime's heartbeats within that time and ends the others (JAX's own message).
+- `initialize` joins the processes before JAX starts its backends (collectives: NCCL on GPUs, gloo on CPUs). When
+  a process does not join within ``--peer-timeout`` seconds, those waiting for it end with one error line; a peer
+  that dies later is noticed by the runtime's heartbeats within that time and ends the others (JAX's own message).
+  From then on file descriptor 1 is stderr and only Python's ``sys.stdout`` writes to the real stdout (the
+  collectives' libraries print set-up lines there).
 - `agree` checks that every process runs the same command line (but ``--process-id``) on the same model files:
   a mismatch is the same `UsageError` on every process.
-- `share` gives every process process 0's value: the host-side decisions of a run (tokenized prompts, their
-  sampling settings) are made there once. What the engine decides on the host afterwards comes from replicated
-  device outputs, which are the same bytes on every device; a host input that still differs between processes is
-  refused by JAX when it is placed (``jax.device_put`` checks that every process passes the same value).
-- `is_leader`: process 0 prints and serves; the others print nothing but errors.
+- `share` / `decide_once` give every process process 0's value: the host-side decisions a run makes from its
+  inputs (the tokenized prompts) are made there once; the rest of the command line is the same everywhere
+  (`agree`). What the engine decides on the host afterwards comes from replicated device outputs, the same bytes
+  on every device; a host input that still differs between processes is refused by JAX when it is placed
+  (``jax.device_put`` checks that every process passes the same value).
+- `is_leader`: process 0 prints and serves; the others print nothing but errors (`cli.quiet`).
 
 Imports no JAX at import time: the commands check their arguments before JAX starts.
 """
