@@ -8,8 +8,9 @@ before JAX starts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .compile_cache import CompileCacheError
 from .config import ConfigError
@@ -42,9 +43,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+_quiet = [False]  # a follower of several processes: `say` prints nothing
+
+
 def say(message: str) -> None:
-    """One line on stderr (announcements, notes, errors)."""
-    print(message, file=sys.stderr, flush=True)
+    """One line on stderr (announcements, notes); nothing once `quiet`."""
+    if not _quiet[0]:
+        print(message, file=sys.stderr, flush=True)
+
+
+def quiet() -> None:
+    """From now on `say` prints nothing and stdout goes nowhere: a process that follows another's run (several
+    processes: process 0 prints). Errors still print (`cli_main`)."""
+    _quiet[0] = True
+    sys.stdout = open(os.devnull, "w")  # for the rest of the process
+
+
+def quieted() -> bool:
+    return _quiet[0]
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -62,25 +78,27 @@ def user_errors() -> tuple[type[BaseException], ...]:
             TextFileError, CheckpointError, PlanRefused, ImageError, EngramError, WeightsError, ShardingError)
 
 
-def cli_main(parser, run_args, argv: Sequence[str] | None, interrupted: str | None = "interrupted") -> int:
-    """A command's entry (generate, serve): parse ``argv``, ask for ``--world`` simulated devices, ``run_args(args)``;
-    returns the exit status (2 for bad input, with one line on stderr; 130 on Ctrl-C, saying ``interrupted``).
-    ``argv`` None (this process's own command line): XLA's slow-compile banners are kept off its stderr
-    (`xla_log`)."""
+def cli_main(parser, run_args, argv: Sequence[str] | None, interrupted: str | None = "interrupted",
+             local_devices: Callable[[argparse.Namespace], int] = lambda args: args.world) -> int:
+    """A command's entry (generate, serve): parse ``argv``, ask for ``local_devices(args)`` simulated devices
+    (default ``--world``; `UsageError` allowed), ``run_args(args)``; returns the exit status (2 for bad input,
+    with one line on stderr; 130 on Ctrl-C, saying ``interrupted``). ``argv`` None (this process's own command
+    line): XLA's slow-compile banners are kept off its stderr (`xla_log`)."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or an argument error (2, one line already printed)
         return int(e.code or 0)
     if argv is None:  # after parsing: --help and a bad flag start no filter process
         hide_slow_compile_banners()
-    if args.world > 1:  # CPU: simulated devices, only effective before JAX initialises (sharding.mesh)
-        from sharding.mesh import request_host_devices  # noqa: PLC0415 - brings JAX: only when asked for
-
-        request_host_devices(args.world)
     try:
+        devices = local_devices(args)
+        if devices > 1:  # CPU: simulated devices, only effective before JAX initialises (sharding.mesh)
+            from sharding.mesh import request_host_devices  # noqa: PLC0415 - brings JAX: only when asked for
+
+            request_host_devices(devices)
         return run_args(args)
     except user_errors() as e:
-        say(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr, flush=True)  # a follower's too (`quiet`)
         return 2
     except KeyboardInterrupt:
         if interrupted:

@@ -25,7 +25,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import runspec
+from . import distributed, runspec
 from .chat import (
     REASONING_EFFORT_LEVELS,
     ChatFormatError,
@@ -36,7 +36,7 @@ from .chat import (
     parse_reply,
     tool_function,
 )
-from .cli import Parser, UsageError, cli_main, positive_int, say
+from .cli import Parser, UsageError, cli_main, positive_int, quieted, say
 from .compile_cache import enable as enable_compile_cache
 from .runspec import RunSpec
 from .textfile import read_text
@@ -54,6 +54,8 @@ examples:
   python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 8 --chat --prompt "Hi"
   python -m dsv41_jax.generate --config tiny_engram --prompt-ids 5,6,7,5,6,7 --greedy
   python -m dsv41_jax.generate --chat --image photo.png --prompt "What is in this picture?"
+  python -m dsv41_jax.generate --checkpoint /models/DeepSeek-V4.1-Flash --world 4 --coordinator host-0:12345 \\
+      --num-processes 4 --process-id 0 --prompt "Hi"      # one process a host, each with its own --process-id
 
 Engram layers (the released config has two) run by default: their n-gram rows are hashed on the host from the
 token map of the checkpoint's tokenizer.json (or engram_token_map.json; else the packaged tokenizer's), and the
@@ -149,35 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--reasoning-effort", type=_reasoning_effort, metavar="LEVEL",
                      help="with --thinking: low (50), high (75, the default) or max (100), or a number 1..100")
     src.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each --prompt")
-    model = p.add_argument_group("model")
-    model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
-    model.add_argument("--config", metavar="NAME|FILE",
-                       help="the random-weight model's config: tiny, tiny_engram, tiny_vision, dsv41_flash, or a "
-                            "config.json path (default: tiny; tiny_vision for image prompts); with --checkpoint, "
-                            "overrides its config.json")
-    model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                       help="activations and weights (default: bfloat16)")
-    model.add_argument("--expert-format", choices=("auto", "dequantized", "fp4"), default="auto",
-                       help="with --checkpoint: hold routed experts packed fp4 as stored (about a quarter of the "
-                            "bytes; needs fp4 experts in the checkpoint) or dequantised; auto (default): fp4 when "
-                            "the checkpoint stores fp4 experts (the official release), dequantised otherwise")
-    model.add_argument("--impl", choices=("auto", "xla", "pallas", "reference"), default="auto",
-                       metavar="auto|xla|pallas",
-                       help="attention, MoE and indexer kernels; auto (default): pallas on GPU, xla elsewhere "
-                            "(pallas on CPU runs interpreted: slow; 'reference' = xla, deprecated)")
-    model.add_argument("--skip-engram", action="store_true",
-                       help="run a config with engram layers without them (NOT the model's output)")
-    model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
-                       help="the release's fp8/fp4 rounding points inside the model (docs/MODEL.md §C.2; default on). "
-                            "--no-quant-rounding: for comparisons only — sharded and segmented float32 runs then "
-                            "agree with one device to ~1e-5 (with them on, an fp4 boundary flip can move later "
-                            "logits by up to ~1 on random weights)")
-    model.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
-                       help="where engram tables live: device (split by hash column over the devices, e4m3 + "
-                            "ue8m0 as stored) or host (memory-mapped, each call's rows gathered on the host); "
-                            "auto (default): device when it fits at this --world, else host (printed)")
-    model.add_argument("--world", type=positive_int, default=1, metavar="N",
-                       help="devices to shard over (default 1: unsharded)")
+    model = runspec.add_model_args(p, image_default=True)
     model.add_argument("--max-context", type=positive_int, metavar="N",
                        help="cache capacity per sequence (default: fits the longest prompt + new tokens)")
     gen = p.add_argument_group("generation")
@@ -209,10 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "(refused when speculation does not run)")
     gen.add_argument("--seed", type=int, default=None,
                      help="sampling seed, 0 .. 2^32 - 1 (default 0; prompt i uses (seed + i) mod 2^32)")
-    model.add_argument("--compile-cache", metavar="DIR",
-                       help="persistent compilation cache: a second run of the same command loads its programs "
-                            "instead of compiling (default: $DSV41_JAX_COMPILE_CACHE or ~/.cache/dsv41_jax/xla; "
-                            "'off' disables it)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON summary on stdout instead of text")
     out.add_argument("--logits-out", metavar="FILE.npz",
@@ -460,10 +430,7 @@ def run_spec(args, images: bool = False) -> RunSpec:
     """The model setup this command line asks for (``images``: prompts have images)."""
     blockers = (["--logits-out records one-row decode steps"] if args.logits_out else []) + (
         ["--decode-chunk is the plain decode loop's"] if args.decode_chunk != 1 else [])
-    return RunSpec(checkpoint=args.checkpoint, config=args.config, world=args.world, dtype=args.dtype,
-                   expert_format=args.expert_format, impl=args.impl, quant_rounding=args.quant_rounding,
-                   skip_engram=args.skip_engram, engram_tables=args.engram_tables, images=images,
-                   speculate=args.speculate, draft_tokens=args.draft_tokens, speculation_off=tuple(blockers))
+    return runspec.spec_from_args(args, images=images, speculation_off=tuple(blockers))
 
 
 def default_max_context(cfg, longest_prompt: int, max_new: int) -> int:
@@ -584,7 +551,8 @@ def generate_with_output(engine, requests, tokenizer, args):
     compile_s = engine.precompile(len(requests), longest, record_logits=record,
                                   images=any(r.images is not None for r in requests),
                                   greedy=all_greedy(requests))
-    on_prefill, stop_bar = _progress(longest, enabled=not args.json and len(engine.segment_plan(longest)) > 1)
+    on_prefill, stop_bar = _progress(longest, enabled=not args.json and not quieted()
+                                     and len(engine.segment_plan(longest)) > 1)
     try:
         result = engine.generate(requests, on_tokens=stream, on_prefill=on_prefill, record_logits=record)
     finally:
@@ -637,7 +605,7 @@ def report(result, tokenizer, args, description: str, max_context: int, folded: 
     elif len(gens) > 1:
         for i, (g, text) in enumerate(zip(gens, texts)):
             print(f"--- prompt {i + 1} ({len(g.prompt_ids)} tokens, {g.finish_reason}) ---\n{text}")
-    if args.logits_out:
+    if args.logits_out and not quieted():  # one process writes it
         np.savez(args.logits_out, prefill=result.prefill_logits, decode=result.decode_logits,
                  tokens=np.array(gens[0].token_ids, np.int64))
         say(f"logits of prompt 1 saved to {args.logits_out}")
@@ -652,10 +620,11 @@ def run(args) -> int:
     from .engine import Engine, check_requests  # noqa: PLC0415 - brings JAX: after the cheap checks
 
     opened = open_images(specs)
-    runspec.check_world(args.world)
-    cache_dir = enable_compile_cache(args.compile_cache)
-    say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
     spec = run_spec(args, images=any(s.images for s in specs))
+    runspec.start(spec)
+    distributed.agree(distributed.run_fingerprint(args))
+    cache_dir = enable_compile_cache(distributed.cache_dir(args.compile_cache))
+    say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
     inputs = runspec.open_inputs(spec)
     cfg, description = inputs.cfg, inputs.description
     speculate = inputs.dspark
@@ -666,7 +635,9 @@ def run(args) -> int:
             say(f"note: not run by this engine: {feature}")
     tokenizer, tokenizer_description = runspec.tokenizer(spec)
     say(f"tokenizer: {tokenizer_description}")
-    prompt_ids, folded = tokenize(specs, tokenizer, args, cfg.vocab_size, cfg.image_token_id)
+    prompt_ids, folded = distributed.decide_once(
+        lambda: tokenize(specs, tokenizer, args, cfg.vocab_size, cfg.image_token_id))
+    prompt_ids = [tuple(ids) for ids in prompt_ids]
     with_images = image_prompts(opened, prompt_ids, cfg)
     prompt_ids = [ip.ids if ip is not None else ids for ip, ids in zip(with_images, prompt_ids)]
     if folded:
@@ -687,6 +658,8 @@ def run(args) -> int:
         result = speculate_with_output(engine, requests, tokenizer, args)
     else:
         result = generate_with_output(engine, requests, tokenizer, args)
+    distributed.agree(json.dumps([g.token_ids for g in result.generations]), "generated tokens",
+                      hint="the processes' host inputs diverged")
     report(result, tokenizer, args, description, max_context, folded,
            [chat_messages(s, args) is not None for s in specs])
     return 0
@@ -745,7 +718,7 @@ def speculate_with_output(engine, requests, tokenizer, args):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for bad input, with one line on stderr)."""
-    return cli_main(build_parser(), run, argv)
+    return cli_main(build_parser(), run, argv, local_devices=runspec.local_devices)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ without its collectives, where fewer than W GPUs are at hand.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -34,7 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv41_jax import runspec, with_flags
+from dsv41_jax import distributed, runspec, with_flags
+from dsv41_jax.cli import UsageError, quieted, say  # UsageError: a bad command line, one line and exit code 2
 from dsv41_jax.compile_cache import CompileCacheError
 from dsv41_jax.compile_cache import enable as enable_compile_cache
 from dsv41_jax.config import ConfigError, ModelConfig, load_named
@@ -55,10 +57,6 @@ from dsv41_jax.profiling import trace
 from dsv41_jax.profiling.cut import cut_layers, kept_layers, one_rank
 from dsv41_jax.profiling.flops import step_flops
 from dsv41_jax.xla_log import hide_slow_compile_banners
-
-
-class UsageError(ValueError):
-    """A bad command line; printed as one line, exit code 2."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +85,7 @@ class Request:
     unrolled: bool = False
     row_parallel_rows: int = 0  # PlanOptions.row_parallel_rows; 0: the planner's default
     rank_of: int = 0  # > 1: the model is one rank's share of this world (profiling/cut.one_rank), run at world 1
+    processes: distributed.Processes = distributed.ONE_PROCESS  # the world's processes (process 0 reports)
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -133,7 +132,9 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent compilation cache (default: $DSV41_JAX_COMPILE_CACHE or ~/.cache/dsv41_jax/xla; "
                         "'off' disables it). Compile seconds then show a cache hit on a second run")
+    distributed.add_process_args(p)
     a = p.parse_args(argv)
+    processes = distributed.from_args(a)
     try:
         positions = tuple(int(x) for x in str(a.position).split(",") if x.strip())
     except ValueError:
@@ -174,7 +175,7 @@ def parse_args(argv: list[str] | None) -> Request:
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
                    Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache, a.engram,
-                   a.unrolled, a.row_parallel_rows, a.rank_of)
+                   a.unrolled, a.row_parallel_rows, a.rank_of, processes)
 
 
 def _check_writable(path: Path) -> None:
@@ -229,7 +230,7 @@ def run(req: Request, on_step=None) -> dict:
     from dsv41_jax.engram import EngramError, Hasher  # noqa: PLC0415 - brings JAX (see above)
     from dsv41_jax.profiling import build, measure  # noqa: PLC0415 - brings JAX (see above)
 
-    cache_dir = enable_compile_cache(req.compile_cache)
+    cache_dir = enable_compile_cache(distributed.cache_dir(req.compile_cache))
     hasher = None
     if req.cfg.engram_layer_ids:
         try:
@@ -243,10 +244,10 @@ def run(req: Request, on_step=None) -> dict:
                            expert_format=req.expert_format, scan_layers=not req.unrolled)
     tiles = kernel_tiles(req.cfg, req.world, PlanOptions(row_parallel_rows=req.row_parallel_rows))
     options = runspec.model_options(spec, req.expert_format, tiles=tiles)
-    _check_fits(req, jax.devices()[0])
+    _check_fits(req, jax.local_devices()[0])
     steps = len(req.positions) * (2 if req.decode else 1)
-    print(compiling_note(f"{steps} step program{'s' if steps > 1 else ''} of {req.config_name} (each compile is "
-                         f"timed apart)"), file=sys.stderr, flush=True)
+    say(compiling_note(f"{steps} step program{'s' if steps > 1 else ''} of {req.config_name} (each compile is "
+                       f"timed apart)"))
     start = time.perf_counter()
     model, mesh = runspec.device_model(req.cfg, spec, options, abstract=req.compile_only)
     weights_on_device = build.bytes_per_device(_params(model))
@@ -324,7 +325,7 @@ def available_host_bytes() -> int | None:
 
 
 def _header(req: Request, jax) -> dict:
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     return {"config": req.config_name, "layers": list(req.layers), "num_layers": req.cfg.num_hidden_layers,
             "roles": [req.cfg.role(i) for i in range(req.cfg.num_hidden_layers)],
             "world": req.world, "rows": req.rows, "batch": req.batch, "impl": req.impl, "dtype": req.dtype,
@@ -512,12 +513,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from sharding import ShardingError, request_host_devices  # noqa: PLC0415 - brings JAX: XLA_FLAGS are set here
 
-    request_host_devices(req.world)  # CPU: simulated devices; only effective before JAX starts
+    # CPU: simulated devices; only effective before JAX starts
+    request_host_devices(distributed.local_devices(req.world, req.processes))
     if req.trace_dir is not None:
         one_kernel_per_op()
+    try:
+        runspec.start(dataclasses.replace(runspec.RunSpec(), world=req.world, processes=req.processes))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     def on_step(report: dict, entry: dict) -> None:
-        if req.json_out is not None:
+        if req.json_out is not None and not quieted():  # one process writes it
             req.json_out.write_text(json.dumps(report, indent=1))
         if not req.as_json:
             if len(report["steps"]) == 1:

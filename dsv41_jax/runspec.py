@@ -13,10 +13,13 @@ Imports no JAX at import time: the CLIs check their arguments before JAX starts.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from .cli import UsageError, say
+from . import distributed
+from .cli import UsageError, positive_int, quiet, say
 from .config import ConfigError, ModelConfig, config_label, load_named
 from .param_specs import is_engram_table
 from .planner import MemoryBudget, PlanOptions, engram_bytes_per_rank, engram_placement
@@ -50,6 +53,7 @@ class RunSpec:
     draft_tokens: int = 5
     speculation_off: tuple[str, ...] = ()
     scan_layers: bool = True
+    processes: distributed.Processes = distributed.ONE_PROCESS
 
     @property
     def weights(self) -> str:
@@ -85,12 +89,94 @@ class EngramSetup:
     tables: str = "device"
 
 
+# ------------------------------------------------------------------------------------------------ command line
+def add_model_args(parser: argparse.ArgumentParser, *, cut_layers: bool = False, engram_tables: bool = True,
+                   image_default: bool = False):
+    """The model flags the commands share (generate's and serve's, one wording), in a "model" group that is
+    returned (a command adds its own to it), then the several-processes flags (`distributed.add_process_args`).
+    ``cut_layers``: ``--layers`` (a K-layer cut drawn on the devices); ``engram_tables``: ``--engram-tables``
+    (else the tables live on the devices); ``image_default``: the random model's config for image prompts is said."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
+    images = "; tiny_vision for image prompts" if image_default else ""
+    model.add_argument("--config", metavar="NAME|FILE",
+                       help="the random-weight model's config: tiny, tiny_engram, tiny_vision, dsv41_flash, or a "
+                            f"config.json path (default: tiny{images}); with --checkpoint, overrides its config.json")
+    if cut_layers:
+        model.add_argument("--layers", type=positive_int, metavar="K",
+                           help="a K-layer cut of --config (default the released dsv41_flash) keeping its layer "
+                                "roles, random weights drawn on the devices, sharded (as python -m dsv41_jax.profile): "
+                                "e.g. the 2-layer full-width model for serving benchmarks")
+    model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                       help="activations, weights and cache (default: bfloat16)")
+    model.add_argument("--expert-format", choices=("auto", "dequantized", "fp4"), default="auto",
+                       help="with --checkpoint: hold routed experts packed fp4 as stored (about a quarter of the "
+                            "bytes; needs fp4 experts in the checkpoint) or dequantised; auto (default): fp4 when "
+                            "the checkpoint stores fp4 experts (the official release), dequantised otherwise")
+    model.add_argument("--impl", choices=("auto", "xla", "pallas", "reference"), default="auto",
+                       metavar="auto|xla|pallas",
+                       help="attention, MoE and indexer kernels; auto (default): pallas on GPU, xla elsewhere "
+                            "(pallas on CPU runs interpreted: slow; 'reference' = xla, deprecated)")
+    model.add_argument("--skip-engram", action="store_true",
+                       help="run a config with engram layers without them (NOT the model's output)")
+    model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
+                       help="the release's fp8/fp4 rounding points inside the model (docs/MODEL.md §C.2; default on). "
+                            "--no-quant-rounding: for comparisons only — sharded and segmented float32 runs then "
+                            "agree with one device to ~1e-5 (with them on, an fp4 boundary flip can move later "
+                            "logits by up to ~1 on random weights)")
+    if engram_tables:
+        model.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
+                           help="where engram tables live: device (split by hash column over the devices, e4m3 + "
+                                "ue8m0 as stored) or host (memory-mapped, each call's rows gathered on the host); "
+                                "auto (default): device when it fits at this --world, else host (printed)")
+    model.add_argument("--world", type=positive_int, default=1, metavar="N",
+                       help="devices to shard over, over every process (default 1: unsharded)")
+    model.add_argument("--compile-cache", metavar="DIR",
+                       help="persistent compilation cache: a second run of the same command loads its programs "
+                            "instead of compiling (default: $DSV41_JAX_COMPILE_CACHE or ~/.cache/dsv41_jax/xla; "
+                            "'off' disables it)")
+    distributed.add_process_args(parser)
+    return model
+
+
+# The RunSpec fields a command line gives by flags of the same name (those a command has).
+_FLAG_FIELDS = ("checkpoint", "config", "layers", "world", "dtype", "expert_format", "impl", "quant_rounding",
+                "skip_engram", "engram_tables", "speculate", "draft_tokens")
+
+
+def spec_from_args(args: argparse.Namespace, **fields) -> RunSpec:
+    """The `RunSpec` of a parsed command line (`add_model_args`' flags, and ``--speculate`` / ``--draft-tokens``
+    where the command has them); ``fields`` set the rest (or override)."""
+    given = {name: getattr(args, name) for name in _FLAG_FIELDS if hasattr(args, name)}
+    if hasattr(args, "num_processes"):
+        given["processes"] = distributed.from_args(args)
+    return dataclasses.replace(RunSpec(), **{**given, **fields})
+
+
+def local_devices(args: argparse.Namespace) -> int:
+    """The devices this process gives to the command line's ``--world`` (`cli.cli_main`'s simulated CPU devices)."""
+    return distributed.local_devices(args.world, distributed.from_args(args))
+
+
 # ------------------------------------------------------------------------------------------------ devices
+def start(spec: RunSpec) -> None:
+    """Join the spec's processes (`distributed.initialize`; all but process 0 then print only errors) and check
+    that the machines give its world (`check_world`)."""
+    distributed.initialize(spec.processes)
+    if not distributed.is_leader():
+        quiet()
+    check_world(spec.world)
+
+
 def check_world(world: int) -> None:
-    """`UsageError` for a world the machine cannot give."""
+    """`UsageError` for a world the machine (or the processes together) cannot give."""
     import jax  # noqa: PLC0415 - JAX starts here, after the CLI asked for its simulated devices
 
     available, backend = len(jax.devices()), jax.default_backend()
+    if jax.process_count() > 1 and world != available:
+        raise UsageError(f"--world {world}: {jax.process_count()} processes give {available} {backend.upper()} "
+                         f"devices ({jax.local_device_count()} each) and the mesh takes all of them: give --world "
+                         f"{available}, or limit the devices a process sees (CUDA_VISIBLE_DEVICES)")
     if world > available:
         hint = ("; XLA_FLAGS (or a JAX already started) fixed fewer simulated CPU devices: set "
                 f"--xla_force_host_platform_device_count={world} there" if backend == "cpu" else "")

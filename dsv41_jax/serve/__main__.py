@@ -12,7 +12,7 @@ from typing import Sequence
 
 import uvicorn
 
-from .. import runspec
+from .. import distributed, runspec
 from ..cli import Parser, UsageError, cli_main, positive_int, say
 from ..compile_cache import enable as enable_compile_cache
 from .metrics import Metrics
@@ -40,32 +40,7 @@ folds the tokenizer's ids (id mod 512).
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m dsv41_jax.serve", description="An OpenAI-compatible server for DeepSeek-V4.1 in JAX.",
                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = p.add_argument_group("model (as python -m dsv41_jax.generate)")
-    model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
-    model.add_argument("--config", metavar="NAME|FILE",
-                       help="the random-weight model's config: tiny, tiny_engram, tiny_vision, dsv41_flash, or a "
-                            "config.json path (default: tiny); with --checkpoint, overrides its config.json")
-    model.add_argument("--layers", type=positive_int, metavar="K",
-                       help="a K-layer cut of --config (default the released dsv41_flash) keeping its layer roles, "
-                            "random weights drawn on the devices, sharded (as python -m dsv41_jax.profile): e.g. "
-                            "the 2-layer full-width model for serving benchmarks")
-    model.add_argument("--world", type=positive_int, default=1, metavar="N",
-                       help="devices to shard over (default 1: unsharded)")
-    model.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                       help="activations, weights and cache (default: bfloat16)")
-    model.add_argument("--expert-format", choices=("auto", "dequantized", "fp4"), default="auto",
-                       help="with --checkpoint: routed experts packed fp4 as stored, or dequantised (default auto)")
-    model.add_argument("--impl", choices=("auto", "xla", "pallas", "reference"), default="auto",
-                       metavar="auto|xla|pallas",
-                       help="kernels; auto (default): pallas on GPU, xla elsewhere ('reference' = xla, deprecated)")
-    model.add_argument("--quant-rounding", action=argparse.BooleanOptionalAction, default=True,
-                       help="the release's fp8/fp4 rounding points (docs/MODEL.md §C.2; default on; off for "
-                            "comparisons)")
-    model.add_argument("--skip-engram", action="store_true",
-                       help="run a config with engram layers without them (NOT the model's output)")
-    model.add_argument("--compile-cache", metavar="DIR",
-                       help="persistent compilation cache (default: $DSV41_JAX_COMPILE_CACHE or "
-                            "~/.cache/dsv41_jax/xla; 'off' disables it)")
+    runspec.add_model_args(p, cut_layers=True, engram_tables=False)
     serve = p.add_argument_group("serving")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
@@ -124,25 +99,21 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_spec(args) -> runspec.RunSpec:
     """The model setup this command line asks for (engram tables on the devices; no speculation)."""
-    return runspec.RunSpec(checkpoint=args.checkpoint, config=args.config, layers=args.layers, world=args.world,
-                           dtype=args.dtype, expert_format=args.expert_format, impl=args.impl,
-                           quant_rounding=args.quant_rounding, skip_engram=args.skip_engram, engram_tables="device")
+    return runspec.spec_from_args(args, engram_tables="device")
 
 
-def build_server(args):
-    """(app, state): the model, its engine and slots compiled, the HTTP app over them."""
-    # The engine, the server's pieces and JAX itself: after the command line is checked.
-    import jax  # noqa: PLC0415 - JAX starts after the CLI asked for its simulated devices
-
+def build_slots(args, spec: runspec.RunSpec, before_compile=lambda: None):
+    """(slots, engine, tokenizer): the model, its engine and its slot engine, compiled (``runspec.start`` done;
+    ``before_compile()`` just before). Among several processes, process 0's slot engine sends its calls to the
+    others' (`lockstep`)."""
+    # The engine and the slots bring JAX: after the command line is checked.
     from ..compiler import compiling_note  # noqa: PLC0415 - brings JAX (see above)
     from ..engine import Engine  # noqa: PLC0415 - brings JAX (see above)
-    from .app import ServerState, create_app  # noqa: PLC0415 - brings JAX (see above)
+    from .lockstep import Channel, LeaderSlots  # noqa: PLC0415 - brings JAX (see above)
     from .slots import SlotEngine  # noqa: PLC0415 - brings JAX (see above)
-    from .worker import Worker  # noqa: PLC0415 - brings JAX (see above)
 
-    spec = run_spec(args)
-    runspec.check_world(args.world)
-    cache_dir = enable_compile_cache(args.compile_cache)
+    distributed.agree(distributed.run_fingerprint(args))
+    cache_dir = enable_compile_cache(distributed.cache_dir(args.compile_cache))
     say(f"compile cache: {cache_dir if cache_dir is not None else 'off'}")
     inputs = runspec.open_inputs(spec)
     cfg = inputs.cfg
@@ -158,18 +129,35 @@ def build_server(args):
     model, mesh = runspec.build(inputs, spec)
     engine = Engine(model, cfg, max_context=args.max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
                     hasher=inputs.hasher)
-    slots = SlotEngine(engine, args.max_batch)
+    if distributed.several() and distributed.is_leader():
+        LeaderSlots.channel = Channel()
+        slots = LeaderSlots(engine, args.max_batch)
+    else:
+        slots = SlotEngine(engine, args.max_batch)
+    before_compile()
+    say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
+    seconds = slots.precompile()
+    loaded = f" ({engine.programs_loaded} loaded from the cache)" if engine.programs_loaded else ""
+    say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
+    return slots, engine, tokenizer
+
+
+def build_server(args, spec: runspec.RunSpec):
+    """(app, state): the model, its engine and slots compiled (`build_slots`), the HTTP app over them."""
+    # The server's pieces and JAX itself: after the command line is checked.
+    import jax  # noqa: PLC0415 - JAX starts after the CLI asked for its simulated devices
+
+    from .app import ServerState, create_app  # noqa: PLC0415 - brings JAX (see above)
+    from .worker import Worker  # noqa: PLC0415 - brings JAX (see above)
+
     compile_events = [0]
 
     def on_compile(event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             compile_events[0] += 1
 
-    jax.monitoring.register_event_duration_secs_listener(on_compile)
-    say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
-    seconds = slots.precompile()
-    loaded = f" ({engine.programs_loaded} loaded from the cache)" if engine.programs_loaded else ""
-    say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
+    slots, engine, tokenizer = build_slots(
+        args, spec, before_compile=lambda: jax.monitoring.register_event_duration_secs_listener(on_compile))
     metrics = Metrics({})
     worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
     metrics.gauges.update({
@@ -220,9 +208,36 @@ class DrainingServer(uvicorn.Server):
 
 def run(args) -> int:
     check_args(args)
-    sock = listen(args.host, args.port)
-    app, state = build_server(args)
+    spec = run_spec(args)
+    processes = spec.processes
+    # The port is taken before the slow start-up (a port in use is refused at once), by the process that serves.
+    sock = listen(args.host, args.port) if not processes.several or (
+        processes.coordinator != distributed.AUTO and processes.index == 0) else None
+    runspec.start(spec)
+    if not distributed.is_leader():
+        return follow(args, spec)
+    sock = sock or listen(args.host, args.port)
+    app, state = build_server(args, spec)
     state.worker.start()
+    try:
+        return _serve(app, state, sock, args)
+    finally:
+        if distributed.several():
+            from .lockstep import LeaderSlots, stop_followers  # noqa: PLC0415 - brings JAX
+
+            stop_followers(LeaderSlots.channel)
+
+
+def follow(args, spec: runspec.RunSpec) -> int:
+    """A process other than process 0: the same model and slot engine, stepped as process 0 says (`lockstep`)."""
+    from .lockstep import follow as follow_leader  # noqa: PLC0415 - brings JAX
+
+    slots, _, _ = build_slots(args, spec)
+    follow_leader(slots)
+    return 0
+
+
+def _serve(app, state, sock, args) -> int:
     host, port = sock.getsockname()[:2]
     say(f"dsv41_jax.serve: listening on http://{host}:{port} (model {state.model_name}, "
         f"{args.max_batch} slots, context {args.max_context:,}, queue {args.max_queue})")
@@ -234,7 +249,7 @@ def run(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli_main(build_parser(), run, argv, interrupted=None)
+    return cli_main(build_parser(), run, argv, interrupted=None, local_devices=runspec.local_devices)
 
 
 if __name__ == "__main__":
