@@ -38,19 +38,18 @@ from .planner import kernel_tiles
 DENSE_FORMAT_CHOICES = ("auto", "bf16", "dequantized", "fp8")
 
 
-def choose_dense_format(requested: str, stored: str, dense_impl: str) -> str:
-    """``ModelOptions.dense_format`` for a run: ``requested`` "fp8" (the checkpoint must store its dense matrices
-    in fp8, ``stored``: `checkpoint.Checkpoint.stored_dense_format`, "dequantized" for random weights), "bf16" /
-    "dequantized" (in the model dtype), or "auto": "fp8" where the checkpoint stores fp8 and the fp8 op runs as
-    the Pallas kernel (``dense_impl``, a GPU), else "dequantized" (the XLA implementation would dequantise every
-    call). ValueError (one line, for the user) when fp8 is asked of weights not stored so."""
+def choose_dense_format(requested: str, stored: str) -> str:
+    """``ModelOptions.dense_format`` for a run: ``requested`` "fp8" (the dense matrices held as stored: the
+    checkpoint must store them in fp8, ``stored``: `checkpoint.Checkpoint.stored_dense_format`, "dequantized"
+    for random weights), "bf16" / "dequantized" (in the model dtype), or "auto": dequantised. fp8 is asked for,
+    not chosen: it halves the dense weights' bytes, but its kernel is not yet faster than the bf16 dot at
+    decode sizes (docs/BENCHMARKS.md). ValueError (one line, for the user) when fp8 is asked of weights not
+    stored so."""
     if requested not in DENSE_FORMAT_CHOICES:
         raise ValueError(f"dense format {requested!r} must be one of {', '.join(DENSE_FORMAT_CHOICES)}")
     if requested == "fp8" and stored != "fp8":
         raise ValueError("dense format fp8 holds the dense weights as the checkpoint stores them: it needs a "
                          "checkpoint whose dense matrices are stored in fp8 (these weights are not)")
-    if requested == "auto":
-        return "fp8" if stored == "fp8" and dense_impl == "pallas" else "dequantized"
     return "fp8" if requested == "fp8" else "dequantized"
 
 

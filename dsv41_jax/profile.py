@@ -86,6 +86,7 @@ class Request:
     row_parallel_rows: int = 0  # PlanOptions.row_parallel_rows; 0: the planner's default
     rank_of: int = 0  # > 1: the model is one rank's share of this world (profiling/cut.one_rank), run at world 1
     processes: distributed.Processes = distributed.ONE_PROCESS  # the world's processes (process 0 reports)
+    dense_format: str = "bf16"  # "fp8": the dense matrices drawn and held as the release stores them
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -110,6 +111,8 @@ def parse_args(argv: list[str] | None) -> Request:
     p.add_argument("--expert-format", choices=("dequantized", "fp4"), default="dequantized",
                    help="routed experts held in --dtype, or packed fp4 + ue8m0 scales as the release stores them "
                         "(how generate --expert-format auto holds the released checkpoint)")
+    p.add_argument("--dense-format", choices=("bf16", "fp8"), default="bf16",
+                   help="dense matrices held in --dtype, or as e4m3 codes + block scales as the release stores them")
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per step (median reported)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -175,7 +178,7 @@ def parse_args(argv: list[str] | None) -> Request:
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
                    Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache, a.engram,
-                   a.unrolled, a.row_parallel_rows, a.rank_of, processes)
+                   a.unrolled, a.row_parallel_rows, a.rank_of, processes, a.dense_format)
 
 
 def _check_writable(path: Path) -> None:
@@ -191,16 +194,18 @@ def _check_writable(path: Path) -> None:
 def planner_bytes(req: Request, rows: int, position: int) -> dict:
     """The planner's per-device predictions for one step: weights, cache, workspace (None + note if refused).
 
-    Formats as the model holds them: weights in ``--dtype``; cache rows bf16 (``kv="bf16"``), sized like the
+    Formats as the model holds them: weights in ``--dtype`` (fp4 experts, fp8 dense matrices where asked); cache
+    rows bf16 (``kv="bf16"``), sized like the
     profiled cache (``position + rows`` tokens a sequence, ``batch`` slots).
     """
     fmt = "bf16" if req.dtype == "bfloat16" else "f32"
     experts = "fp4" if req.expert_format == "fp4" else fmt
-    options = PlanOptions(kv="bf16", experts=experts, dense=fmt, slots=req.batch, indexer_impl=req.impl,
+    dense = "fp8" if req.dense_format == "fp8" else fmt
+    options = PlanOptions(kv="bf16", experts=experts, dense=dense, slots=req.batch, indexer_impl=req.impl,
                           context_limit=position + req.rows if req.impl == "pallas" else None)
     capacity = req.batch * (position + req.rows)
-    engram = engram_bytes_per_rank(req.cfg, req.world, tables="device", dense=fmt, rows=req.batch * rows)
-    out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=experts, dense=fmt)
+    engram = engram_bytes_per_rank(req.cfg, req.world, tables="device", dense=dense, rows=req.batch * rows)
+    out = {"weights": param_bytes_per_rank(req.cfg, req.world, 0, experts=experts, dense=dense)
            + engram["tables"] + engram["projection"],
            "cache": cache_pool_bytes(req.cfg, req.world, options, MemoryBudget(kv_tokens=capacity)),
            "workspace": None, "refused": None}
@@ -241,7 +246,8 @@ def run(req: Request, on_step=None) -> dict:
     if req.fast_compile:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
     spec = runspec.RunSpec(config=req.config_name, world=req.world, dtype=req.dtype, impl=req.impl,
-                           expert_format=req.expert_format, scan_layers=not req.unrolled)
+                           expert_format=req.expert_format, scan_layers=not req.unrolled,
+                           dense_format=req.dense_format)
     tiles = kernel_tiles(req.cfg, req.world, PlanOptions(row_parallel_rows=req.row_parallel_rows))
     options = runspec.model_options(spec, req.expert_format, tiles=tiles)
     _check_fits(req, jax.local_devices()[0])
@@ -329,7 +335,7 @@ def _header(req: Request, jax) -> dict:
     return {"config": req.config_name, "layers": list(req.layers), "num_layers": req.cfg.num_hidden_layers,
             "roles": [req.cfg.role(i) for i in range(req.cfg.num_hidden_layers)],
             "world": req.world, "rows": req.rows, "batch": req.batch, "impl": req.impl, "dtype": req.dtype,
-            "expert_format": req.expert_format,
+            "expert_format": req.expert_format, "dense_format": req.dense_format,
             "engram": [{"layer": req.layers[i], "table_rows": n}
                        for i, n in zip(req.cfg.engram_layer_ids, req.cfg.engram_num_embeddings)],
             "compile_only": req.compile_only, "fast_compile": req.fast_compile,
@@ -428,7 +434,8 @@ def print_header(report: dict, out=sys.stdout) -> None:
              else f"world {report['world']}")
     out.write(f"{report['config']} layers {report['layers']} ({', '.join(report['roles'])}) · {world}"
               f" · batch {report['batch']} · {report['dtype']} · experts "
-              f"{report.get('expert_format', 'dequantized')} · impl {report['impl']}\n")
+              f"{report.get('expert_format', 'dequantized')} · dense {report.get('dense_format', 'bf16')} · impl "
+              f"{report['impl']}\n")
     for e in report.get("engram", []):
         out.write(f"engram layer {e['layer']}: table {e['table_rows']:,} rows on the devices, rows hashed on the "
                   f"host as the engine feeds them\n")

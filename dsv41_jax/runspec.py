@@ -34,7 +34,9 @@ class RunSpec:
     """What to run. ``config``: a named config or a config.json path (with a checkpoint: overrides its
     config.json); ``layers``: random weights drawn on the devices for a K-layer cut of ``config`` (default the
     released dsv41_flash); ``impl`` "auto": pallas on GPU, xla elsewhere; ``expert_format`` "auto": as the
-    checkpoint stores them; ``engram_tables`` "auto": the planner's choice; ``images``: build the image path;
+    checkpoint stores them; ``dense_format`` "fp8": the dense matrices as the checkpoint stores them (e4m3 codes
+    and block scales; with ``layers``: drawn so), "auto" / "bf16": in ``dtype``; ``engram_tables`` "auto": the
+    planner's choice; ``images``: build the image path;
     ``speculate`` off | auto | dspark with ``draft_tokens``; ``speculation_off``: what else in the run rules
     speculation out (said when auto turns it off, refused with dspark)."""
 
@@ -54,6 +56,7 @@ class RunSpec:
     speculation_off: tuple[str, ...] = ()
     scan_layers: bool = True
     processes: distributed.Processes = distributed.ONE_PROCESS
+    dense_format: str = "auto"
 
     @property
     def weights(self) -> str:
@@ -78,6 +81,7 @@ class ModelInputs:
     host_tables: object = None  # engram.HostTables with "host": memory maps of the tables
     dspark: bool = False  # the DSpark stages are loaded (speculative decoding runs)
     on_device: bool = False  # random weights drawn on the devices at build time (`profiling.build`)
+    dense_format: str = "dequantized"  # or "fp8": the fp8 dense matrices held as stored (ModelOptions.dense_format)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,10 @@ def add_model_args(parser: argparse.ArgumentParser, *, cut_layers: bool = False,
                        help="with --checkpoint: hold routed experts packed fp4 as stored (about a quarter of the "
                             "bytes; needs fp4 experts in the checkpoint) or dequantised; auto (default): fp4 when "
                             "the checkpoint stores fp4 experts (the official release), dequantised otherwise")
+    model.add_argument("--dense-format", choices=("auto", "bf16", "fp8"), default="auto",
+                       help="fp8: hold the dense matrices as the checkpoint stores them (e4m3 codes + block scales, "
+                            "half the bytes of bf16; with --layers: drawn so); auto / bf16 (default): dequantised to "
+                            "--dtype (the fp8 kernel is not yet faster than bf16 at decode sizes)")
     model.add_argument("--impl", choices=("auto", "xla", "pallas", "reference"), default="auto",
                        metavar="auto|xla|pallas",
                        help="attention, MoE and indexer kernels; auto (default): pallas on GPU, xla elsewhere "
@@ -140,8 +148,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, cut_layers: bool = False,
 
 
 # The RunSpec fields a command line gives by flags of the same name (those a command has).
-_FLAG_FIELDS = ("checkpoint", "config", "layers", "world", "dtype", "expert_format", "impl", "quant_rounding",
-                "skip_engram", "engram_tables", "speculate", "draft_tokens")
+_FLAG_FIELDS = ("checkpoint", "config", "layers", "world", "dtype", "expert_format", "dense_format", "impl",
+                "quant_rounding", "skip_engram", "engram_tables", "speculate", "draft_tokens")
 
 
 def spec_from_args(args: argparse.Namespace, **fields) -> RunSpec:
@@ -196,12 +204,13 @@ def device_memory_bytes() -> int | None:
 
 
 def kernel_impl(impl: str) -> str:
-    """``auto``: the Pallas kernels on GPU, the reference ops elsewhere; any other name as it is."""
+    """``auto``: the Pallas kernels on GPU, the XLA ones elsewhere; "reference" (the deprecated name) is "xla";
+    any other name as it is."""
     if impl != "auto":
-        return impl
+        return "xla" if impl == "reference" else impl
     import jax  # noqa: PLC0415 - JAX starts here, after the CLI asked for its simulated devices
 
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -276,6 +285,8 @@ def open_inputs(spec: RunSpec, memory: Callable[[], int | None] = device_memory_
         raise UsageError("--layers makes a random-weight model: it does not go with --checkpoint")
     if spec.weights == "checkpoint":
         return open_checkpoint_inputs(spec, memory)
+    if spec.dense_format == "fp8" and spec.weights == "random":
+        raise UsageError("--dense-format fp8 needs --checkpoint (fp8 dense weights come from one) or --layers")
     if spec.expert_format == "fp4":
         raise UsageError("--expert-format fp4 needs --checkpoint (packed experts come from one)"
                          + ("; --layers draws dequantised random weights" if spec.layers else ""))
@@ -292,36 +303,43 @@ def open_checkpoint_inputs(spec: RunSpec, memory: Callable[[], int | None] = dev
 
     from .checkpoint import CheckpointError, checkpoint_dir, open_checkpoint  # noqa: PLC0415 - brings JAX
     from .engram import HostTables  # noqa: PLC0415 - brings JAX (see above)
+    from .loading import choose_dense_format  # noqa: PLC0415 - brings JAX (see above)
 
     path = checkpoint_dir(spec.checkpoint)
     cfg_override = load_named(spec.config) if spec.config else None
     vision, engram = spec.images, not spec.skip_engram
     ckpt = open_checkpoint(path, cfg_override, vision=vision, engram=engram)
     fmt = ckpt.stored_expert_format if spec.expert_format == "auto" else spec.expert_format
+    try:
+        dense = choose_dense_format(spec.dense_format, ckpt.stored_dense_format)
+    except ValueError as e:
+        raise UsageError(f"--dense-format {spec.dense_format}: {e}") from None
     setup = engram_setup(ckpt.cfg, spec, checkpoint_dir=path, expert_format=fmt, memory=memory)
     has_stages = ckpt.cfg.num_nextn_predict_layers > 0 and any(
         line.startswith("skipped") and "DSpark" in line for line in ckpt.skipped)
     dspark = wants_speculation(spec, ckpt.cfg, has_stages)
     if dspark:  # the mtp.* tensors join the inventory (all of them, or auto falls back to plain decoding)
         try:
-            ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram, dspark=True)
+            ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram, dspark=True,
+                                   dense_format=dense)
         except CheckpointError as e:
             if spec.speculate == "dspark" or "fp4" in str(e):
                 raise
             say(f"note: speculative decoding off: the checkpoint's DSpark stages are incomplete ({e})")
             dspark = False
-    if fmt != "dequantized" and not dspark:  # refuses non-fp4 experts
-        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram)
+    if (fmt != "dequantized" or dense != "dequantized") and not dspark:  # refuses what is not stored so
+        ckpt = open_checkpoint(path, cfg_override, expert_format=fmt, vision=vision, engram=engram,
+                               dense_format=dense)
     for line in ckpt.skipped:
         if not line.startswith("not run by this engine"):
             say(f"note: {line}")
-    experts = ", fp4 experts" if fmt == "fp4" else ""
+    experts = (", fp4 experts" if fmt == "fp4" else "") + (", fp8 dense weights" if dense == "fp8" else "")
     weights = checkpoint_source(ckpt, dtype=spec.dtype)
     host_tables = None
     if setup.tables == "host" and setup.hasher is not None:
         weights, host_tables = _without_tables(weights), HostTables.from_checkpoint(ckpt, ckpt.cfg)
     return ModelInputs(ckpt.cfg, weights, f"checkpoint {path}{experts}", fmt, vision, setup.hasher, setup.tables,
-                       host_tables, dspark)
+                       host_tables, dspark, dense_format=dense)
 
 
 def _random_inputs(spec: RunSpec, memory: Callable[[], int | None]) -> ModelInputs:
@@ -361,25 +379,28 @@ def _device_cut_inputs(spec: RunSpec) -> ModelInputs:
     """``layers``: a K-layer cut of ``config`` (default dsv41_flash), its weights drawn on the devices at build."""
     name = spec.config or "dsv41_flash"
     cfg = cut_layers(load_named(name), spec.layers)
-    return ModelInputs(cfg, None, f"{name} cut to {spec.layers} layers, RANDOM weights drawn on the devices",
-                       on_device=True)
+    dense = "fp8" if spec.dense_format == "fp8" else "dequantized"
+    return ModelInputs(cfg, None, f"{name} cut to {spec.layers} layers, RANDOM weights drawn on the devices"
+                       + (", fp8 dense weights" if dense == "fp8" else ""), on_device=True, dense_format=dense)
 
 
 # ------------------------------------------------------------------------------------------------ the model
 def model_options(spec: RunSpec, expert_format: str = "dequantized", vision: bool = False,
-                  engram_tables: str = "device", dspark: bool = False, tiles=None):
+                  engram_tables: str = "device", dspark: bool = False, tiles=None, dense_format: str | None = None):
     """`ModelOptions` for the run (engram layers unless skip_engram); says so when float32 experts would be
     computed in bf16 by the Pallas MoE."""
     from .model.transformer import ModelOptions  # noqa: PLC0415 - brings JAX
 
     impl = kernel_impl(spec.impl)
+    if dense_format is None:  # a random cut's (the weights are drawn as the spec asks)
+        dense_format = "fp8" if spec.dense_format == "fp8" else "dequantized"
     if impl == "pallas" and spec.dtype == "float32":
         say("note: --dtype float32 with the Pallas MoE kernel: routed experts are computed in bfloat16 (the kernel "
             "takes bf16 activations); use --impl xla for float32 experts")
     return ModelOptions(dtype=spec.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
                         quant_rounding=spec.quant_rounding, vision=vision, indexer_impl=impl, hc_impl=impl,
                         engram=not spec.skip_engram, engram_tables=engram_tables, dspark=dspark, tiles=tiles,
-                        scan_layers=spec.scan_layers)
+                        scan_layers=spec.scan_layers, dense_format=dense_format, dense_impl=impl)
 
 
 def build(inputs: ModelInputs, spec: RunSpec):
@@ -390,7 +411,8 @@ def build(inputs: ModelInputs, spec: RunSpec):
 
     from .loading import build_model  # noqa: PLC0415 - brings JAX (see above)
 
-    options = model_options(spec, inputs.expert_format, inputs.vision, inputs.engram_tables, inputs.dspark)
+    options = model_options(spec, inputs.expert_format, inputs.vision, inputs.engram_tables, inputs.dspark,
+                            dense_format=inputs.dense_format)
     if inputs.on_device:
         return device_model(inputs.cfg, spec, options)
     if spec.world == 1:

@@ -136,7 +136,8 @@ def test_seeds_wrap_at_2_to_the_32(capsys):
 def test_impl_auto_and_the_float32_pallas_moe_note(capsys, monkeypatch):
     parse = generate.build_parser().parse_args
     monkeypatch.setattr("jax.default_backend", lambda: "cpu")
-    assert runspec.kernel_impl(generate.run_spec(parse(["--prompt", "x"])).impl) == "reference"
+    assert runspec.kernel_impl(generate.run_spec(parse(["--prompt", "x"])).impl) == "xla"
+    assert runspec.kernel_impl("reference") == "xla"  # the deprecated name
     monkeypatch.setattr("jax.default_backend", lambda: "gpu")
     assert runspec.kernel_impl(generate.run_spec(parse(["--prompt", "x"])).impl) == "pallas"
     options = runspec.model_options(generate.run_spec(parse(["--prompt", "x", "--dtype", "float32"])), "dequantized")

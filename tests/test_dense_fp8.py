@@ -17,6 +17,7 @@ amplifies a last-bit change. Greedy tokens equal. (3) The Pallas kernel in the m
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 
@@ -204,14 +205,43 @@ def test_checkpoint_reads_fp8_dense_as_stored(fp8_checkpoint):
     np.testing.assert_array_equal(fp8_dequantize(codes, scale), dequantized)
 
 
-@pytest.mark.parametrize("requested,stored,impl,want", [
-    ("auto", "fp8", "pallas", "fp8"), ("auto", "fp8", "xla", "dequantized"), ("auto", "dequantized", "pallas",
-                                                                               "dequantized"),
-    ("bf16", "fp8", "pallas", "dequantized"), ("fp8", "fp8", "xla", "fp8")])
-def test_dense_format_choice(requested, stored, impl, want):
-    assert choose_dense_format(requested, stored, impl) == want
+@pytest.mark.parametrize("requested,stored,want", [
+    ("auto", "fp8", "dequantized"), ("auto", "dequantized", "dequantized"), ("bf16", "fp8", "dequantized"),
+    ("fp8", "fp8", "fp8")])
+def test_dense_format_choice(requested, stored, want):
+    assert choose_dense_format(requested, stored) == want
 
 
 def test_dense_format_fp8_needs_fp8_weights():
     with pytest.raises(ValueError, match="needs a checkpoint whose dense matrices are stored in fp8"):
-        choose_dense_format("fp8", "dequantized", "pallas")
+        choose_dense_format("fp8", "dequantized")
+
+
+def _generate_json(capsys, *argv) -> dict:
+    from dsv41_jax import generate  # noqa: PLC0415 - the CLI module, only for these tests
+
+    assert generate.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_dense_format_fp8_gives_the_dequantized_tokens(fp8_checkpoint, capsys):
+    """The command line's --dense-format: fp8 holds the stored codes (said in the source line), bf16 and auto
+    dequantise (fp8 is asked for, not chosen); greedy tokens are the same either way (the same values, bf16)."""
+    _, path = fp8_checkpoint
+    base = ["--checkpoint", str(path), "--prompt-ids", "3,4,5,6,7", "--max-new-tokens", "4", "--greedy"]
+    fp8 = _generate_json(capsys, *base, "--dense-format", "fp8")
+    auto = _generate_json(capsys, *base)
+    assert "fp8 dense weights" in json.dumps(fp8) and "fp8 dense weights" not in json.dumps(auto)
+    assert [r["generated_ids"] for r in fp8["results"]] == [r["generated_ids"] for r in auto["results"]]
+
+
+def test_generate_dense_format_fp8_without_stored_fp8_is_one_line(tmp_path, capsys):
+    from dsv41_jax import generate  # noqa: PLC0415 - the CLI module, only for these tests
+
+    assert generate.main(["--prompt-ids", "3,4", "--dense-format", "fp8"]) == 2
+    assert "--dense-format fp8 needs --checkpoint" in capsys.readouterr().err
+    cfg = mini_config()
+    write_checkpoint(tmp_path, cfg, random_weights(cfg, seed=0), "none")
+    assert generate.main(["--checkpoint", str(tmp_path), "--prompt-ids", "3,4", "--dense-format", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "stored in fp8" in err and "Traceback" not in err

@@ -109,9 +109,15 @@ def test_profile_fp4_experts_as_released(capsys):
     assert len({int(b) for b in np.asarray(w1.codes[...]).ravel()[:4096]}) > 200  # codes cover the bytes
 
 
-def test_fp8_dense_weights_drawn_as_stored_have_the_init_spread():
-    """``dense_format="fp8"``: dense projections drawn as e4m3 codes + one ue8m0 byte a 32×32 block; decoded,
-    their RMS is within the power-of-two rounding of the scale (a factor √2) of the dense init's 1/√fan_in."""
+@pytest.mark.devices(2)
+def test_profile_fp8_dense_weights_as_released(capsys):
+    """``--dense-format fp8``: dense projections drawn on the devices as e4m3 codes + one ue8m0 byte a 32×32
+    block; each device holds the planner's fp8 count exactly (world 2), the step runs, and decoded, their RMS is
+    within the power-of-two rounding of the scale (a factor √2) of the dense init's 1/√fan_in."""
+    report = _run(capsys, "--world", "2", "--rows", "16", "--position", "0", "--dense-format", "fp8")
+    cfg = cut_layers(load_named("tiny"), 4)
+    assert report["dense_format"] == "fp8" and report["steps"][0]["error"] is None
+    assert report["weights_per_device"] == param_bytes_per_rank(cfg, 2, 0, dense="fp8")
     cfg = cut_layers(load_named("tiny"), 2)
     model, _ = build.build_model(cfg, 1, ModelOptions(dtype="float32", dense_format="fp8"))
     for proj in (model.inner.layers[0].attn.wq_a, model.inner.layers[0].ffn.shared_experts.w2):
