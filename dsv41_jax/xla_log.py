@@ -1,4 +1,5 @@
-"""XLA's slow-compile banners kept off the CLIs' stderr; every other byte passes through unchanged.
+"""XLA's slow-compile banners (and the CPU collectives' join notices) kept off the CLIs' stderr; every other byte
+passes through unchanged.
 
 XLA logs a multi-line banner (``Very slow compile?  If you want to file a bug, run with envvar
 XLA_FLAGS=--xla_dump_to=...``, between lines of asterisks) with ``LOG(ERROR)`` from
@@ -10,7 +11,8 @@ flag or environment variable turns the alarm off: its two minutes are fixed in t
 `hide_slow_compile_banners` therefore routes the process's file descriptor 2 (where XLA's C++ logging, Python's
 ``sys.stderr`` and everything else write) through a small filter process that drops exactly the alarm's log
 lines (the ones naming ``slow_operation_alarm.cc``, with the blank, asterisk and "slow compile?" lines of their
-message) and forwards the rest as it arrives (a partial line too, so progress bars still draw). The filter runs in
+message; and gloo's "Rank N is connected to M peer ranks" of a several-process run on CPUs) and forwards the rest
+as it arrives (a partial line too, so progress bars still draw). The filter runs in
 a session of its own (Ctrl-C reaches only the CLI) and ends when the CLI's stderr closes, so a CLI that crashes
 still gets its last words out. A terminal stays a terminal: the filter reads a pseudo-terminal of the terminal's
 size, in raw mode (bytes pass unchanged), so progress bars and colours still see one; anything else is read
@@ -29,6 +31,7 @@ import sys
 _ALARM = re.compile(rb"slow_operation_alarm\.cc:\d+\]")  # the log line's source location
 _BANNER = re.compile(rb"^(\s*|\*+\s*|.*slow compile\?.*)$", re.IGNORECASE)  # the lines of the alarm's message
 _LOG_LINE = re.compile(rb"^([EWIF]\d{4} |\d{4}-\d\d-\d\d )")  # absl's and TSL's log line prefixes
+_GLOO = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")  # CPU collectives' join, every process
 
 
 def hide_slow_compile_banners() -> None:
@@ -95,6 +98,8 @@ def filter_stream(source: int, out) -> None:
         for line in lines:
             if _ALARM.search(line[:300]) and _LOG_LINE.match(line):
                 in_banner = True
+            elif _GLOO.match(line):
+                continue
             elif not (in_banner and _BANNER.match(line)):
                 in_banner = False
                 kept.append(line + b"\n")

@@ -7,6 +7,7 @@ compile seconds kept out of the decode and prefill rates. Every refusal here com
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import struct
@@ -22,6 +23,7 @@ import pytest
 from dsv41_jax import compiler
 from dsv41_jax.config import config_names, load_named
 from dsv41_jax.generate import main
+from dsv41_jax.xla_log import filter_stream
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
@@ -253,3 +255,14 @@ def test_a_terminal_stays_a_terminal_of_its_size():
     os.close(master)
     assert proc.wait(timeout=60) != 0  # aborted
     assert out.decode() == "tty True (132, 40)\r\n\rbar 1\rbar 2\r\nlast words\r\n"
+
+
+def test_the_stderr_filter_drops_gloo_join_notices_and_keeps_the_rest():
+    """A several-process CPU run: gloo's join line on every process is noise; errors and partial lines pass."""
+    read, write = os.pipe()
+    os.write(write, b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+                    b"error: a real one\n[Gloo] something else\nbar 3")
+    os.close(write)
+    out = io.BytesIO()
+    filter_stream(read, out)
+    assert out.getvalue() == b"error: a real one\n[Gloo] something else\nbar 3"
