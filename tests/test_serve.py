@@ -226,6 +226,37 @@ def test_disconnect_frees_the_slot(server):
     assert _metric(server, "dsv41_generated_tokens_total") - before < CONTEXT - 2
 
 
+def _wait_idle(server: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = httpx.get(server + "/health").json()
+        if not health["running"] and not health["queued"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never went idle: {health}")
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": [5, 6, 8]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_a_stream_whose_client_leaves_before_its_first_chunk_is_cancelled(server, route, body):
+    """The client sends a streamed request and closes its socket at once: Starlette sees the disconnect before
+    the response body starts, so the body's generator never runs; the request must still be cancelled (it ran
+    all its max_tokens, holding its slot)."""
+    before = _metric(server, "dsv41_generated_tokens_total")
+    max_tokens = CONTEXT - 40
+    payload = json.dumps({**body, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    for _ in range(3):  # three at once: each gone before its first chunk
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST {route} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                      f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+    _wait_idle(server)
+    # Each ran at most until its cancel reached the engine thread (a few steps), never its max_tokens.
+    assert _metric(server, "dsv41_generated_tokens_total") - before < max_tokens
+
+
 # ------------------------------------------------------------------------------------------ errors and load
 def _nested(depth: int) -> dict:
     return {"properties": _nested(depth - 1)} if depth else {}
@@ -547,7 +578,8 @@ def test_load_queue_bound_and_metrics(server):
 def test_bad_flags_exit_2_with_one_line():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for flags in (["--max-batch", "0"], ["--port", "70000"], ["--nonsense"], ["--drain-timeout", "-1"],
-                  ["--drain-timeout", "inf"], ["--served-model-name", "a,,b"]):
+                  ["--drain-timeout", "inf"], ["--served-model-name", "a,,b"], ["--api-key", ""],
+                  ["--api-key", " k"]):
         r = subprocess.run([sys.executable, "-m", "dsv41_jax.serve", *flags], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, r.stderr

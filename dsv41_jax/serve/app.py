@@ -178,6 +178,7 @@ class ServerState:
     vocab_size: int
     max_context: int
     created: int = 0
+    api_key: str | None = None  # `--api-key`: every route but /health and /metrics needs it as a Bearer token
 
     @property
     def model_name(self) -> str:
@@ -481,19 +482,33 @@ class Finish:
         return len(self.token_ids)
 
 
+class Generation:
+    """One submitted request: `close` cancels it unless it ended (a no-op after that, and the second time)."""
+
+    def __init__(self, worker: Worker, job_id: int):
+        self.worker, self.job_id, self.ended = worker, job_id, False
+
+    def close(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.worker.cancel(self.job_id)
+
+
 async def generation_events(state: ServerState, request: Request, pipeline: TextPipeline,
-                            http: HttpRequest | None, arrived: float) -> AsyncIterator:
-    """Submit ``request`` (QueueFull raised at once) and yield its reply events, then one `Finish` (or `Failed`).
-    The slot is freed when the generator is closed early (client gone). ``http``: polled for a disconnect
-    (non-streaming)."""
+                            http: HttpRequest | None, arrived: float) -> tuple[Generation, AsyncIterator]:
+    """Submit ``request`` (QueueFull raised at once): its `Generation`, and its reply events then one `Finish`
+    (or `Failed`). The request is cancelled when the events are closed early (client gone), or by
+    `Generation.close` when they never started (a stream whose client left before its first chunk: an async
+    generator never started runs no ``finally``). ``http``: polled for a disconnect (non-streaming)."""
     worker, metrics = state.worker, state.metrics
     job_id, events = worker.submit(request, asyncio.get_running_loop())
     metrics.add_prompt_tokens(len(request.prompt_ids))
-    return _events(worker, metrics, job_id, events, pipeline, http, arrived)
+    generation = Generation(worker, job_id)
+    return generation, _events(generation, metrics, events, pipeline, http, arrived)
 
 
-async def _events(worker, metrics, job_id, events, pipeline, http, arrived):
-    ids, last, done = [], None, False
+async def _events(generation, metrics, events, pipeline, http, arrived):
+    ids, last = [], None
     try:
         while True:
             try:
@@ -503,11 +518,11 @@ async def _events(worker, metrics, job_id, events, pipeline, http, arrived):
                     return
                 continue
             if kind in ("error", "shutdown"):
-                done = True
+                generation.ended = True
                 yield Failed(str(value), 503 if kind == "shutdown" else 500)
                 return
             if kind == "done":
-                done = True
+                generation.ended = True
                 reason = "length" if value == "length" else "stop"
                 break
             now = time.perf_counter()
@@ -523,8 +538,27 @@ async def _events(worker, metrics, job_id, events, pipeline, http, arrived):
             yield e
         yield Finish(reason, tuple(ids))
     finally:
-        if not done:
-            worker.cancel(job_id)
+        generation.close()
+
+
+class EventStream(StreamingResponse):
+    """A server-sent-event response over one generation: however the response ends (done, the client gone
+    mid-stream, or gone before the first chunk, when the body's generator never starts), its body is closed and
+    the generation cancelled at once (not when the garbage collector finds the generator), so its slot is free
+    at the next step."""
+
+    def __init__(self, body: AsyncIterator[str], generation: Generation):
+        super().__init__(body, media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # (ASGI 2.4: the server's send raised) the client is gone: no one to answer
+            pass
+        finally:
+            self.generation.close()
+            await self.body_iterator.aclose()
 
 
 # ------------------------------------------------------------------------------------------------- responses
@@ -566,10 +600,9 @@ async def chat_completion(state: ServerState, http: HttpRequest):
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
     if body.stream:
-        events = await generation_events(state, request, pipeline, None, arrived)
-        return StreamingResponse(_guarded(_chat_stream(head, events, prompt_tokens, usage), "a chat stream"),
-                                 media_type="text/event-stream")
-    events = await generation_events(state, request, pipeline, http, arrived)
+        generation, events = await generation_events(state, request, pipeline, None, arrived)
+        return EventStream(_guarded(_chat_stream(head, events, prompt_tokens, usage), "a chat stream"), generation)
+    _, events = await generation_events(state, request, pipeline, http, arrived)
     reasoning, content, calls, unparsed, finish = [], [], [], [], None
     async for e in events:
         if isinstance(e, Failed):
@@ -631,10 +664,10 @@ async def completion(state: ServerState, http: HttpRequest):
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
     if body.stream:
-        events = await generation_events(state, request, pipeline, None, arrived)
+        generation, events = await generation_events(state, request, pipeline, None, arrived)
         stream = _completion_stream(head, events, prompt_tokens, usage)
-        return StreamingResponse(_guarded(stream, "a completion stream"), media_type="text/event-stream")
-    events = await generation_events(state, request, pipeline, http, arrived)
+        return EventStream(_guarded(stream, "a completion stream"), generation)
+    _, events = await generation_events(state, request, pipeline, http, arrived)
     text, finish = [], None
     async for e in events:
         if isinstance(e, Failed):
@@ -671,10 +704,37 @@ async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool
 
 
 # ------------------------------------------------------------------------------------------------- the app
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (probes and scrapers)
+
+
+class ApiKeyGuard:
+    """ASGI middleware: with an API key set, a request to any path but `OPEN_PATHS` without the header
+    ``Authorization: Bearer KEY`` is a 401 with OpenAI's error body (code ``invalid_api_key``)."""
+
+    def __init__(self, app, key: str | None):
+        self.app, self.key = app, None if key is None else key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if self.key is not None and scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                said = "no API key was given" if not given else "the API key given is not this server's"
+                response = error_response(401, f"{said}: send the header 'Authorization: Bearer <key>' with the "
+                                               f"key the server was started with (--api-key)",
+                                          code="invalid_api_key")
+                response.headers["www-authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dsv41-jax", docs_url=None, redoc_url=None, openapi_url=None)
     state.created = state.created or int(time.time())
-    app.add_middleware(ErrorGuard, metrics=state.metrics)  # counts every response; an exception: one 500
+    app.add_middleware(ApiKeyGuard, key=state.api_key)
+    app.add_middleware(ErrorGuard, metrics=state.metrics)  # outermost: counts every response (401s too); an
+    # exception: one 500
 
     def route(handler):
         async def run(http: HttpRequest):
