@@ -4,6 +4,7 @@ batching. Model flags are `generate`'s; bad flags are one line on stderr and exi
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -16,6 +17,8 @@ from .. import runspec
 from ..cli import Parser, UsageError, cli_main, positive_int, say
 from ..compile_cache import enable as enable_compile_cache
 from .metrics import Metrics
+
+API_KEY_ENV = "DSV41_API_KEY"
 
 EXAMPLES = """\
 examples:
@@ -84,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                        help="on SIGTERM or Ctrl-C, seconds the running and queued requests have to finish before "
                             "they are ended with an error (default 60; a second Ctrl-C stops at once)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (else "
+                            "401); default: $DSV41_API_KEY if set and not empty, else none (no key needed)")
     return p
 
 
@@ -95,6 +101,16 @@ def check_args(args) -> None:
     if not 0 <= args.drain_timeout < float("inf"):
         raise UsageError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     served_names(args)
+    api_key(args)
+
+
+def api_key(args) -> str | None:
+    """``--api-key``, else ``$DSV41_API_KEY``; None: no key needed."""
+    key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)  # set empty: none
+    if key is not None and (not key.strip() or key != key.strip()):
+        source = "--api-key" if args.api_key is not None else API_KEY_ENV
+        raise UsageError(f"{source}: the key must be non-empty, without leading or trailing spaces")
+    return key
 
 
 def served_names(args) -> tuple[str, ...]:
@@ -181,7 +197,8 @@ def build_server(args):
                                  lambda: compile_events[0]),
         "dsv41_decode_steps": ("Decode steps run.", lambda: worker.slots.decode_steps),
     })
-    state = ServerState(worker, tokenizer, metrics, served_names(args), engine.vocab_size, args.max_context)
+    state = ServerState(worker, tokenizer, metrics, served_names(args), engine.vocab_size, args.max_context,
+                        api_key=api_key(args))
     return create_app(state), state
 
 
