@@ -212,7 +212,7 @@ def test_continuous_batching_is_exact_and_compiles_nothing(server):
 
 
 def test_disconnect_frees_the_slot(server):
-    before = _metric(server, "dsv41_generated_tokens_total")
+    before = _metric(server, "vllm:generation_tokens_total")
     with httpx.Client(base_url=server, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": CONTEXT - 2,
                                                           "temperature": 0, "stream": True}) as r:
@@ -223,7 +223,7 @@ def test_disconnect_frees_the_slot(server):
         while httpx.get(server + "/health").json()["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
     assert httpx.get(server + "/health").json()["running"] == 0
-    assert _metric(server, "dsv41_generated_tokens_total") - before < CONTEXT - 2
+    assert _metric(server, "vllm:generation_tokens_total") - before < CONTEXT - 2
 
 
 def _wait_idle(server: str) -> None:
@@ -244,7 +244,7 @@ def test_a_stream_whose_client_leaves_before_its_first_chunk_is_cancelled(server
     """The client sends a streamed request and closes its socket at once: Starlette sees the disconnect before
     the response body starts, so the body's generator never runs; the request must still be cancelled (it ran
     all its max_tokens, holding its slot)."""
-    before = _metric(server, "dsv41_generated_tokens_total")
+    before = _metric(server, "vllm:generation_tokens_total")
     max_tokens = CONTEXT - 40
     payload = json.dumps({**body, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     host, port = server.removeprefix("http://").split(":")
@@ -254,7 +254,7 @@ def test_a_stream_whose_client_leaves_before_its_first_chunk_is_cancelled(server
                       f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
     _wait_idle(server)
     # Each ran at most until its cancel reached the engine thread (a few steps), never its max_tokens.
-    assert _metric(server, "dsv41_generated_tokens_total") - before < max_tokens
+    assert _metric(server, "vllm:generation_tokens_total") - before < max_tokens
 
 
 # ------------------------------------------------------------------------------------------ errors and load
@@ -571,8 +571,8 @@ def test_load_queue_bound_and_metrics(server):
     assert ok < 200  # 32 clients at once against 4 slots + 12 queued: some were refused at once
     assert httpx.get(server + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
     assert _metric(server, 'dsv41_requests_total{endpoint="completions"') - start_requests == 200 + len(prompts)
-    assert _metric(server, "dsv41_time_to_first_token_seconds_count") >= ok
-    assert _metric(server, "dsv41_queue_length") == 0
+    assert _metric(server, "vllm:time_to_first_token_seconds_count") >= ok
+    assert _metric(server, "vllm:num_requests_waiting") == 0
 
 
 def test_bad_flags_exit_2_with_one_line():

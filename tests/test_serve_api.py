@@ -1,15 +1,17 @@
 """The server's deployment surface against a real server process started with an API key (tests/test_serve.py's
 flags and tiny model; its start-up programs come from the compile cache that module's server fills): the key
-(from ``$DSV41_API_KEY``; ``--api-key`` is the same value, `api_key`), checked by the official `openai` client.
+(from ``$DSV41_API_KEY``; ``--api-key`` is the same value, `api_key`), checked by the official `openai` client;
+``/metrics`` (open without the key) under vLLM's names: responses by status, tokens, latencies, gauges.
 """
 
 from __future__ import annotations
 
 import subprocess
 import threading
+import time
 
 import pytest
-from test_serve import _start
+from test_serve import CONTEXT, SLOTS, _start
 
 from dsv41_jax.serve.__main__ import api_key, build_parser
 
@@ -83,3 +85,86 @@ def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch):
     assert api_key(parse([])) == "k2" and api_key(parse(["--api-key", "k1"])) == "k1"  # the flag wins
     monkeypatch.setenv("DSV41_API_KEY", "")
     assert api_key(parse([])) is None  # set but empty: none
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics: ``name{labels}`` -> value."""
+    samples = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+MODEL = 'model_name="dsv41-tiny-random"'
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def test_metrics_count_every_status_tokens_and_latencies_under_vllm_names(server, client):
+    before = _scrape(server)
+    lengths = []
+    for n in (2, 3, 4):
+        r = client.completions.create(model="dsv41-tiny-random", prompt=[5] * n, max_tokens=n, temperature=0)
+        lengths.append((n, r.usage.completion_tokens, r.choices[0].finish_reason))
+    streamed = list(client.completions.create(model="dsv41-tiny-random", prompt=[6, 7], max_tokens=5,
+                                              temperature=0, stream=True))
+    usage = streamed[-1].usage
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="dsv41-tiny-random", prompt="x", temperature=9)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    assert httpx.get(server + "/v1/models").status_code == 401
+    delta = _delta(before, _scrape(server))
+    generated = sum(c for _, c, _ in lengths) + usage.completion_tokens
+    assert all(reason == "length" for *_, reason in lengths)
+    assert delta[f"vllm:prompt_tokens_total{{{MODEL}}}"] == 2 + 3 + 4 + 2
+    assert delta[f"vllm:generation_tokens_total{{{MODEL}}}"] == generated
+    assert delta[f'vllm:request_success_total{{{MODEL},finished_reason="length"}}'] == 4
+    assert delta[f"vllm:time_to_first_token_seconds_count{{{MODEL}}}"] == 4
+    assert delta[f"vllm:e2e_request_latency_seconds_count{{{MODEL}}}"] == 4
+    assert delta[f"vllm:inter_token_latency_seconds_count{{{MODEL}}}"] == generated - 4
+    assert delta[f'vllm:time_to_first_token_seconds_bucket{{{MODEL},le="+Inf"}}'] == 4
+    counted = {k: v for k, v in delta.items() if k.startswith("dsv41_requests_total")}
+    assert counted == {'dsv41_requests_total{endpoint="completions",status="200"}': 4,
+                       'dsv41_requests_total{endpoint="completions",status="400"}': 1,
+                       'dsv41_requests_total{endpoint="completions",status="404"}': 1,
+                       'dsv41_requests_total{endpoint="models",status="401"}': 1,
+                       'dsv41_requests_total{endpoint="metrics",status="200"}': 1}
+
+
+def test_gauges_show_running_waiting_and_cache_usage(server):
+    """4 slots taken by long streams and one request waiting: the gauges say so, and the cache usage is the
+    positions the requests hold over slots x context; closing the streams brings all three back to 0."""
+    with httpx.Client(base_url=server, headers=_auth(), timeout=60) as http:
+        streams, lines = [], []
+        for k in range(SLOTS + 1):
+            body = {"prompt": [9 + k] * 10, "max_tokens": CONTEXT - 20, "temperature": 0, "stream": True}
+            stream = http.stream("POST", "/v1/completions", json=body)
+            r = stream.__enter__()
+            streams.append(stream)
+            if k < SLOTS:  # a first token: it holds its slot
+                lines.append(r.iter_lines())
+                next(line for line in lines[-1] if line.startswith("data: "))
+        try:
+            samples = _scrape(server)
+            assert samples[f"vllm:num_requests_running{{{MODEL}}}"] == SLOTS
+            assert samples[f"vllm:num_requests_waiting{{{MODEL}}}"] == 1
+            usage = samples[f"vllm:kv_cache_usage_perc{{{MODEL}}}"]
+            # each slot holds its 10 prompt positions and at least its first token, at most a few seconds' more
+            assert SLOTS * 11 / (SLOTS * CONTEXT) <= usage < 0.9, usage
+        finally:
+            for stream in streams:
+                stream.__exit__(None, None, None)
+    for _ in range(200):
+        samples = _scrape(server)
+        if samples[f"vllm:num_requests_running{{{MODEL}}}"] == 0:
+            break
+        time.sleep(0.05)
+    assert samples[f"vllm:num_requests_running{{{MODEL}}}"] == 0
+    assert samples[f"vllm:num_requests_waiting{{{MODEL}}}"] == 0
+    assert samples[f"vllm:kv_cache_usage_perc{{{MODEL}}}"] == 0
+    assert samples[f'vllm:request_success_total{{{MODEL},finished_reason="abort"}}'] >= SLOTS + 1

@@ -16,7 +16,7 @@ import uvicorn
 from .. import runspec
 from ..cli import Parser, UsageError, cli_main, positive_int, say
 from ..compile_cache import enable as enable_compile_cache
-from .metrics import Metrics
+from .metrics import Metrics, server_gauges
 
 API_KEY_ENV = "DSV41_API_KEY"
 
@@ -186,18 +186,11 @@ def build_server(args):
     seconds = slots.precompile()
     loaded = f" ({engine.programs_loaded} loaded from the cache)" if engine.programs_loaded else ""
     say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
-    metrics = Metrics({})
+    names = served_names(args)
+    metrics = Metrics({}, model_name=names[0])
     worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
-    metrics.gauges.update({
-        "dsv41_queue_length": ("Requests waiting for a slot.", lambda: worker.queued),
-        "dsv41_running_requests": ("Requests holding a slot.", lambda: worker.slots.active),
-        "dsv41_slots": ("Decode slots.", lambda: worker.slots.slots),
-        "dsv41_programs_compiled": ("Programs in the engine's table.", lambda: engine.compile_count),
-        "dsv41_compile_events": ("JAX backend compiles since start-up (precompile included).",
-                                 lambda: compile_events[0]),
-        "dsv41_decode_steps": ("Decode steps run.", lambda: worker.slots.decode_steps),
-    })
-    state = ServerState(worker, tokenizer, metrics, served_names(args), engine.vocab_size, args.max_context,
+    metrics.gauges.update(server_gauges(worker, lambda: compile_events[0]))
+    state = ServerState(worker, tokenizer, metrics, names, engine.vocab_size, args.max_context,
                         api_key=api_key(args))
     return create_app(state), state
 

@@ -508,7 +508,7 @@ async def generation_events(state: ServerState, request: Request, pipeline: Text
 
 
 async def _events(generation, metrics, events, pipeline, http, arrived):
-    ids, last = [], None
+    ids, last, reason = [], None, "abort"
     try:
         while True:
             try:
@@ -523,7 +523,7 @@ async def _events(generation, metrics, events, pipeline, http, arrived):
                 return
             if kind == "done":
                 generation.ended = True
-                reason = "length" if value == "length" else "stop"
+                end = "length" if value == "length" else "stop"
                 break
             now = time.perf_counter()
             (metrics.ttft if last is None else metrics.itl).observe(now - (arrived if last is None else last))
@@ -532,13 +532,16 @@ async def _events(generation, metrics, events, pipeline, http, arrived):
             for e in pipeline.push(value):
                 yield e
             if pipeline.stop.stopped:
-                reason = "stop"
+                end = "stop"
                 break
+        reason = end
+        metrics.e2e.observe(time.perf_counter() - arrived)
         for e in pipeline.finish():
             yield e
-        yield Finish(reason, tuple(ids))
+        yield Finish(end, tuple(ids))
     finally:
         generation.close()
+        metrics.request_finished(reason)
 
 
 class EventStream(StreamingResponse):

@@ -204,6 +204,13 @@ class SlotEngine:
         """Requests holding a slot (prefilling or decoding)."""
         return sum(self._reserved)
 
+    @property
+    def cache_usage(self) -> float:
+        """The fraction of the cache's positions (slots x context) that hold a request's tokens: what each
+        request in a slot has prefilled and generated (read by the metrics from another thread: a gauge)."""
+        jobs = [j for j in [*list(self.running), *list(self.prefilling)] if j is not None]
+        return sum(j.prompt_done + j.steps for j in jobs) / (self.slots * self.engine.max_context)
+
     def add(self, job: Job) -> None:
         """Queue a request (checked here: EngineInputError for one the engine cannot run)."""
         self.engine.check([job.request])
