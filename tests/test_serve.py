@@ -330,11 +330,21 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("completions", {"prompt": [1, 2], "return_token_ids": 1}, "return_token_ids"),
     ("completions", b'{"prompt": "a\\ud800b"}', "prompt"),
     # fields not implemented: refused by name unless at their "off" value (the openai client's cases below)
-    ("chat", {"messages": [USER], "logprobs": True}, "logprobs"),
     ("chat", {"messages": [USER], "logprobs": 0}, "logprobs"),  # not false: 0 == False only in Python
-    ("chat", {"messages": [USER], "top_logprobs": 3}, "top_logprobs"),
+    ("chat", {"messages": [USER], "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"messages": [USER], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"messages": [USER], "logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"messages": [USER], "logit_bias": {"512": 1}}, "logit_bias"),  # outside the vocabulary
+    ("chat", {"messages": [USER], "logit_bias": {"x": 1}}, "logit_bias"),
+    ("chat", {"messages": [USER], "logit_bias": {"5": "1"}}, "logit_bias"),
+    ("chat", {"messages": [USER], "logit_bias": [5]}, "logit_bias"),
+    ("chat", {"messages": [USER], "min_p": 1.5}, "min_p"),
+    ("chat", {"messages": [USER], "min_tokens": -1}, "min_tokens"),
+    ("chat", {"messages": [USER], "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ("chat", {"messages": [USER], "ignore_eos": 1}, "ignore_eos"),
+    ("chat", {"messages": [USER], "stop_token_ids": [5, 600]}, "stop_token_ids[1]"),
+    ("chat", {"messages": [USER], "stop_token_ids": list(range(17))}, "stop_token_ids"),
     ("chat", {"messages": [USER], "presence_penalty": 0.5}, "presence_penalty"),
-    ("chat", {"messages": [USER], "logit_bias": {"5": 100}}, "logit_bias"),
     ("chat", {"messages": [USER], "response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"messages": [USER], "parallel_tool_calls": False}, "parallel_tool_calls"),
     ("chat", {"messages": [USER], "tool_choice": "required"}, "tool_choice"),
@@ -349,11 +359,12 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
      "stream_options.include_usage"),
     ("chat", {"messages": [USER], "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
-    ("completions", {"prompt": [1], "logprobs": 0}, "logprobs"),
+    ("completions", {"prompt": [1], "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": [1], "logprobs": True}, "logprobs"),
     ("completions", {"prompt": [1], "echo": True}, "echo"),
     ("completions", {"prompt": [1], "best_of": 2}, "best_of"),
     ("completions", {"prompt": [1], "suffix": "x"}, "suffix"),
-    ("completions", {"prompt": [1], "min_tokens": 4}, "min_tokens"),
+    ("completions", {"prompt": [1], "min_tokens": 17}, "min_tokens"),  # above the default max_tokens, 16
     ("completions", {"prompt": [1], "tools": []}, "tools"),  # a chat field: unknown to completions
     ("completions", {"prompt": [1], "foo": None}, "foo"),
 ]
@@ -409,22 +420,22 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
     weather = [{"type": "function", "function": {"name": "get_weather"}}]
     asks = [
-        (client.chat.completions.create, dict(messages=user, logprobs=True), "logprobs"),
-        (client.chat.completions.create, dict(messages=user, logprobs=True, top_logprobs=2), "logprobs"),
+        (client.chat.completions.create, dict(messages=user, top_logprobs=2), "top_logprobs"),
         (client.chat.completions.create, dict(messages=user, presence_penalty=0.5), "presence_penalty"),
         (client.chat.completions.create, dict(messages=user, frequency_penalty=-1), "frequency_penalty"),
-        (client.chat.completions.create, dict(messages=user, logit_bias={"5": 10}), "logit_bias"),
+        (client.chat.completions.create, dict(messages=user, logit_bias={"5": 200}), "logit_bias"),
         (client.chat.completions.create, dict(messages=user, response_format={"type": "json_object"}),
          "response_format"),
         (client.chat.completions.create, dict(messages=user, tools=weather, tool_choice="required"), "tool_choice"),
         (client.chat.completions.create, dict(messages=user, tools=weather, tool_choice={
             "type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
-        (client.chat.completions.create, dict(messages=user, extra_body={"min_tokens": 3}), "min_tokens"),
-        (client.chat.completions.create, dict(messages=user, extra_body={"min_p": 0.1}), "min_p"),
-        (client.chat.completions.create, dict(messages=user, extra_body={"ignore_eos": True}), "ignore_eos"),
-        (client.chat.completions.create, dict(messages=user, extra_body={"stop_token_ids": [5]}), "stop_token_ids"),
+        (client.chat.completions.create, dict(messages=user, max_tokens=2, extra_body={"min_tokens": 3}),
+         "min_tokens"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"min_p": -0.1}), "min_p"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"stop_token_ids": [-5]}),
+         "stop_token_ids[0]"),
         (client.chat.completions.create, dict(messages=user, extra_body={"not_a_field": 1}), "not_a_field"),
-        (client.completions.create, dict(prompt="x", logprobs=2), "logprobs"),
+        (client.completions.create, dict(prompt="x", logprobs=30), "logprobs"),
         (client.completions.create, dict(prompt="x", echo=True), "echo"),
         (client.completions.create, dict(prompt="x", best_of=2), "best_of"),
         (client.completions.create, dict(prompt="x", suffix="!"), "suffix"),
@@ -445,7 +456,7 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
             create(model="m", **ask)
         assert e.value.status_code == 400 and e.value.param == param and e.value.type == "invalid_request_error", \
             (ask, e.value.body)
-        if param in ("logprobs", "presence_penalty", "tool_choice", "min_tokens", "best_of"):
+        if param in ("presence_penalty", "tool_choice", "best_of"):
             assert "not supported by this server" in e.value.message, e.value.message
     assert client.chat.completions.create(model="m", messages=user, max_tokens=1).usage.completion_tokens == 1
 

@@ -69,7 +69,7 @@ class _Worker:
     def __init__(self, silent: bool = False):
         self.cancelled, self.silent = [], silent  # silent: no event ever (a request waiting for a slot)
 
-    def submit(self, request, loop):
+    def submit(self, request, loop, **job):
         events = asyncio.Queue()
         if self.silent:
             return 1, events

@@ -16,11 +16,14 @@ tool calls. Streaming and non-streaming responses run the same pipeline, so thei
 tokens.
 
 No request field is silently ignored (`check_fields`): a field is implemented, or accepted only at the value that
-means "off" (``logprobs: false``, ``presence_penalty: 0``, ...: what clients send by default) and otherwise a 400
-saying it is not supported by this server, or, unknown, a 400 naming it. Besides OpenAI's fields: vLLM's
-``top_k`` and ``return_token_ids`` (completions: the generated ids in the choice, ``token_ids``), DeepSeek's
-``thinking`` and ``reasoning_effort`` (chat). A ``model`` the server does not serve is a 404 ``model_not_found``.
-While the server drains (shutting down) a new request is a 503 and ``/health`` says ``draining``.
+means "off" (``presence_penalty: 0``, ...: what clients send by default) and otherwise a 400 saying it is not
+supported by this server, or, unknown, a 400 naming it. Besides OpenAI's fields (``logprobs`` /
+``top_logprobs`` and ``logit_bias`` included, computed in the device step: `sampling`): vLLM's ``top_k``,
+``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (completions: the generated
+ids in the choice, ``token_ids``), DeepSeek's ``thinking`` and ``reasoning_effort`` (chat). A ``model`` the server
+does not serve is a 404 ``model_not_found``. While the server drains (shutting down) a new request is a 503 and
+``/health`` says ``draining``. With an API key (`ApiKeyGuard`) every route but ``/health`` and ``/metrics`` needs
+it as a Bearer token (else a 401).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from ..chat import (
     message_from_openai,
 )
 from ..engine import EngineInputError, Request
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, TOP_LOGPROBS, SamplingParams
 from ..tokenizer import fold_ids
 from .errors import BadRequest, ErrorGuard, error_body, error_response, log_internal_error, read_json_object, shown
 from .metrics import Metrics
@@ -79,6 +82,11 @@ class _Body(BaseModel):
     stream_options: dict | None = None
     top_k: int | None = None  # as vLLM
     user: str | None = None  # an end-user id (OpenAI's abuse monitoring): it changes nothing here
+    logit_bias: dict | None = None
+    min_p: float | None = None  # vLLM's, as the four below
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list | None = None
 
 
 class ChatBody(_Body):
@@ -88,26 +96,28 @@ class ChatBody(_Body):
     tool_choice: str | dict | None = None
     thinking: bool | dict | None = None
     reasoning_effort: str | int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionBody(_Body):
     prompt: str | list
     return_token_ids: bool | None = None  # as vLLM
+    logprobs: int | None = None  # the top log-probs reported with each token's (0: its own only)
 
 
 # Fields not implemented, accepted only at the values that mean "off" (what OpenAI clients and SDKs send).
-_OFF_BOTH = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+_OFF_BOTH = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
              # vLLM's extensions
-             "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0), "ignore_eos": (None, False),
-             "stop_token_ids": (None, []), "best_of": (None, 1)}
+             "repetition_penalty": (None, 1), "best_of": (None, 1)}
 OFF_VALUES = {
-    ChatBody: {**_OFF_BOTH, "logprobs": (None, False), "top_logprobs": (None, 0), "response_format":
+    ChatBody: {**_OFF_BOTH, "response_format":
                (None, {"type": "text"}), "parallel_tool_calls": (None, True), "modalities": (None, ["text"]),
                "store": (None, False), "metadata": (None,), "service_tier": (None, "auto", "default"),
                "audio": (None,), "prediction": (None,), "web_search_options": (None,), "functions": (None,),
                "function_call": (None,), "verbosity": (None,), "prompt_cache_key": (None,),
                "safety_identifier": (None,)},
-    CompletionBody: {**_OFF_BOTH, "logprobs": (None,), "echo": (None, False), "suffix": (None,)},
+    CompletionBody: {**_OFF_BOTH, "echo": (None, False), "suffix": (None,)},
 }
 API_NAMES = {ChatBody: "chat completions", CompletionBody: "completions"}
 
@@ -222,9 +232,10 @@ def include_usage(body: _Body) -> bool:
     return options.get("include_usage") is not False
 
 
-def sampling_of(body: _Body) -> SamplingParams:
+def sampling_of(body: _Body, vocab_size: int) -> SamplingParams:
     """temperature 0..2 (0 greedy; default 1, as OpenAI), top_p (0, 1], top_k (as vLLM: -1 or 0 off, else the k
-    most likely ids), seed 0..2^32-1 (default: random)."""
+    most likely ids), seed 0..2^32-1 (default: random); vLLM's min_p [0, 1], min_tokens, ignore_eos; logit_bias
+    (`logit_bias_of`); stop_token_ids (`stop_token_ids_of`: min_tokens holds them back with the end ids)."""
     if body.n not in (None, 1):
         raise BadRequest(f"n must be 1 (one choice per request is supported), got {shown(body.n)}", "n")
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -239,7 +250,66 @@ def sampling_of(body: _Body) -> SamplingParams:
     if top_k < -1:
         raise BadRequest(f"top_k must be -1 or 0 (off) or a positive number of ids, got {top_k}", "top_k")
     seed = secrets.randbelow(2**32) if body.seed is None else body.seed
-    return SamplingParams(temperature=temperature, top_k=max(0, top_k), top_p=top_p, seed=seed)
+    min_p = 0.0 if body.min_p is None else body.min_p
+    if not 0 <= min_p <= 1:
+        raise BadRequest(f"min_p must be in [0, 1], got {min_p}", "min_p")
+    min_tokens = 0 if body.min_tokens is None else body.min_tokens
+    if min_tokens < 0:
+        raise BadRequest(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+    return SamplingParams(temperature=temperature, top_k=max(0, top_k), top_p=top_p, seed=seed, min_p=min_p,
+                          logit_bias=logit_bias_of(body, vocab_size), min_tokens=min_tokens,
+                          held_ids=stop_token_ids_of(body, vocab_size), ignore_eos=bool(body.ignore_eos))
+
+
+def logit_bias_of(body: _Body, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: ``{"<token id>": bias in [-100, 100]}`` (at most MAX_LOGIT_BIAS ids), added to
+    the logits before sampling (greedy too)."""
+    bias = body.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size or str(token) != key.strip():
+            raise BadRequest(f"logit_bias keys must be token ids in 0..{vocab_size - 1} (as strings), got "
+                             f"{shown(key)}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise BadRequest(f"logit_bias[{shown(key)}] must be a number in [-100, 100], got {shown(value)}",
+                             "logit_bias")
+        out[token] = out.get(token, 0.0) + float(value)
+    return tuple(sorted(out.items()))
+
+
+def stop_token_ids_of(body: _Body, vocab_size: int) -> tuple[int, ...]:
+    ids = body.stop_token_ids or []
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", "stop_token_ids")
+    for k, i in enumerate(ids):
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise BadRequest(f"stop_token_ids[{k}] must be a token id in 0..{vocab_size - 1}, got {shown(i)}",
+                             f"stop_token_ids[{k}]")
+    return tuple(dict.fromkeys(ids))
+
+
+def logprobs_of(body: _Body) -> int | None:
+    """How many top log-probs each token reports with its own (0: its own only), or None: no log-probs. Chat:
+    ``logprobs: true`` and ``top_logprobs`` 0..TOP_LOGPROBS; completions: ``logprobs`` 0..TOP_LOGPROBS."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest('top_logprobs needs "logprobs": true', "top_logprobs")
+        if not body.logprobs:
+            return None
+        count, field = (0 if body.top_logprobs is None else body.top_logprobs), "top_logprobs"
+    else:
+        if body.logprobs is None:
+            return None
+        count, field = body.logprobs, "logprobs"
+    if not 0 <= count <= TOP_LOGPROBS:
+        raise BadRequest(f"{field} must be in 0..{TOP_LOGPROBS}, got {count}", field)
+    return count
 
 
 def stops_of(body: _Body) -> tuple[str, ...]:
@@ -265,6 +335,9 @@ def engine_request(state: ServerState, ids: tuple[int, ...], max_tokens: int | N
     if not 1 <= max_tokens <= room:
         raise BadRequest(f"{max_field} must be in 1 .. {room} (the context of {state.max_context} tokens minus the "
                          f"{len(ids)}-token prompt, plus one), got {shown(max_tokens)}", max_field)
+    if sampling.min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens ({sampling.min_tokens}) must be at most {max_field} ({max_tokens})",
+                         "min_tokens")
     request = Request(tuple(ids), max_tokens, sampling)
     try:
         state.worker.slots.engine.check([request])
@@ -473,6 +546,17 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the top ones (as many as the request asked for), reported just
+    before the token's text events."""
+
+    token: int
+    logprob: float
+    top_ids: list[int]
+    top: list[float]
+
+
+@dataclass(frozen=True)
 class Finish:
     reason: str  # stop | length
     token_ids: tuple[int, ...]  # the generated ids (an end id not included)
@@ -495,20 +579,24 @@ class Generation:
 
 
 async def generation_events(state: ServerState, request: Request, pipeline: TextPipeline,
-                            http: HttpRequest | None, arrived: float) -> tuple[Generation, AsyncIterator]:
-    """Submit ``request`` (QueueFull raised at once): its `Generation`, and its reply events then one `Finish`
-    (or `Failed`). The request is cancelled when the events are closed early (client gone), or by
-    `Generation.close` when they never started (a stream whose client left before its first chunk: an async
-    generator never started runs no ``finally``). ``http``: polled for a disconnect (non-streaming)."""
+                            http: HttpRequest | None, arrived: float, logprobs: int | None = None
+                            ) -> tuple[Generation, AsyncIterator]:
+    """Submit ``request`` (QueueFull raised at once): its `Generation`, and its reply events (with
+    ``logprobs``, a `TokenLogprob` before each token's) then one `Finish` (or `Failed`). The request's
+    ``stop_token_ids`` (its sampling's ``held_ids``) end it as an end id does. The request is cancelled when the
+    events are closed early (client gone), or by `Generation.close` when they never started (a stream whose
+    client left before its first chunk: an async generator never started runs no ``finally``). ``http``: polled
+    for a disconnect (non-streaming)."""
     worker, metrics = state.worker, state.metrics
-    job_id, events = worker.submit(request, asyncio.get_running_loop())
+    job_id, events = worker.submit(request, asyncio.get_running_loop(), logprobs=logprobs,
+                                   stop_ids=request.sampling.held_ids)
     metrics.add_prompt_tokens(len(request.prompt_ids))
     generation = Generation(worker, job_id)
     return generation, _events(generation, metrics, events, pipeline, http, arrived)
 
 
 async def _events(generation, metrics, events, pipeline, http, arrived):
-    ids, last, reason = [], None, "abort"
+    ids, last, reason, logprob = [], None, "abort", None
     try:
         while True:
             try:
@@ -525,6 +613,12 @@ async def _events(generation, metrics, events, pipeline, http, arrived):
                 generation.ended = True
                 end = "length" if value == "length" else "stop"
                 break
+            if kind == "logprobs":
+                logprob = value
+                continue
+            if logprob is not None:
+                yield TokenLogprob(value, *logprob)
+                logprob = None
             now = time.perf_counter()
             (metrics.ttft if last is None else metrics.itl).observe(now - (arrived if last is None else last))
             last = now
@@ -591,22 +685,65 @@ async def _guarded(stream: AsyncIterator[str], where: str):
             yield "data: [DONE]\n\n"
 
 
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # as vLLM: JSON has no -inf
+
+
+class LogprobShapes:
+    """`TokenLogprob` events in OpenAI's shapes: chat's ``{"content": [{"token", "logprob", "bytes",
+    "top_logprobs"}], "refusal": null}``, completions' ``{"tokens", "token_logprobs", "top_logprobs" (a
+    ``{token: logprob}`` per token, the drawn token's always in it, as vLLM's), "text_offset"}`` (each token's
+    start in the choice's text, counted across a stream's chunks). A token's text: its own bytes as the reply
+    decodes them (completions skip special tokens, chat keeps them), invalid UTF-8 as U+FFFD."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
+
+    def _text(self, token: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes(int(token), not self.chat)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text, raw = self._text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": raw}
+
+    def block(self, entries: list[TokenLogprob]) -> dict:
+        if self.chat:
+            return {"content": [{**self._entry(e.token, e.logprob),
+                                 "top_logprobs": [self._entry(i, lp) for i, lp in zip(e.top_ids, e.top)]}
+                                for e in entries], "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            text, _ = self._text(e.token)
+            top: dict[str, float] = {}
+            for i, lp in zip(e.top_ids, e.top):  # ids of one text (U+FFFD): the most likely one's
+                top.setdefault(self._text(i)[0], _finite(lp))
+            top.setdefault(text, _finite(e.logprob))
+            for key, value in zip(out, (text, _finite(e.logprob), top, self.offset)):
+                out[key].append(value)
+            self.offset += len(text)
+        return out
+
+
 async def chat_completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, ChatBody)
     name, usage = model_of(state, body), include_usage(body)
     thinking = thinking_of(body)
+    logprobs = logprobs_of(body)
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-    request = engine_request(state, chat_prompt(state, body, thinking), getattr(body, max_field), sampling_of(body),
-                             "messages", max_field=max_field)
+    request = engine_request(state, chat_prompt(state, body, thinking), getattr(body, max_field),
+                             sampling_of(body, state.vocab_size), "messages", max_field=max_field)
     pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=True, thinking=thinking)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
+    shapes = None if logprobs is None else LogprobShapes(state.tokenizer, chat=True)
     if body.stream:
-        generation, events = await generation_events(state, request, pipeline, None, arrived)
-        return EventStream(_guarded(_chat_stream(head, events, prompt_tokens, usage), "a chat stream"), generation)
-    _, events = await generation_events(state, request, pipeline, http, arrived)
-    reasoning, content, calls, unparsed, finish = [], [], [], [], None
+        generation, events = await generation_events(state, request, pipeline, None, arrived, logprobs)
+        return EventStream(_guarded(_chat_stream(head, events, prompt_tokens, usage, shapes), "a chat stream"),
+                           generation)
+    _, events = await generation_events(state, request, pipeline, http, arrived, logprobs)
+    reasoning, content, calls, unparsed, entries, finish = [], [], [], [], [], None
     async for e in events:
         if isinstance(e, Failed):
             return e.response()
@@ -618,6 +755,8 @@ async def chat_completion(state: ServerState, http: HttpRequest):
             calls.append(_tool_call_delta(e))
         elif isinstance(e, UnparsedDelta):
             unparsed.append(e.text)
+        elif isinstance(e, TokenLogprob):
+            entries.append(e)
         else:
             finish = e
     if finish is None:  # the client went away
@@ -627,20 +766,31 @@ async def chat_completion(state: ServerState, http: HttpRequest):
     if calls:
         message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
     reason = "tool_calls" if calls and finish.reason == "stop" else finish.reason
-    return JSONResponse({**head, "object": "chat.completion",
-                         "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
+    choice = {"index": 0, "message": message, "finish_reason": reason,
+              "logprobs": None if shapes is None else shapes.block(entries)}
+    return JSONResponse({**head, "object": "chat.completion", "choices": [choice],
                          "usage": _usage(prompt_tokens, finish.completion_tokens)})
 
 
-async def _chat_stream(head: dict, events, prompt_tokens: int, usage: bool = True):
+async def _chat_stream(head: dict, events, prompt_tokens: int, usage: bool = True,
+                       shapes: LogprobShapes | None = None):
+    """The chat stream's chunks; with ``shapes``, the log-probs of the tokens since the last chunk ride on the
+    next one (a token whose text is held back, a partial character or a possible stop string, reports its
+    log-prob with the text that follows)."""
+    pending: list[TokenLogprob] = []
+
     def chunk(delta: dict, finish=None) -> str:
+        logprobs = None if shapes is None or not pending else shapes.block(pending)
+        pending.clear()
         return _sse({**head, "object": "chat.completion.chunk",
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
 
     yield chunk({"role": "assistant", "content": ""})
     saw_calls = False
     async for e in events:
-        if isinstance(e, ReasoningDelta):
+        if isinstance(e, TokenLogprob):
+            pending.append(e)
+        elif isinstance(e, ReasoningDelta):
             yield chunk({"reasoning_content": e.text})
         elif isinstance(e, (ContentDelta, UnparsedDelta)):
             yield chunk({"content": e.text})
@@ -650,6 +800,8 @@ async def _chat_stream(head: dict, events, prompt_tokens: int, usage: bool = Tru
         elif isinstance(e, Failed):
             yield e.event()
         else:
+            if pending:
+                yield chunk({})
             yield chunk({}, "tool_calls" if saw_calls and e.reason == "stop" else e.reason)
             if usage:
                 yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
@@ -661,42 +813,56 @@ async def completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, CompletionBody)
     name, usage = model_of(state, body), include_usage(body)
-    request = engine_request(state, completion_prompt(state, body), body.max_tokens, sampling_of(body), "prompt",
-                             default_max=16)  # OpenAI's default for completions
+    logprobs = logprobs_of(body)
+    request = engine_request(state, completion_prompt(state, body), body.max_tokens,
+                             sampling_of(body, state.vocab_size), "prompt", default_max=16)  # OpenAI's default
     pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=False)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
+    shapes = None if logprobs is None else LogprobShapes(state.tokenizer, chat=False)
     if body.stream:
-        generation, events = await generation_events(state, request, pipeline, None, arrived)
-        stream = _completion_stream(head, events, prompt_tokens, usage)
+        generation, events = await generation_events(state, request, pipeline, None, arrived, logprobs)
+        stream = _completion_stream(head, events, prompt_tokens, usage, shapes)
         return EventStream(_guarded(stream, "a completion stream"), generation)
-    _, events = await generation_events(state, request, pipeline, http, arrived)
-    text, finish = [], None
+    _, events = await generation_events(state, request, pipeline, http, arrived, logprobs)
+    text, entries, finish = [], [], None
     async for e in events:
         if isinstance(e, Failed):
             return e.response()
         if isinstance(e, Finish):
             finish = e
+        elif isinstance(e, TokenLogprob):
+            entries.append(e)
         else:
             text.append(e.text)
     if finish is None:
         return PlainTextResponse("", status_code=499)
-    choice = {"index": 0, "text": "".join(text), "finish_reason": finish.reason, "logprobs": None}
+    choice = {"index": 0, "text": "".join(text), "finish_reason": finish.reason,
+              "logprobs": None if shapes is None else shapes.block(entries)}
     if body.return_token_ids:  # as vLLM: the ids, for exact comparisons
         choice["token_ids"] = list(finish.token_ids)
     return JSONResponse({**head, "object": "text_completion", "choices": [choice],
                          "usage": _usage(prompt_tokens, finish.completion_tokens)})
 
 
-async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool = True):
+async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool = True,
+                             shapes: LogprobShapes | None = None):
+    pending: list[TokenLogprob] = []
+
     def chunk(text: str, finish=None) -> str:
+        logprobs = None if shapes is None or not pending else shapes.block(pending)
+        pending.clear()
         return _sse({**head, "object": "text_completion",
-                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
+                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
 
     async for e in events:
         if isinstance(e, Failed):
             yield e.event()
+        elif isinstance(e, TokenLogprob):
+            pending.append(e)
         elif isinstance(e, Finish):
+            if pending:
+                yield chunk("")
             yield chunk("", e.reason)
             if usage:
                 yield _sse({**head, "object": "text_completion", "choices": [],

@@ -38,12 +38,15 @@ whatever S is, and the copy is one dynamic-update-slice per cache leaf (measured
 "Figures recorded in docs/DESIGN.md until it held contracts only"). It also makes a request's prefill independent
 of what else runs.
 
-A finished request (end id, ``max_new_tokens``: its slot's chain already stopped on the device; or `cancel`: a
-stop string, a client gone) frees its slot when the host reads it (at once for a cancel); the next admission
-overwrites the slot's row whole (the insert of a fresh one-row cache for a short prompt).
+A finished request (end id, ``max_new_tokens``: its slot's chain already stopped on the device; one of its
+``stop_ids``, read by the host, which stops the slot's chain from the next step; or `cancel`: a stop string, a
+client gone) frees its slot when the host reads it (at once for a cancel); the next admission overwrites the
+slot's row whole (the insert of a fresh one-row cache for a short prompt). A job that asks for log-probs reads
+them with its tokens (the step with the sampling arrays returns them; the host fetches them only then).
 
 Programs: ``init[1]``, ``init[S]``, ``step[S, 1]`` (per-slot steps; twice: with the sampling arrays, and the
-argmax-only variant run while every slot is greedy, which skips the filters' sort of the vocabulary), ``insert``,
+argmax-only variant run while every slot is plain greedy and wants no log-probs, which skips the filters' sort of
+the vocabulary), ``insert``,
 ``override`` (serving's own, registered in the runtime's table) and ``step[1, T]`` per bucket above
 ``short_rows`` — all compiled by `precompile`; slots are reused without compiling anything (tests/test_serve.py
 counts JAX's compile events in the server).
@@ -60,11 +63,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..engine import Engine, EngineInputError, Request, bucket_rows
-from ..runtime import Program, keeps_going
-from ..sampling import sampling_arrays
+from ..runtime import Program, keeps_going, stop_ids
+from ..sampling import SamplingArrays, sampling_arrays
 
-# (kind, value): ("token", id) for each generated token, then ("done", finish_reason) once:
-# 'stop' (an end id; the id itself is not reported), 'length' or 'cancelled'; ("error", message) on failure.
+# (kind, value): ("token", id) for each generated token (preceded, for a job that asks for log-probabilities, by
+# ("logprobs", (the token's, the top ids, their log-probs))), then ("done", finish_reason) once: 'stop' (an end id
+# or one of the job's stop ids; the id itself is not reported), 'length' or 'cancelled'; ("error", message) on
+# failure.
 EventSink = Callable[[str, object], None]
 
 
@@ -105,6 +110,8 @@ class Job:
     id: int
     request: Request
     sink: EventSink
+    logprobs: int | None = None  # the top log-probs each token reports with its own (None: none reported)
+    stop_ids: frozenset = frozenset()  # ids that end the request as an end id does (checked by the host)
     prompt_done: int = 0
     segments: list = field(default_factory=list)  # remaining prefill segment sizes
     slot: int = -1
@@ -134,6 +141,7 @@ class SlotEngine:
         self._reserved = [False] * slots
         self._host_feed = engine.hasher is not None  # engram: the host hashes (so reads) every step's ids
         self._eos = engine.stop_ids()
+        self._no_eos = stop_ids(())  # the end ids of a request that ignores them
         self._sampling = sampling_arrays([Request(()).sampling] * slots)
         self._max_new = np.ones(slots, np.int32)
         self._stop: dict[bool, tuple] = {}  # greedy? -> (eos, max_new, sampling | None) on the device
@@ -272,7 +280,7 @@ class SlotEngine:
         if self._history is not None:
             self._history[b] = history[0]
         one = sampling_arrays([r.sampling])
-        for name in ("temperature", "top_k", "top_p", "keys"):
+        for name in SamplingArrays.__dataclass_fields__:
             getattr(self._sampling, name)[b] = getattr(one, name)[0]
         self._max_new[b] = r.max_new_tokens
         self._stop = {}
@@ -301,7 +309,7 @@ class SlotEngine:
         # Token 0 was drawn with step 0: the slot's chain goes on at step 1.
         self._join(job, out.cache, out.last_logits, (out.tokens, out.lengths, out.keep_going, np.ones(1, np.int32)),
                    history)
-        self._pending.append((out.tokens, [(0, job)]))
+        self._pending.append((out.tokens, [(0, job)], out.logprobs if job.logprobs is not None else None))
 
     def _decode_step(self) -> None:
         """One ``step[S, 1]``: on the previous step's chain, with the host's rows where it has any (a short
@@ -336,9 +344,10 @@ class SlotEngine:
             chain = self._run_override(mask, values)
         else:
             chain = self._chain
-        # Every slot greedy (idle ones are): the argmax-only step, without the sampling filters' sort of the
-        # vocabulary (`sampling` module docstring).
-        greedy = all(job is None or job.request.sampling.greedy for job in self.running)
+        # Every slot plain greedy (idle ones are) and no log-probs asked for: the argmax-only step, without the
+        # sampling filters' sort of the vocabulary (`sampling` module docstring).
+        greedy = all(job is None or (job.request.sampling.argmax_only and job.logprobs is None)
+                     for job in self.running)
         args, self._history = rt.step_args(self._cache, self._logits, *chain, self._placed_stop(greedy),
                                            self._history)
         if greedy not in self._step_programs:
@@ -347,26 +356,40 @@ class SlotEngine:
         self.greedy_steps += greedy
         self._cache, self._logits = out.cache, out.last_logits
         self._chain = (out.tokens, out.lengths, out.keep_going, out.next_step)
-        self._pending.append((out.tokens, emit))
-        rt.fetch(out.tokens)  # _read reads them next: their copy starts when they are ready
+        logprobs = out.logprobs if any(job.logprobs is not None for _, job in emit) else None
+        self._pending.append((out.tokens, emit, logprobs))
+        for array in (out.tokens, *(logprobs or ())):
+            rt.fetch(array)  # _read reads them next: their copy starts when they are ready
         self.decode_steps += 1
 
     def _read(self, in_flight: int) -> None:
-        """Read the tokens of all but the newest ``in_flight`` dispatched calls: report them, free the slots
-        of requests that end (an end id: 'stop', not reported; the last new token: 'length')."""
+        """Read the tokens of all but the newest ``in_flight`` dispatched calls: report them (with their
+        log-probs where asked), free the slots of requests that end (an end id, unless the request ignores them,
+        or one of its stop ids: 'stop', not reported; the last new token: 'length')."""
         while len(self._pending) > in_flight:
-            tokens, emit = self._pending.popleft()
+            tokens, emit, logprobs = self._pending.popleft()
             tokens = self.runtime.read(tokens)[:, 0]
+            if logprobs is not None:
+                logprobs = [self.runtime.read(a) for a in logprobs]
             for row, job in emit:
                 if job.finished or job.cancelled:
                     continue  # its slot was freed while this call ran
                 token = int(tokens[row])
-                keep = bool(keeps_going(True, tokens[row:row + 1], self._eos, job.steps,
-                                        job.request.max_new_tokens)[0])  # the step's own rule, on the host
+                ignore_eos = job.request.sampling.ignore_eos
+                keep = bool(keeps_going(True, tokens[row:row + 1], self._no_eos if ignore_eos else self._eos,
+                                        job.steps, job.request.max_new_tokens)[0])  # the step's own rule
                 job.steps, job.last = job.steps + 1, token
-                if token in self.engine.eos_ids:
+                if token in job.stop_ids:  # the device's chain goes on: the next step feeds the slot nothing
+                    self._halt[job.slot] = True
                     self._finish(job, "stop")
                     continue
+                if token in self.engine.eos_ids and not ignore_eos:
+                    self._finish(job, "stop")
+                    continue
+                if job.logprobs is not None:
+                    token_lp, top_ids, top = (a[row] for a in logprobs)
+                    job.sink("logprobs", (float(token_lp), top_ids[:job.logprobs].tolist(),
+                                          top[:job.logprobs].tolist()))
                 job.sink("token", token)
                 if not keep:
                     self._finish(job, "length")
