@@ -10,8 +10,9 @@ step would make the GPU program wait on the host for its predicate, and chained 
 ahead (measured: see docs/BENCHMARKS.md, section "Sampling in the server's step"). Each sequence draws from its
 own key stream ``fold_in(key(seed_b), step)``: its samples do not depend on which other sequences share the batch.
 
-A processor at its neutral value changes no logit (``x + 0.0`` and ``where(False, -inf, x)`` are ``x`` exactly),
-so a greedy sequence in the arrays' step draws what the argmax-only step draws.
+A processor at its neutral value changes no logit (``x + 0.0``, ``x - 0.0 * n``, ``x / 1.0`` and
+``where(False, -inf, x)`` are ``x`` exactly), so a greedy sequence in the arrays' step draws what the argmax-only
+step draws.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ class SamplingParams:
     min_tokens: int = 0  # the end ids (and ``held_ids``) cannot be drawn before this many tokens
     held_ids: tuple[int, ...] = ()  # besides the end ids, what min_tokens holds back (a request's stop ids)
     ignore_eos: bool = False  # an end id does not stop the sequence (it is an ordinary token)
+    presence_penalty: float = 0.0  # subtracted from the logit of every id generated so far (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted once per time an id was generated (OpenAI's)
+    repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of prompt and generated ids
+
+    @property
+    def penalised(self) -> bool:
+        """Any penalty on: the step needs the sequence's token counts (`SamplingArrays.counts`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     def validate(self) -> None:
         for flag, value in (("--temperature", self.temperature), ("--top-p", self.top_p)):
@@ -77,7 +86,8 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """Greedy with no processor: the argmax-only step serves it."""
-        return self.greedy and not self.logit_bias and not self.min_tokens and not self.ignore_eos
+        return (self.greedy and not self.logit_bias and not self.min_tokens and not self.ignore_eos
+                and not self.penalised)
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,10 @@ class SamplingArrays:
 
     temperature [B] f32, top_k [B] i32, top_p [B] f32, keys [B, 2] u32 (raw threefry key data), min_p [B] f32,
     bias_ids [B, MAX_LOGIT_BIAS] i32 and bias_values [B, MAX_LOGIT_BIAS] f32 (unused entries: id -1, value 0),
-    min_tokens [B] i32, held_ids [B, MAX_STOP_TOKEN_IDS] i32 (unused: -1), ignore_eos [B] bool.
+    min_tokens [B] i32, held_ids [B, MAX_STOP_TOKEN_IDS] i32 (unused: -1), ignore_eos [B] bool, presence,
+    frequency, repetition [B] f32; ``counts`` [B, V] i32 (each id's count among the generated tokens) and ``seen``
+    [B, V] bool (the prompt's ids): the penalties' state, kept on the device and updated after each step by its
+    driver (the server's slots; None: no penalties, `sampling_arrays` refuses them).
     """
 
     temperature: np.ndarray
@@ -99,6 +112,11 @@ class SamplingArrays:
     min_tokens: np.ndarray
     held_ids: np.ndarray
     ignore_eos: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+    repetition: np.ndarray
+    counts: np.ndarray | None = None
+    seen: np.ndarray | None = None
 
 
 def _padded(rows: list, width: int, fill, dtype) -> np.ndarray:
@@ -108,8 +126,13 @@ def _padded(rows: list, width: int, fill, dtype) -> np.ndarray:
     return out
 
 
-def sampling_arrays(params: list[SamplingParams]) -> SamplingArrays:
-    """Stack per-sequence ``params`` into the arrays the jitted step takes."""
+def sampling_arrays(params: list[SamplingParams], penalties: bool = False) -> SamplingArrays:
+    """Stack per-sequence ``params`` into the arrays the jitted step takes. The penalties need token counts that a
+    driver keeps on the device (``penalties``: it does, and sets ``counts`` and ``seen`` itself); without,
+    a penalty is refused (SamplingError), never ignored."""
+    if not penalties and any(p.penalised for p in params):
+        raise SamplingError("presence, frequency and repetition penalties are served by the server only (its slots "
+                            "keep each request's token counts)")
     seeds = jnp.asarray([p.seed for p in params], jnp.uint32)
     keys = np.asarray(jax.random.key_data(jax.vmap(lambda s: jax.random.key(s, impl="threefry2x32"))(seeds)))
     return SamplingArrays(
@@ -123,6 +146,9 @@ def sampling_arrays(params: list[SamplingParams]) -> SamplingArrays:
         min_tokens=np.array([p.min_tokens for p in params], np.int32),
         held_ids=_padded([list(p.held_ids) for p in params], MAX_STOP_TOKEN_IDS, -1, np.int32),
         ignore_eos=np.array([p.ignore_eos for p in params], bool),
+        presence=np.array([p.presence_penalty for p in params], np.float32),
+        frequency=np.array([p.frequency_penalty for p in params], np.float32),
+        repetition=np.array([p.repetition_penalty for p in params], np.float32),
     )
 
 
@@ -159,13 +185,21 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 
 def processed_logits(logits: jax.Array, params: SamplingArrays, step: jax.Array, eos_ids: jax.Array) -> jax.Array:
-    """The logits after the processors: each row's ``logit_bias`` added, and its end ids (``eos_ids`` [E], -1:
-    none) and ``held_ids`` at -inf while its ``step`` (the index of the token drawn now, [B]) is below its
-    ``min_tokens``. logits [B, V] f32 -> [B, V] f32."""
+    """The logits after the processors: with ``counts``, the penalties as vLLM applies them (repetition on the
+    ids of the prompt and of the generated tokens, then frequency x count and presence on the generated ones);
+    each row's ``logit_bias`` added; and its end ids (``eos_ids`` [E], -1: none) and ``held_ids`` at -inf while
+    its ``step`` (the index of the token drawn now, [B]) is below its ``min_tokens``. logits [B, V] f32 ->
+    [B, V] f32."""
     batch, vocab = logits.shape
     rows = jnp.arange(batch)[:, None]
+    out = logits.astype(jnp.float32)
+    if params.counts is not None:
+        generated = params.counts > 0
+        r = params.repetition[:, None]
+        out = jnp.where(generated | params.seen, jnp.where(out > 0, out / r, out * r), out)
+        out = out - params.frequency[:, None] * params.counts - params.presence[:, None] * generated
     ids = jnp.where(params.bias_ids >= 0, params.bias_ids, vocab)  # unused entries: out of range, dropped
-    out = logits.astype(jnp.float32).at[rows, ids].add(params.bias_values, mode="drop")
+    out = out.at[rows, ids].add(params.bias_values, mode="drop")
     held = jnp.concatenate([jnp.broadcast_to(eos_ids, (batch, eos_ids.shape[0])), params.held_ids], axis=1)
     held = jnp.where((held >= 0) & (step < params.min_tokens)[:, None], held, vocab)
     hold = jnp.zeros((batch, vocab), bool).at[rows, held].set(True, mode="drop")

@@ -1,7 +1,8 @@
 """The request fields computed inside the device step (`dsv41_jax.sampling`), against a real server process
 (tests/test_serve.py's flags and tiny model, its programs from the compile cache) through the official `openai`
 client: ``logprobs`` / ``top_logprobs`` (chat and completions, OpenAI's shapes, streamed and not), ``min_p``,
-``logit_bias``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``.
+``logit_bias``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, the presence / frequency / repetition
+penalties.
 
 Exactness: a greedy request's tokens are the same whichever step variant runs it (the argmax-only step, or the
 step with the sampling arrays that every one of these fields needs), and a request's tokens and log-probs are the
@@ -45,8 +46,8 @@ def client(server):
 
 def _ids(client, prompt=(9, 8, 7), max_tokens=8, **fields):
     """(generated ids, finish reason, the choice) of a completion; vLLM's fields go in ``extra_body``."""
-    extra = {k: fields.pop(k) for k in ("min_p", "stop_token_ids", "ignore_eos", "min_tokens", "top_k")
-             if k in fields}
+    extra = {k: fields.pop(k) for k in ("min_p", "stop_token_ids", "ignore_eos", "min_tokens", "top_k",
+                                        "repetition_penalty") if k in fields}
     r = client.completions.create(model=MODEL, prompt=list(prompt), max_tokens=max_tokens,
                                   extra_body={"return_token_ids": True, **extra}, **fields)
     choice = r.choices[0]
@@ -165,3 +166,34 @@ def test_ignore_eos_and_min_tokens(client):
     # greedy with min_tokens 0 and the others neutral: the bare greedy tokens (neutral processors change nothing)
     bare, _, _ = _ids(client, temperature=0, max_tokens=8)
     assert _ids(client, temperature=0, max_tokens=8, min_tokens=0, ignore_eos=False, logit_bias={"5": 0})[0] == bare
+
+
+# ------------------------------------------------------------------------------------------ penalties
+def test_penalties_change_the_draws_and_are_the_same_alone_and_among_others(client):
+    """Greedy: a huge repetition penalty repeats no id of the prompt or the reply (the plain reply does), the
+    presence and frequency penalties change the reply, and neutral penalties change nothing; a penalised
+    request among penalised and plain neighbours (the slot engine counts every slot's tokens on the device)
+    gets the tokens it gets alone. The processors' arithmetic: tests/test_sampling.py; the counts the slots
+    keep: tests/test_serve_slots.py."""
+    prompt = [9, 8, 7]
+    bare, _, _ = _ids(client, prompt, max_tokens=16, temperature=0)
+    assert len(set(bare)) < len(bare)  # the plain greedy reply repeats itself
+    no_repeat, _, _ = _ids(client, prompt, max_tokens=16, temperature=0, repetition_penalty=100.0)
+    assert len(set(no_repeat)) == len(no_repeat) and not set(no_repeat) & set(prompt)
+    ask = dict(max_tokens=16, temperature=0, frequency_penalty=1.5, presence_penalty=0.5)
+    alone, _, _ = _ids(client, prompt, **ask)
+    assert alone != bare and len(set(alone)) > len(set(bare))
+    assert _ids(client, prompt, max_tokens=16, temperature=0, frequency_penalty=0.0, presence_penalty=0,
+                repetition_penalty=1.0)[0] == bare
+
+    def other(k):
+        penalty = {"presence_penalty": 1.0} if k % 2 else {}
+        return _ids(client, [5 + k, 6], max_tokens=20, temperature=0.9, seed=k, **penalty)
+
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(other, k) for k in range(3)]
+        together = pool.submit(_ids, client, prompt, **ask).result()[0]
+        [o.result() for o in others]
+    assert together == alone
+    sampled = dict(max_tokens=16, temperature=1.0, seed=8, presence_penalty=2.0)
+    assert _ids(client, prompt, **sampled)[0] == _ids(client, prompt, **sampled)[0]  # seeded: the same draws

@@ -206,3 +206,36 @@ def test_a_long_prompt_stalls_a_running_stream_at_most_one_segment(engine):
     assert np.diff(segments).max() <= 1  # at most one segment between two tokens
     bound = 2 * (np.median(alone_gaps) + prefill_s / 4) + 0.05
     assert gaps.max() <= bound, (gaps.max(), np.median(alone_gaps), prefill_s)
+
+
+def test_penalties_count_each_slots_tokens_on_both_prefill_paths(engine):
+    """A penalised sampled request beside others: prefilled apart (a 30-token prompt: 2 segments; its first
+    token then drawn by a decode step, which has its counts) or row by row (``short_rows`` above it), the same
+    tokens; the counts its slot was penalised with are those of its tokens, its prompt's ids marked; nothing
+    compiles."""
+    rng = np.random.default_rng(11)
+    prompt = tuple(int(t) for t in rng.integers(3, 512, 30))
+    mine = Request(prompt, 12, SamplingParams(temperature=0.8, seed=3, frequency_penalty=1.0, presence_penalty=0.5,
+                                              repetition_penalty=1.3))
+    others = [Request((7, 8, 9), 15, SamplingParams(temperature=1.0, seed=4)),
+              Request((5,) * 20, 10, SamplingParams(presence_penalty=1.0))]
+
+    def run(short_rows):
+        slots = SlotEngine(engine, SLOTS, short_rows=short_rows)
+        got: dict[int, list] = {0: [], 1: [], 2: []}
+        for i, r in enumerate([others[0], mine, others[1]]):
+            slots.add(Job(i, r, lambda kind, value, i=i: got[i].append(value) if kind == "token" else None))
+        slot = None
+        while slots.busy:
+            slots.step()
+            slot = next((b for b, j in enumerate(slots.running) if j is not None and j.id == 1), slot)
+        return got, slots, slot
+
+    with backend_compiles() as compiles:
+        apart, slots, slot = run(None)
+        row_by_row, _, _ = run(64)
+    assert compiles == []
+    counts, seen = slots.penalty_state(slot)
+    assert apart == row_by_row and len(apart[1]) == 12
+    np.testing.assert_array_equal(counts, np.bincount(apart[1], minlength=512))
+    np.testing.assert_array_equal(np.flatnonzero(seen), sorted(set(prompt)))

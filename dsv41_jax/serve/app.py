@@ -18,8 +18,9 @@ tokens.
 No request field is silently ignored (`check_fields`): a field is implemented, or accepted only at the value that
 means "off" (``presence_penalty: 0``, ...: what clients send by default) and otherwise a 400 saying it is not
 supported by this server, or, unknown, a 400 naming it. Besides OpenAI's fields (``logprobs`` /
-``top_logprobs`` and ``logit_bias`` included, computed in the device step: `sampling`): vLLM's ``top_k``,
-``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (completions: the generated
+``top_logprobs``, ``logit_bias`` and the presence and frequency penalties included, computed in the device step:
+`sampling`): vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids`` and ``return_token_ids`` (completions: the generated
 ids in the choice, ``token_ids``), DeepSeek's ``thinking`` and ``reasoning_effort`` (chat). A ``model`` the server
 does not serve is a 404 ``model_not_found``. While the server drains (shutting down) a new request is a 503 and
 ``/health`` says ``draining``. With an API key (`ApiKeyGuard`) every route but ``/health`` and ``/metrics`` needs
@@ -83,7 +84,10 @@ class _Body(BaseModel):
     top_k: int | None = None  # as vLLM
     user: str | None = None  # an end-user id (OpenAI's abuse monitoring): it changes nothing here
     logit_bias: dict | None = None
-    min_p: float | None = None  # vLLM's, as the four below
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's, as the four below
+    min_p: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list | None = None
@@ -107,9 +111,7 @@ class CompletionBody(_Body):
 
 
 # Fields not implemented, accepted only at the values that mean "off" (what OpenAI clients and SDKs send).
-_OFF_BOTH = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-             # vLLM's extensions
-             "repetition_penalty": (None, 1), "best_of": (None, 1)}
+_OFF_BOTH = {"best_of": (None, 1)}  # vLLM's
 OFF_VALUES = {
     ChatBody: {**_OFF_BOTH, "response_format":
                (None, {"type": "text"}), "parallel_tool_calls": (None, True), "modalities": (None, ["text"]),
@@ -234,8 +236,9 @@ def include_usage(body: _Body) -> bool:
 
 def sampling_of(body: _Body, vocab_size: int) -> SamplingParams:
     """temperature 0..2 (0 greedy; default 1, as OpenAI), top_p (0, 1], top_k (as vLLM: -1 or 0 off, else the k
-    most likely ids), seed 0..2^32-1 (default: random); vLLM's min_p [0, 1], min_tokens, ignore_eos; logit_bias
-    (`logit_bias_of`); stop_token_ids (`stop_token_ids_of`: min_tokens holds them back with the end ids)."""
+    most likely ids), seed 0..2^32-1 (default: random); presence_penalty and frequency_penalty [-2, 2];
+    vLLM's repetition_penalty (0, 100], min_p [0, 1], min_tokens, ignore_eos; logit_bias (`logit_bias_of`);
+    stop_token_ids (`stop_token_ids_of`: min_tokens holds them back with the end ids)."""
     if body.n not in (None, 1):
         raise BadRequest(f"n must be 1 (one choice per request is supported), got {shown(body.n)}", "n")
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -256,9 +259,19 @@ def sampling_of(body: _Body, vocab_size: int) -> SamplingParams:
     min_tokens = 0 if body.min_tokens is None else body.min_tokens
     if min_tokens < 0:
         raise BadRequest(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+    penalties = {}
+    for field in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
+        value = getattr(body, field) or 0.0
+        if not -2 <= value <= 2:
+            raise BadRequest(f"{field} must be in [-2, 2], got {value}", field)
+        penalties[field] = float(value)
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    if not 0 < repetition <= 100:
+        raise BadRequest(f"repetition_penalty must be in (0, 100] (1: off), got {repetition}", "repetition_penalty")
     return SamplingParams(temperature=temperature, top_k=max(0, top_k), top_p=top_p, seed=seed, min_p=min_p,
                           logit_bias=logit_bias_of(body, vocab_size), min_tokens=min_tokens,
-                          held_ids=stop_token_ids_of(body, vocab_size), ignore_eos=bool(body.ignore_eos))
+                          held_ids=stop_token_ids_of(body, vocab_size), ignore_eos=bool(body.ignore_eos),
+                          repetition_penalty=float(repetition), **penalties)
 
 
 def logit_bias_of(body: _Body, vocab_size: int) -> tuple[tuple[int, float], ...]:
