@@ -30,7 +30,7 @@ import pytest
 
 from dsv41_jax.chat import Message, ToolCall, render_reply
 from dsv41_jax.serve.__main__ import build_parser, listen, served_names
-from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream
+from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream, _merged
 from dsv41_jax.tokenizer import load_tokenizer
 
 openai = pytest.importorskip("openai")  # the test extra; a GPU machine may lack these: skipped there
@@ -302,7 +302,7 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("chat", b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -Infinity}',
      "frequency_penalty"),
     ("chat", {"messages": [USER], "top_p": 0}, "top_p"),
-    ("chat", {"messages": [USER], "n": 2}, "n"),
+    ("chat", {"messages": [USER], "n": 129}, "n"),
     ("chat", {"messages": [USER], "n": 0}, "n"),
     ("chat", {"messages": [USER], "seed": -1}, "seed"),
     ("chat", {"messages": [USER], "seed": 2**64}, "seed"),
@@ -444,7 +444,7 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
         (client.completions.create, dict(prompt="x", extra_body={"repetition_penalty": -1.1}), "repetition_penalty"),
         (client.chat.completions.create, dict(messages=image), "messages[0].content[0].type"),
         (client.chat.completions.create, dict(messages=user, max_tokens=10**6), "max_tokens"),
-        (client.chat.completions.create, dict(messages=user, n=3), "n"),
+        (client.chat.completions.create, dict(messages=user, n=-3), "n"),
         (client.chat.completions.create, dict(messages=user, stop=[5]), "stop"),
         (client.chat.completions.create, dict(messages=user, extra_body={"thinking": "on"}), "thinking"),
         (client.chat.completions.create, dict(messages=user, tools=[{"type": "function", "function": {"name": ""}}]),
@@ -625,7 +625,8 @@ def test_tool_calls_stream_as_openai_chunks():
         yield Finish("stop", tuple(ids[:-1]))
 
     async def collect():
-        return [line async for line in _chat_stream({"id": "x", "created": 0, "model": "m"}, events(), 10)]
+        return [line async for line in _chat_stream({"id": "x", "created": 0, "model": "m"}, _merged([events()]),
+                                                    10)]
 
     lines = asyncio.run(collect())
     assert lines[-1] == "data: [DONE]\n\n"

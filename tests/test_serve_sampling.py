@@ -197,3 +197,38 @@ def test_penalties_change_the_draws_and_are_the_same_alone_and_among_others(clie
     assert together == alone
     sampled = dict(max_tokens=16, temperature=1.0, seed=8, presence_penalty=2.0)
     assert _ids(client, prompt, **sampled)[0] == _ids(client, prompt, **sampled)[0]  # seeded: the same draws
+
+
+# ------------------------------------------------------------------------------------------ n > 1
+def test_n_choices_are_each_the_request_alone_with_its_seed(client):
+    """``n`` choices: each its own slot and seed (seed + i), so choice i is the request alone with seed + i;
+    greedy choices are equal; streamed, each choice's chunks (by index) add up to its whole; usage counts the
+    prompt once and every choice's tokens."""
+    ask = dict(model=MODEL, prompt=[9, 8, 7], max_tokens=10, temperature=1.0)
+    many = client.completions.create(**ask, n=3, seed=40, logprobs=1, extra_body={"return_token_ids": True})
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for i, choice in enumerate(many.choices):
+        alone = client.completions.create(**ask, seed=40 + i, logprobs=1, extra_body={"return_token_ids": True})
+        assert choice.model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]
+        assert choice.text == alone.choices[0].text and choice.logprobs.tokens == alone.choices[0].logprobs.tokens
+    assert len({c.text for c in many.choices}) > 1
+    assert many.usage.prompt_tokens == 3 and many.usage.completion_tokens == 30
+    texts = ["", "", ""]
+    finishes = {}
+    for chunk in client.completions.create(**ask, n=3, seed=40, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == [c.text for c in many.choices] and finishes == {0: "length", 1: "length", 2: "length"}
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6)
+    greedy = client.chat.completions.create(**chat, temperature=0, n=2)
+    assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+    streamed: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(**chat, temperature=0.9, seed=3, n=2, stream=True):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    whole = client.chat.completions.create(**chat, temperature=0.9, seed=3, n=2)
+    assert streamed == {c.index: c.message.content for c in whole.choices} and usage == whole.usage

@@ -21,7 +21,8 @@ supported by this server, or, unknown, a 400 naming it. Besides OpenAI's fields 
 ``top_logprobs``, ``logit_bias`` and the presence and frequency penalties included, computed in the device step:
 `sampling`): vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids`` and ``return_token_ids`` (completions: the generated
-ids in the choice, ``token_ids``), DeepSeek's ``thinking`` and ``reasoning_effort`` (chat). A ``model`` the server
+ids in the choice, ``token_ids``), DeepSeek's ``thinking`` and ``reasoning_effort`` (chat); ``n`` choices are n
+generations (`choice_events`), merged into one response or stream by choice index. A ``model`` the server
 does not serve is a 404 ``model_not_found``. While the server drains (shutting down) a new request is a 503 and
 ``/health`` says ``draining``. With an API key (`ApiKeyGuard`) every route but ``/health`` and ``/metrics`` needs
 it as a Bearer token (else a 401).
@@ -66,6 +67,7 @@ from .metrics import Metrics
 from .worker import QueueFull, ShuttingDown, Worker
 
 MAX_STOPS = 4  # as OpenAI
+MAX_CHOICES = 128  # n, as OpenAI
 
 
 # ------------------------------------------------------------------------------------------------- bodies
@@ -239,8 +241,6 @@ def sampling_of(body: _Body, vocab_size: int) -> SamplingParams:
     most likely ids), seed 0..2^32-1 (default: random); presence_penalty and frequency_penalty [-2, 2];
     vLLM's repetition_penalty (0, 100], min_p [0, 1], min_tokens, ignore_eos; logit_bias (`logit_bias_of`);
     stop_token_ids (`stop_token_ids_of`: min_tokens holds them back with the end ids)."""
-    if body.n not in (None, 1):
-        raise BadRequest(f"n must be 1 (one choice per request is supported), got {shown(body.n)}", "n")
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0 <= temperature <= 2:
         raise BadRequest(f"temperature must be in [0, 2], got {temperature}", "temperature")
@@ -305,6 +305,14 @@ def stop_token_ids_of(body: _Body, vocab_size: int) -> tuple[int, ...]:
             raise BadRequest(f"stop_token_ids[{k}] must be a token id in 0..{vocab_size - 1}, got {shown(i)}",
                              f"stop_token_ids[{k}]")
     return tuple(dict.fromkeys(ids))
+
+
+def choices_of(body: _Body) -> int:
+    """``n``: the choices to generate, 1..MAX_CHOICES (each its own slot; sampled ones each from its own seed)."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be in 1..{MAX_CHOICES}, got {shown(body.n)}", "n")
+    return n
 
 
 def logprobs_of(body: _Body) -> int | None:
@@ -657,9 +665,9 @@ class EventStream(StreamingResponse):
     the generation cancelled at once (not when the garbage collector finds the generator), so its slot is free
     at the next step."""
 
-    def __init__(self, body: AsyncIterator[str], generation: Generation):
+    def __init__(self, body: AsyncIterator[str], generations: list[Generation]):
         super().__init__(body, media_type="text/event-stream")
-        self.generation = generation
+        self.generations = generations
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -667,8 +675,72 @@ class EventStream(StreamingResponse):
         except ClientDisconnect:  # (ASGI 2.4: the server's send raised) the client is gone: no one to answer
             pass
         finally:
-            self.generation.close()
+            for generation in self.generations:
+                generation.close()
             await self.body_iterator.aclose()
+
+
+async def choice_events(state: ServerState, request: Request, n: int, pipeline, http: HttpRequest | None,
+                        arrived: float, logprobs: int | None) -> tuple[list[Generation], AsyncIterator]:
+    """Submit ``n`` generations of ``request`` (choice i with seed + i; a greedy one n times the same) and merge
+    their events as (choice index, event). ``pipeline()`` makes each choice's `TextPipeline`. QueueFull when
+    they do not all fit (those submitted are cancelled)."""
+    generations, streams = [], []
+    try:
+        for i in range(n):
+            sampling = replace(request.sampling, seed=(request.sampling.seed + i) % 2**32)
+            generation, events = await generation_events(state, replace(request, sampling=sampling), pipeline(),
+                                                         http, arrived, logprobs)
+            generations.append(generation)
+            streams.append(events)
+    except QueueFull:
+        for generation in generations:
+            generation.close()
+        raise
+    return generations, _merged(streams)
+
+
+class _Raised:
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(index, event) of each stream's events as they come (one stream: in its own task, as it is); closing
+    this closes every stream (their requests are cancelled); a stream's exception is raised here."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]):
+            async for event in streams[0]:
+                yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async with aclosing(stream):
+                async for event in stream:
+                    queue.put_nowait((i, event))
+        except Exception as exc:  # noqa: BLE001 - raised again in the consumer
+            queue.put_nowait((i, _Raised(exc)))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, event = await queue.get()
+            if event is done:
+                left -= 1
+            elif isinstance(event, _Raised):
+                raise event.exc
+            else:
+                yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ------------------------------------------------------------------------------------------------- responses
@@ -741,147 +813,170 @@ class LogprobShapes:
 async def chat_completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, ChatBody)
-    name, usage = model_of(state, body), include_usage(body)
+    name, usage, n = model_of(state, body), include_usage(body), choices_of(body)
     thinking = thinking_of(body)
     logprobs = logprobs_of(body)
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     request = engine_request(state, chat_prompt(state, body, thinking), getattr(body, max_field),
                              sampling_of(body, state.vocab_size), "messages", max_field=max_field)
-    pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=True, thinking=thinking)
+    stops = stops_of(body)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
-    shapes = None if logprobs is None else LogprobShapes(state.tokenizer, chat=True)
+    shapes = None if logprobs is None else [LogprobShapes(state.tokenizer, chat=True) for _ in range(n)]
+    ask = (lambda: TextPipeline(state.tokenizer, stops, chat=True, thinking=thinking), arrived, logprobs)
     if body.stream:
-        generation, events = await generation_events(state, request, pipeline, None, arrived, logprobs)
-        return EventStream(_guarded(_chat_stream(head, events, prompt_tokens, usage, shapes), "a chat stream"),
-                           generation)
-    _, events = await generation_events(state, request, pipeline, http, arrived, logprobs)
-    reasoning, content, calls, unparsed, entries, finish = [], [], [], [], [], None
-    async for e in events:
-        if isinstance(e, Failed):
-            return e.response()
-        if isinstance(e, ReasoningDelta):
-            reasoning.append(e.text)
-        elif isinstance(e, ContentDelta):
-            content.append(e.text)
-        elif isinstance(e, ToolCallEvent):
-            calls.append(_tool_call_delta(e))
-        elif isinstance(e, UnparsedDelta):
-            unparsed.append(e.text)
-        elif isinstance(e, TokenLogprob):
-            entries.append(e)
-        else:
-            finish = e
-    if finish is None:  # the client went away
+        generations, events = await choice_events(state, request, n, ask[0], None, *ask[1:])
+        return EventStream(_guarded(_chat_stream(head, events, prompt_tokens, usage, shapes, n), "a chat stream"),
+                           generations)
+    _, events = await choice_events(state, request, n, ask[0], http, *ask[1:])
+    parts = [{"reasoning": [], "content": [], "calls": [], "unparsed": [], "logprobs": []} for _ in range(n)]
+    finishes: dict[int, Finish] = {}
+    async with aclosing(events):
+        async for i, e in events:
+            if isinstance(e, Failed):
+                return e.response()
+            part = parts[i]
+            if isinstance(e, ReasoningDelta):
+                part["reasoning"].append(e.text)
+            elif isinstance(e, ContentDelta):
+                part["content"].append(e.text)
+            elif isinstance(e, ToolCallEvent):
+                part["calls"].append(_tool_call_delta(e))
+            elif isinstance(e, UnparsedDelta):
+                part["unparsed"].append(e.text)
+            elif isinstance(e, TokenLogprob):
+                part["logprobs"].append(e)
+            else:
+                finishes[i] = e
+    if len(finishes) < n:  # the client went away
         return PlainTextResponse("", status_code=499)
-    message = {"role": "assistant", "content": "".join(content) + "".join(unparsed),
-               "reasoning_content": "".join(reasoning) if thinking else None}
-    if calls:
-        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-    reason = "tool_calls" if calls and finish.reason == "stop" else finish.reason
-    choice = {"index": 0, "message": message, "finish_reason": reason,
-              "logprobs": None if shapes is None else shapes.block(entries)}
-    return JSONResponse({**head, "object": "chat.completion", "choices": [choice],
-                         "usage": _usage(prompt_tokens, finish.completion_tokens)})
+    choices = []
+    for i, part in enumerate(parts):
+        message = {"role": "assistant", "content": "".join(part["content"]) + "".join(part["unparsed"]),
+                   "reasoning_content": "".join(part["reasoning"]) if thinking else None}
+        calls = part["calls"]
+        if calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        reason = "tool_calls" if calls and finishes[i].reason == "stop" else finishes[i].reason
+        choices.append({"index": i, "message": message, "finish_reason": reason,
+                        "logprobs": None if shapes is None else shapes[i].block(part["logprobs"])})
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                         "usage": _usage(prompt_tokens, sum(f.completion_tokens for f in finishes.values()))})
 
 
 async def _chat_stream(head: dict, events, prompt_tokens: int, usage: bool = True,
-                       shapes: LogprobShapes | None = None):
-    """The chat stream's chunks; with ``shapes``, the log-probs of the tokens since the last chunk ride on the
-    next one (a token whose text is held back, a partial character or a possible stop string, reports its
-    log-prob with the text that follows)."""
-    pending: list[TokenLogprob] = []
+                       shapes: list[LogprobShapes] | None = None, n: int = 1):
+    """The chat stream's chunks over ``events`` ((choice index, event), `choice_events`); with ``shapes`` (one
+    per choice), the log-probs of a choice's tokens since its last chunk ride on its next one (a token whose text
+    is held back, a partial character or a possible stop string, reports its log-prob with the text that
+    follows). The usage chunk comes once every choice has finished."""
+    pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    saw_calls, completion_tokens = [False] * n, 0
 
-    def chunk(delta: dict, finish=None) -> str:
-        logprobs = None if shapes is None or not pending else shapes.block(pending)
-        pending.clear()
+    def chunk(i: int, delta: dict, finish=None) -> str:
+        logprobs = None if shapes is None or not pending[i] else shapes[i].block(pending[i])
+        pending[i].clear()
         return _sse({**head, "object": "chat.completion.chunk",
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+                     "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
 
-    yield chunk({"role": "assistant", "content": ""})
-    saw_calls = False
-    async for e in events:
-        if isinstance(e, TokenLogprob):
-            pending.append(e)
-        elif isinstance(e, ReasoningDelta):
-            yield chunk({"reasoning_content": e.text})
-        elif isinstance(e, (ContentDelta, UnparsedDelta)):
-            yield chunk({"content": e.text})
-        elif isinstance(e, ToolCallEvent):
-            saw_calls = True
-            yield chunk({"tool_calls": [_tool_call_delta(e)]})
-        elif isinstance(e, Failed):
-            yield e.event()
+    for i in range(n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async with aclosing(events):
+        async for i, e in events:
+            if isinstance(e, TokenLogprob):
+                pending[i].append(e)
+            elif isinstance(e, ReasoningDelta):
+                yield chunk(i, {"reasoning_content": e.text})
+            elif isinstance(e, (ContentDelta, UnparsedDelta)):
+                yield chunk(i, {"content": e.text})
+            elif isinstance(e, ToolCallEvent):
+                saw_calls[i] = True
+                yield chunk(i, {"tool_calls": [_tool_call_delta(e)]})
+            elif isinstance(e, Failed):
+                yield e.event()
+                break
+            else:
+                if pending[i]:
+                    yield chunk(i, {})
+                yield chunk(i, {}, "tool_calls" if saw_calls[i] and e.reason == "stop" else e.reason)
+                completion_tokens += e.completion_tokens
         else:
-            if pending:
-                yield chunk({})
-            yield chunk({}, "tool_calls" if saw_calls and e.reason == "stop" else e.reason)
             if usage:
                 yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
-                            "usage": _usage(prompt_tokens, e.completion_tokens)})
+                            "usage": _usage(prompt_tokens, completion_tokens)})
     yield "data: [DONE]\n\n"
 
 
 async def completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, CompletionBody)
-    name, usage = model_of(state, body), include_usage(body)
+    name, usage, n = model_of(state, body), include_usage(body), choices_of(body)
     logprobs = logprobs_of(body)
     request = engine_request(state, completion_prompt(state, body), body.max_tokens,
                              sampling_of(body, state.vocab_size), "prompt", default_max=16)  # OpenAI's default
-    pipeline = TextPipeline(state.tokenizer, stops_of(body), chat=False)
+    stops = stops_of(body)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
-    shapes = None if logprobs is None else LogprobShapes(state.tokenizer, chat=False)
+    shapes = None if logprobs is None else [LogprobShapes(state.tokenizer, chat=False) for _ in range(n)]
+    ask = (lambda: TextPipeline(state.tokenizer, stops, chat=False), arrived, logprobs)
     if body.stream:
-        generation, events = await generation_events(state, request, pipeline, None, arrived, logprobs)
-        stream = _completion_stream(head, events, prompt_tokens, usage, shapes)
-        return EventStream(_guarded(stream, "a completion stream"), generation)
-    _, events = await generation_events(state, request, pipeline, http, arrived, logprobs)
-    text, entries, finish = [], [], None
-    async for e in events:
-        if isinstance(e, Failed):
-            return e.response()
-        if isinstance(e, Finish):
-            finish = e
-        elif isinstance(e, TokenLogprob):
-            entries.append(e)
-        else:
-            text.append(e.text)
-    if finish is None:
+        generations, events = await choice_events(state, request, n, ask[0], None, *ask[1:])
+        stream = _completion_stream(head, events, prompt_tokens, usage, shapes, n)
+        return EventStream(_guarded(stream, "a completion stream"), generations)
+    _, events = await choice_events(state, request, n, ask[0], http, *ask[1:])
+    texts, entries, finishes = [[] for _ in range(n)], [[] for _ in range(n)], {}
+    async with aclosing(events):
+        async for i, e in events:
+            if isinstance(e, Failed):
+                return e.response()
+            if isinstance(e, Finish):
+                finishes[i] = e
+            elif isinstance(e, TokenLogprob):
+                entries[i].append(e)
+            else:
+                texts[i].append(e.text)
+    if len(finishes) < n:
         return PlainTextResponse("", status_code=499)
-    choice = {"index": 0, "text": "".join(text), "finish_reason": finish.reason,
-              "logprobs": None if shapes is None else shapes.block(entries)}
-    if body.return_token_ids:  # as vLLM: the ids, for exact comparisons
-        choice["token_ids"] = list(finish.token_ids)
-    return JSONResponse({**head, "object": "text_completion", "choices": [choice],
-                         "usage": _usage(prompt_tokens, finish.completion_tokens)})
+    choices = []
+    for i in range(n):
+        choice = {"index": i, "text": "".join(texts[i]), "finish_reason": finishes[i].reason,
+                  "logprobs": None if shapes is None else shapes[i].block(entries[i])}
+        if body.return_token_ids:  # as vLLM: the ids, for exact comparisons
+            choice["token_ids"] = list(finishes[i].token_ids)
+        choices.append(choice)
+    return JSONResponse({**head, "object": "text_completion", "choices": choices,
+                         "usage": _usage(prompt_tokens, sum(f.completion_tokens for f in finishes.values()))})
 
 
 async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool = True,
-                             shapes: LogprobShapes | None = None):
-    pending: list[TokenLogprob] = []
+                             shapes: list[LogprobShapes] | None = None, n: int = 1):
+    pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    completion_tokens = 0
 
-    def chunk(text: str, finish=None) -> str:
-        logprobs = None if shapes is None or not pending else shapes.block(pending)
-        pending.clear()
+    def chunk(i: int, text: str, finish=None) -> str:
+        logprobs = None if shapes is None or not pending[i] else shapes[i].block(pending[i])
+        pending[i].clear()
         return _sse({**head, "object": "text_completion",
-                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
+                     "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
 
-    async for e in events:
-        if isinstance(e, Failed):
-            yield e.event()
-        elif isinstance(e, TokenLogprob):
-            pending.append(e)
-        elif isinstance(e, Finish):
-            if pending:
-                yield chunk("")
-            yield chunk("", e.reason)
+    async with aclosing(events):
+        async for i, e in events:
+            if isinstance(e, Failed):
+                yield e.event()
+                break
+            if isinstance(e, TokenLogprob):
+                pending[i].append(e)
+            elif isinstance(e, Finish):
+                if pending[i]:
+                    yield chunk(i, "")
+                yield chunk(i, "", e.reason)
+                completion_tokens += e.completion_tokens
+            else:
+                yield chunk(i, e.text)
+        else:
             if usage:
                 yield _sse({**head, "object": "text_completion", "choices": [],
-                            "usage": _usage(prompt_tokens, e.completion_tokens)})
-        else:
-            yield chunk(e.text)
+                            "usage": _usage(prompt_tokens, completion_tokens)})
     yield "data: [DONE]\n\n"
 
 
