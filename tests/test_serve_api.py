@@ -14,6 +14,7 @@ import pytest
 from test_serve import CONTEXT, SLOTS, _start
 
 from dsv41_jax.serve.__main__ import api_key, build_parser
+from dsv41_jax.tokenizer import load_tokenizer
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -168,3 +169,51 @@ def test_gauges_show_running_waiting_and_cache_usage(server):
     assert samples[f"vllm:num_requests_waiting{{{MODEL}}}"] == 0
     assert samples[f"vllm:kv_cache_usage_perc{{{MODEL}}}"] == 0
     assert samples[f'vllm:request_success_total{{{MODEL},finished_reason="abort"}}'] >= SLOTS + 1
+
+
+def test_tokenize_and_detokenize_as_vllm(server, client):
+    """vLLM's shapes: /tokenize of a prompt gives the ids a completion runs (its usage counts them), of messages
+    the chat prompt's; /detokenize gives the text back; they need the key; mistakes are 400s naming the field."""
+    with httpx.Client(base_url=server, headers=_auth(), timeout=60) as http:
+        r = http.post("/tokenize", json={"prompt": "Hello there", "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert set(out) == {"count", "max_model_len", "tokens", "token_strs"} and out["max_model_len"] == CONTEXT
+        assert out["count"] == len(out["tokens"]) == len(out["token_strs"])
+        done = client.completions.create(model="dsv41-tiny-random", prompt="Hello there", max_tokens=1)
+        assert done.usage.prompt_tokens == out["count"]
+        by_ids = client.completions.create(model="dsv41-tiny-random", prompt=out["tokens"], max_tokens=3,
+                                           temperature=0, extra_body={"return_token_ids": True})
+        by_text = client.completions.create(model="dsv41-tiny-random", prompt="Hello there", max_tokens=3,
+                                            temperature=0)
+        assert by_ids.choices[0].text == by_text.choices[0].text  # the same ids run
+        bare = http.post("/tokenize", json={"prompt": "Hello there", "add_special_tokens": False}).json()
+        assert bare["tokens"] == out["tokens"][1:] and bare["token_strs"] is None
+        # the tiny model folds the tokenizer's ids into its 512 (id mod 512): ids 0..511 are the tokenizer's own,
+        # and a reply's ids read back as the reply's text
+        tokenizer, _ = load_tokenizer()
+        ids = by_ids.choices[0].model_extra["token_ids"]
+        back = http.post("/detokenize", json={"tokens": ids})
+        assert back.status_code == 200 and back.json() == {"prompt": tokenizer.decode(ids, skip_special=False)}
+        if tokenizer.decode(ids, skip_special=True) == back.json()["prompt"]:  # no special token among them
+            assert back.json()["prompt"] == by_ids.choices[0].text
+        assert "".join(out["token_strs"]) == tokenizer.decode(out["tokens"], skip_special=False) or \
+            "\ufffd" in "".join(out["token_strs"])  # per token, a split character shows as U+FFFD
+        messages = [{"role": "user", "content": "Hi"}]
+        chat = http.post("/tokenize", json={"model": "dsv41-tiny-random", "messages": messages}).json()
+        reply = client.chat.completions.create(model="dsv41-tiny-random", messages=messages, max_tokens=1)
+        assert chat["count"] == reply.usage.prompt_tokens
+        thinking = http.post("/tokenize", json={"messages": messages, "reasoning_effort": "low"}).json()
+        assert thinking["count"] > chat["count"]
+        for path, body, param in [("/tokenize", {"prompt": "x", "messages_": []}, "messages_"),
+                                  ("/tokenize", {"prompt": 5}, "prompt"),
+                                  ("/tokenize", {"messages": messages, "add_generation_prompt": False},
+                                   "add_generation_prompt"),
+                                  ("/detokenize", {"tokens": [1, 512]}, "tokens[1]"),
+                                  ("/detokenize", {}, "tokens")]:
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        missing = http.post("/tokenize", json={"prompt": "x", "model": "gpt-4"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(server + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(server + "/detokenize", json={"tokens": [1]}).status_code == 401

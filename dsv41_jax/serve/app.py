@@ -1,7 +1,8 @@
 """The HTTP side: FastAPI routes of the OpenAI API over the engine thread (`worker.Worker`).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent events with ``"stream": true``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models``, vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``, ``GET /metrics``
+(Prometheus text).
 
 A request body is parsed here (not by FastAPI's validation, whose errors are 422s of another shape): malformed
 JSON or values JSON cannot carry (`errors.read_json_object`), a field of the wrong type, a value out of range, a
@@ -123,7 +124,42 @@ OFF_VALUES = {
                "safety_identifier": (None,)},
     CompletionBody: {**_OFF_BOTH, "echo": (None, False), "suffix": (None,)},
 }
-API_NAMES = {ChatBody: "chat completions", CompletionBody: "completions"}
+class TokenizeBody(BaseModel):
+    """vLLM's ``/tokenize`` of a prompt (completions) or, with ``messages``, of a chat (`TokenizeChatBody`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = None  # default true: the BOS, as a completion's prompt has it
+    return_token_strs: bool | None = None
+
+
+class TokenizeChatBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    messages: list
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    thinking: bool | dict | None = None
+    reasoning_effort: str | int | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list
+
+
+OFF_VALUES[TokenizeBody] = {}
+OFF_VALUES[TokenizeChatBody] = {"add_generation_prompt": (None, True),  # the chat prompt always ends with it
+                                "add_special_tokens": (None, False)}  # the format writes its own BOS
+OFF_VALUES[DetokenizeBody] = {}
+API_NAMES = {ChatBody: "chat completions", CompletionBody: "completions", TokenizeBody: "tokenize",
+             TokenizeChatBody: "tokenize (chat)", DetokenizeBody: "detokenize"}
 
 
 def _is_off(value: Any, off: tuple) -> bool:
@@ -136,7 +172,7 @@ def _off_words(off: tuple) -> str:
     return " or ".join("null" if v is None else shown(v) for v in off)
 
 
-def check_fields(data: dict, model: type[_Body]) -> None:
+def check_fields(data: dict, model: type[BaseModel]) -> None:
     """400 for a field this server does not read: not implemented (at a value other than "off") or unknown."""
     off_values = OFF_VALUES[model]
     for field, value in data.items():
@@ -152,8 +188,12 @@ def check_fields(data: dict, model: type[_Body]) -> None:
                          f"fields are refused, not ignored)", field)
 
 
-async def parse_body(http: HttpRequest, model: type[_Body]) -> Any:
-    data = read_json_object(await http.body())
+async def parse_body(http: HttpRequest, model: type[BaseModel]) -> Any:
+    return validated(read_json_object(await http.body()), model)
+
+
+def validated(data: dict, model: type[BaseModel]) -> Any:
+    """``data`` as a ``model`` body: 400 for a field not read (`check_fields`) or of the wrong type."""
     check_fields(data, model)
     try:
         return model.model_validate(data)
@@ -980,6 +1020,41 @@ async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool
     yield "data: [DONE]\n\n"
 
 
+# ------------------------------------------------------------------------------------------------- tokenizer
+async def tokenize(state: ServerState, http: HttpRequest):
+    """vLLM's ``POST /tokenize``: a completion's ``prompt`` (with its BOS unless ``add_special_tokens`` is false),
+    or with ``messages`` (and ``tools``, ``thinking``, ``reasoning_effort``) the chat prompt the server would
+    run, as the model's ids -> ``{"count", "max_model_len", "tokens", "token_strs"}`` (``return_token_strs``:
+    each id's text, invalid UTF-8 as U+FFFD)."""
+    data = read_json_object(await http.body())
+    if "messages" in data:
+        chat = validated(data, TokenizeChatBody)
+        model_of(state, chat)
+        ids = chat_prompt(state, chat, thinking_of(chat))
+        strs = chat.return_token_strs
+    else:
+        body = validated(data, TokenizeBody)
+        model_of(state, body)
+        text_ids = state.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens is not False)
+        ids = tuple(fold_ids(text_ids, state.tokenizer.vocab_size, state.vocab_size)[0])
+        strs = body.return_token_strs
+    token_strs = [state.tokenizer.token_bytes(int(i), False).decode("utf-8", errors="replace") for i in ids]
+    return {"count": len(ids), "max_model_len": state.max_context, "tokens": list(ids),
+            "token_strs": token_strs if strs else None}
+
+
+async def detokenize(state: ServerState, http: HttpRequest):
+    """vLLM's ``POST /detokenize``: ``tokens`` (the model's ids) -> ``{"prompt": their text}`` (special tokens
+    written out)."""
+    body = await parse_body(http, DetokenizeBody)
+    model_of(state, body)
+    for k, i in enumerate(body.tokens):
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < state.vocab_size:
+            raise BadRequest(f"tokens[{k}] must be a token id in 0..{state.vocab_size - 1}, got {shown(i)}",
+                             f"tokens[{k}]")
+    return {"prompt": state.tokenizer.decode(body.tokens, skip_special=False)}
+
+
 # ------------------------------------------------------------------------------------------------- the app
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (probes and scrapers)
 
@@ -1033,6 +1108,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.post("/v1/chat/completions")(route(chat_completion))
     app.post("/v1/completions")(route(completion))
+    app.post("/tokenize")(route(tokenize))
+    app.post("/detokenize")(route(detokenize))
 
     @app.get("/v1/models")
     async def models():
