@@ -44,12 +44,17 @@ client gone) frees its slot when the host reads it (at once for a cancel); the n
 slot's row whole (the insert of a fresh one-row cache for a short prompt). A job that asks for log-probs reads
 them with its tokens (the step with the sampling arrays returns them; the host fetches them only then).
 
-Programs: ``init[1]``, ``init[S]``, ``step[S, 1]`` (per-slot steps; twice: with the sampling arrays, and the
-argmax-only variant run while every slot is plain greedy and wants no log-probs, which skips the filters' sort of
-the vocabulary), ``insert``,
-``override`` (serving's own, registered in the runtime's table) and ``step[1, T]`` per bucket above
-``short_rows`` — all compiled by `precompile`; slots are reused without compiling anything (tests/test_serve.py
-counts JAX's compile events in the server).
+Penalties (presence, frequency, repetition) need each request's token counts: the slots keep them on the device
+(counts [S, V], the prompts' ids [S, V]), passed to the step in its sampling arrays, counted after each decode step
+that has a penalised request (``count``) and reset when one takes a slot (``reset_counts``). A penalised long
+prompt's first token is drawn by the decode step after its prefill (which has its counts), not by the prefill.
+
+Programs: ``init[1]``, ``init[S]``, ``step[S, 1]`` (per-slot steps; twice: with the sampling arrays and the
+penalties' state, and the argmax-only variant run while every slot is plain greedy and wants no log-probs, which
+skips the filters' sort of the vocabulary), ``insert``, ``override``, ``count``, ``reset_counts`` (serving's own,
+registered in the runtime's table) and ``step[1, T]`` per bucket above ``short_rows`` — all compiled by
+`precompile`; slots are reused without compiling anything (tests/test_serve.py counts JAX's compile events in the
+server).
 """
 
 from __future__ import annotations
