@@ -347,7 +347,7 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("chat", {"messages": [USER], "presence_penalty": 2.5}, "presence_penalty"),
     ("chat", {"messages": [USER], "frequency_penalty": "1"}, "frequency_penalty"),
     ("chat", {"messages": [USER], "response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"messages": [USER], "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("chat", {"messages": [USER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ("chat", {"messages": [USER], "tool_choice": "required"}, "tool_choice"),
     ("chat", {"messages": [USER], "tool_choice": "any"}, "tool_choice"),
     ("chat", {"messages": [USER], "repetition_penalty": 0}, "repetition_penalty"),
@@ -362,7 +362,7 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
      "stream_options.continuous_usage_stats"),
     ("completions", {"prompt": [1], "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": [1], "logprobs": True}, "logprobs"),
-    ("completions", {"prompt": [1], "echo": True}, "echo"),
+    ("completions", {"prompt": [1], "echo": True, "logprobs": 1}, "echo"),
     ("completions", {"prompt": [1], "best_of": 2}, "best_of"),
     ("completions", {"prompt": [1], "suffix": "x"}, "suffix"),
     ("completions", {"prompt": [1], "min_tokens": 17}, "min_tokens"),  # above the default max_tokens, 16
@@ -437,7 +437,7 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
          "stop_token_ids[0]"),
         (client.chat.completions.create, dict(messages=user, extra_body={"not_a_field": 1}), "not_a_field"),
         (client.completions.create, dict(prompt="x", logprobs=30), "logprobs"),
-        (client.completions.create, dict(prompt="x", echo=True), "echo"),
+        (client.completions.create, dict(prompt="x", echo=True, logprobs=0), "echo"),
         (client.completions.create, dict(prompt="x", best_of=2), "best_of"),
         (client.completions.create, dict(prompt="x", suffix="!"), "suffix"),
         (client.completions.create, dict(prompt="x", presence_penalty=-3), "presence_penalty"),
@@ -457,7 +457,7 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
             create(model="m", **ask)
         assert e.value.status_code == 400 and e.value.param == param and e.value.type == "invalid_request_error", \
             (ask, e.value.body)
-        if param in ("tool_choice", "best_of"):
+        if param in ("tool_choice", "best_of", "echo"):
             assert "not supported by this server" in e.value.message, e.value.message
     assert client.chat.completions.create(model="m", messages=user, max_tokens=1).usage.completion_tokens == 1
 
@@ -638,6 +638,30 @@ def test_tool_calls_stream_as_openai_chunks():
     assert "".join(d.content or "" for d in deltas) == "Let me look."
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Weather needs a tool."
     assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens == len(ids) - 1
+
+
+def test_parallel_tool_calls_false_ends_the_reply_with_its_first_call():
+    """Two DSML tool calls in one reply: with ``parallel_tool_calls: false`` the pipeline gives the first one only
+    and stops (finish reason tool_calls), what follows never sent; by default both."""
+    tokenizer, _ = load_tokenizer()
+    reply = Message("assistant", "", tool_calls=(ToolCall("get_weather", '{"city": "Paris"}'),
+                                                 ToolCall("get_time", '{"zone": "CET"}')))
+    ids = tokenizer.encode(render_reply(reply, thinking=False))[:-1]
+
+    def calls(one_call: bool):
+        pipeline = TextPipeline(tokenizer, (), chat=True, one_call=one_call)
+        events, pushed = [], 0
+        for i in ids:
+            events += pipeline.push(i)
+            pushed += 1
+            if pipeline.stop.stopped:  # as the server's loop: the generation is cancelled here
+                break
+        events += pipeline.finish()
+        return [e.call.name for e in events if type(e).__name__ == "ToolCallEvent"], pushed
+
+    assert calls(False) == (["get_weather", "get_time"], len(ids))
+    names, pushed = calls(True)
+    assert names == ["get_weather"] and pushed < len(ids)
 
 
 def test_the_socket_accepts_connections_before_uvicorn_starts():

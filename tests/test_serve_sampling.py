@@ -232,3 +232,19 @@ def test_n_choices_are_each_the_request_alone_with_its_seed(client):
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     whole = client.chat.completions.create(**chat, temperature=0.9, seed=3, n=2)
     assert streamed == {c.index: c.message.content for c in whole.choices} and usage == whole.usage
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    ask = dict(model=MODEL, max_tokens=5, temperature=0)
+    plain = client.completions.create(prompt="Once upon", **ask).choices[0].text
+    echoed = client.completions.create(prompt="Once upon", echo=True, **ask)
+    assert echoed.choices[0].text == "Once upon" + plain and echoed.usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt="Once upon", echo=True,
+                                                                            stream=True, **ask) if c.choices)
+    assert streamed == echoed.choices[0].text
+    by_ids = client.completions.create(prompt=[300, 301], echo=True, **ask).choices[0]
+    plain_ids = client.completions.create(prompt=[300, 301], **ask).choices[0].text
+    assert by_ids.text.endswith(plain_ids) and len(by_ids.text) > len(plain_ids)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          parallel_tool_calls=False, temperature=0)
+    assert chat.usage.completion_tokens == 3  # accepted; no tool call to cut in a random model's reply

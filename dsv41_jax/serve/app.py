@@ -23,7 +23,8 @@ supported by this server, or, unknown, a 400 naming it. Besides OpenAI's fields 
 `sampling`): vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids`` and ``return_token_ids`` (completions: the generated
 ids in the choice, ``token_ids``), DeepSeek's ``thinking`` and ``reasoning_effort`` (chat); ``n`` choices are n
-generations (`choice_events`), merged into one response or stream by choice index. A ``model`` the server
+generations (`choice_events`), merged into one response or stream by choice index; completions' ``echo`` and
+chat's ``parallel_tool_calls: false`` (`TextPipeline`'s ``one_call``) are the host's. A ``model`` the server
 does not serve is a 404 ``model_not_found``. While the server drains (shutting down) a new request is a 503 and
 ``/health`` says ``draining``. With an API key (`ApiKeyGuard`) every route but ``/health`` and ``/metrics`` needs
 it as a Bearer token (else a 401).
@@ -105,24 +106,26 @@ class ChatBody(_Body):
     reasoning_effort: str | int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None  # false: the reply ends with its first tool call
 
 
 class CompletionBody(_Body):
     prompt: str | list
     return_token_ids: bool | None = None  # as vLLM
     logprobs: int | None = None  # the top log-probs reported with each token's (0: its own only)
+    echo: bool | None = None  # the prompt's text before the completion's
 
 
 # Fields not implemented, accepted only at the values that mean "off" (what OpenAI clients and SDKs send).
 _OFF_BOTH = {"best_of": (None, 1)}  # vLLM's
 OFF_VALUES = {
     ChatBody: {**_OFF_BOTH, "response_format":
-               (None, {"type": "text"}), "parallel_tool_calls": (None, True), "modalities": (None, ["text"]),
+               (None, {"type": "text"}), "modalities": (None, ["text"]),
                "store": (None, False), "metadata": (None,), "service_tier": (None, "auto", "default"),
                "audio": (None,), "prediction": (None,), "web_search_options": (None,), "functions": (None,),
                "function_call": (None,), "verbosity": (None,), "prompt_cache_key": (None,),
                "safety_identifier": (None,)},
-    CompletionBody: {**_OFF_BOTH, "echo": (None, False), "suffix": (None,)},
+    CompletionBody: {**_OFF_BOTH, "suffix": (None,)},
 }
 class TokenizeBody(BaseModel):
     """vLLM's ``/tokenize`` of a prompt (completions) or, with ``messages``, of a chat (`TokenizeChatBody`)."""
@@ -521,6 +524,12 @@ def check_tools(tools: tuple) -> None:
                                  f"{where}.function.{field}")
 
 
+def echo_text(state: ServerState, body: CompletionBody, ids: tuple[int, ...]) -> str:
+    """``echo``: the prompt as given when it is text, else its ids' text (as a reply's is decoded)."""
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and len(body.prompt) == 1 else body.prompt
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(ids, skip_special=True)
+
+
 def completion_prompt(state: ServerState, body: CompletionBody) -> tuple[int, ...]:
     """A string (BOS + its ids, folded as `generate` does), a list of token ids, or a list of one string."""
     prompt = body.prompt
@@ -567,24 +576,34 @@ class StopMatcher:
 
 
 class TextPipeline:
-    """Token ids → reply events (`chat.ReplyEvent`; completions: ContentDelta only)."""
+    """Token ids → reply events (`chat.ReplyEvent`; completions: ContentDelta only). ``one_call`` (chat's
+    ``parallel_tool_calls: false``): the reply ends with its first tool call (as a stop string ends it)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], chat: bool, thinking: bool = False):
+    def __init__(self, tokenizer, stops: tuple[str, ...], chat: bool, thinking: bool = False,
+                 one_call: bool = False):
         self.decoder = tokenizer.stream(skip_special=not chat)  # chat: markers are text for the parser
         self.stop = StopMatcher(stops)
         self.reply = ReplyStream(thinking=thinking) if chat else None
+        self.one_call, self.cut = one_call, False
 
     def _events(self, text: str) -> list:
         if self.reply is None:
             return [ContentDelta(text)] if text else []
-        return self.reply.feed(text)
+        events = self.reply.feed(text)
+        calls = [k for k, e in enumerate(events) if isinstance(e, ToolCallEvent)]
+        if self.one_call and calls:
+            self.cut = self.stop.stopped = True  # what follows the first call is never sent
+            return events[:calls[0] + 1]
+        return events
 
     def push(self, token: int) -> list:
-        return self._events(self.stop.feed(self.decoder.push(token)))
+        return [] if self.cut else self._events(self.stop.feed(self.decoder.push(token)))
 
     def finish(self) -> list:
+        if self.cut:
+            return []
         events = self._events(self.stop.feed(self.decoder.flush()) + self.stop.flush())
-        return events + (self.reply.finish() if self.reply is not None else [])
+        return events + (self.reply.finish() if self.reply is not None and not self.cut else [])
 
 
 @dataclass(frozen=True)
@@ -863,7 +882,9 @@ async def chat_completion(state: ServerState, http: HttpRequest):
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
     shapes = None if logprobs is None else [LogprobShapes(state.tokenizer, chat=True) for _ in range(n)]
-    ask = (lambda: TextPipeline(state.tokenizer, stops, chat=True, thinking=thinking), arrived, logprobs)
+    one_call = body.parallel_tool_calls is False
+    ask = (lambda: TextPipeline(state.tokenizer, stops, chat=True, thinking=thinking, one_call=one_call), arrived,
+           logprobs)
     if body.stream:
         generations, events = await choice_events(state, request, n, ask[0], None, *ask[1:])
         return EventStream(_guarded(_chat_stream(head, events, prompt_tokens, usage, shapes, n), "a chat stream"),
@@ -952,8 +973,12 @@ async def completion(state: ServerState, http: HttpRequest):
     body = await parse_body(http, CompletionBody)
     name, usage, n = model_of(state, body), include_usage(body), choices_of(body)
     logprobs = logprobs_of(body)
+    if body.echo and logprobs is not None:
+        raise BadRequest("echo with logprobs is not supported by this server (it would need the prompt's "
+                         "log-probs): echo or logprobs, not both", "echo")
     request = engine_request(state, completion_prompt(state, body), body.max_tokens,
                              sampling_of(body, state.vocab_size), "prompt", default_max=16)  # OpenAI's default
+    echo = echo_text(state, body, request.prompt_ids) if body.echo else ""
     stops = stops_of(body)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
@@ -961,7 +986,7 @@ async def completion(state: ServerState, http: HttpRequest):
     ask = (lambda: TextPipeline(state.tokenizer, stops, chat=False), arrived, logprobs)
     if body.stream:
         generations, events = await choice_events(state, request, n, ask[0], None, *ask[1:])
-        stream = _completion_stream(head, events, prompt_tokens, usage, shapes, n)
+        stream = _completion_stream(head, events, prompt_tokens, usage, shapes, n, echo)
         return EventStream(_guarded(stream, "a completion stream"), generations)
     _, events = await choice_events(state, request, n, ask[0], http, *ask[1:])
     texts, entries, finishes = [[] for _ in range(n)], [[] for _ in range(n)], {}
@@ -979,7 +1004,7 @@ async def completion(state: ServerState, http: HttpRequest):
         return PlainTextResponse("", status_code=499)
     choices = []
     for i in range(n):
-        choice = {"index": i, "text": "".join(texts[i]), "finish_reason": finishes[i].reason,
+        choice = {"index": i, "text": echo + "".join(texts[i]), "finish_reason": finishes[i].reason,
                   "logprobs": None if shapes is None else shapes[i].block(entries[i])}
         if body.return_token_ids:  # as vLLM: the ids, for exact comparisons
             choice["token_ids"] = list(finishes[i].token_ids)
@@ -989,7 +1014,8 @@ async def completion(state: ServerState, http: HttpRequest):
 
 
 async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool = True,
-                             shapes: list[LogprobShapes] | None = None, n: int = 1):
+                             shapes: list[LogprobShapes] | None = None, n: int = 1, echo: str = ""):
+    """The completion stream's chunks (``echo``: the prompt's text first, a chunk per choice)."""
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
     completion_tokens = 0
 
@@ -999,6 +1025,8 @@ async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool
         return _sse({**head, "object": "text_completion",
                      "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
 
+    for i in range(n if echo else 0):
+        yield chunk(i, echo)
     async with aclosing(events):
         async for i, e in events:
             if isinstance(e, Failed):
