@@ -363,7 +363,8 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("completions", {"prompt": [1], "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": [1], "logprobs": True}, "logprobs"),
     ("completions", {"prompt": [1], "echo": True, "logprobs": 1}, "echo"),
-    ("completions", {"prompt": [1], "best_of": 2}, "best_of"),
+    ("completions", {"prompt": [1], "best_of": 2, "n": 3}, "best_of"),  # fewer than n
+    ("completions", {"prompt": [1], "best_of": 2, "stream": True}, "best_of"),
     ("completions", {"prompt": [1], "suffix": "x"}, "suffix"),
     ("completions", {"prompt": [1], "min_tokens": 17}, "min_tokens"),  # above the default max_tokens, 16
     ("completions", {"prompt": [1], "tools": []}, "tools"),  # a chat field: unknown to completions
@@ -438,7 +439,7 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
         (client.chat.completions.create, dict(messages=user, extra_body={"not_a_field": 1}), "not_a_field"),
         (client.completions.create, dict(prompt="x", logprobs=30), "logprobs"),
         (client.completions.create, dict(prompt="x", echo=True, logprobs=0), "echo"),
-        (client.completions.create, dict(prompt="x", best_of=2), "best_of"),
+        (client.completions.create, dict(prompt="x", best_of=200), "best_of"),
         (client.completions.create, dict(prompt="x", suffix="!"), "suffix"),
         (client.completions.create, dict(prompt="x", presence_penalty=-3), "presence_penalty"),
         (client.completions.create, dict(prompt="x", extra_body={"repetition_penalty": -1.1}), "repetition_penalty"),
@@ -457,7 +458,7 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
             create(model="m", **ask)
         assert e.value.status_code == 400 and e.value.param == param and e.value.type == "invalid_request_error", \
             (ask, e.value.body)
-        if param in ("tool_choice", "best_of", "echo"):
+        if param in ("tool_choice", "echo"):
             assert "not supported by this server" in e.value.message, e.value.message
     assert client.chat.completions.create(model="m", messages=user, max_tokens=1).usage.completion_tokens == 1
 

@@ -248,3 +248,17 @@ def test_echo_puts_the_prompt_before_the_completion(client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                           parallel_tool_calls=False, temperature=0)
     assert chat.usage.completion_tokens == 3  # accepted; no tool call to cut in a random model's reply
+
+
+def test_best_of_returns_the_most_likely_of_its_generations(client):
+    """best_of 4, n 2: the 2 of the 4 generations (seed + i each, as n = 4 would give) whose tokens' log-probs
+    add up highest, best first; usage counts all 4."""
+    ask = dict(model=MODEL, prompt=[9, 8, 7], max_tokens=6, temperature=1.2, seed=50)
+    four = client.completions.create(**ask, n=4, logprobs=0)
+    ranked = sorted(four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(**ask, n=2, best_of=4)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == four.usage.completion_tokens == 24
+    with_logprobs = client.completions.create(**ask, n=2, best_of=4, logprobs=1)
+    assert [c.logprobs.token_logprobs for c in with_logprobs.choices] == \
+        [c.logprobs.token_logprobs for c in ranked[:2]]

@@ -47,6 +47,7 @@ from .fields import (
     ServerState,
     TokenizeBody,
     TokenizeChatBody,
+    best_of_of,
     chat_prompt,
     choices_of,
     completion_prompt,
@@ -485,7 +486,7 @@ async def completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, CompletionBody)
     name, usage, n = model_of(state, body), include_usage(body), choices_of(body)
-    logprobs = logprobs_of(body)
+    best_of, logprobs = best_of_of(body, n), logprobs_of(body)
     if body.echo and logprobs is not None:
         raise BadRequest("echo with logprobs is not supported by this server (it would need the prompt's "
                          "log-probs): echo or logprobs, not both", "echo")
@@ -501,8 +502,10 @@ async def completion(state: ServerState, http: HttpRequest):
         generations, events = await choice_events(state, request, n, ask[0], None, *ask[1:])
         stream = _completion_stream(head, events, prompt_tokens, usage, shapes, n, echo)
         return EventStream(_guarded(stream, "a completion stream"), generations)
-    _, events = await choice_events(state, request, n, ask[0], http, *ask[1:])
-    texts, entries, finishes = [[] for _ in range(n)], [[] for _ in range(n)], {}
+    # best_of > n: every generation reports its tokens' log-probs, to rank them
+    ask = (*ask[:2], logprobs if best_of == n or logprobs is not None else 0)
+    _, events = await choice_events(state, request, best_of, ask[0], http, *ask[1:])
+    texts, entries, finishes = [[] for _ in range(best_of)], [[] for _ in range(best_of)], {}
     async with aclosing(events):
         async for i, e in events:
             if isinstance(e, Failed):
@@ -513,12 +516,14 @@ async def completion(state: ServerState, http: HttpRequest):
                 entries[i].append(e)
             else:
                 texts[i].append(e.text)
-    if len(finishes) < n:
+    if len(finishes) < best_of:
         return PlainTextResponse("", status_code=499)
+    best = sorted(range(best_of), key=lambda i: -sum(e.logprob for e in entries[i]))[:n] if best_of > n else \
+        range(n)  # (a stable sort: ties in generation order)
     choices = []
-    for i in range(n):
-        choice = {"index": i, "text": echo + "".join(texts[i]), "finish_reason": finishes[i].reason,
-                  "logprobs": None if shapes is None else shapes[i].block(entries[i])}
+    for k, i in enumerate(best):
+        choice = {"index": k, "text": echo + "".join(texts[i]), "finish_reason": finishes[i].reason,
+                  "logprobs": None if shapes is None else shapes[k].block(entries[i])}
         if body.return_token_ids:  # as vLLM: the ids, for exact comparisons
             choice["token_ids"] = list(finishes[i].token_ids)
         choices.append(choice)

@@ -78,18 +78,18 @@ class CompletionBody(_Body):
     return_token_ids: bool | None = None  # as vLLM
     logprobs: int | None = None  # the top log-probs reported with each token's (0: its own only)
     echo: bool | None = None  # the prompt's text before the completion's
+    best_of: int | None = None  # generate this many, return the n of the highest log-probability
 
 
 # Fields not implemented, accepted only at the values that mean "off" (what OpenAI clients and SDKs send).
-_OFF_BOTH = {"best_of": (None, 1)}  # vLLM's
 OFF_VALUES = {
-    ChatBody: {**_OFF_BOTH, "response_format":
+    ChatBody: {"best_of": (None, 1), "response_format":
                (None, {"type": "text"}), "modalities": (None, ["text"]),
                "store": (None, False), "metadata": (None,), "service_tier": (None, "auto", "default"),
                "audio": (None,), "prediction": (None,), "web_search_options": (None,), "functions": (None,),
                "function_call": (None,), "verbosity": (None,), "prompt_cache_key": (None,),
                "safety_identifier": (None,)},
-    CompletionBody: {**_OFF_BOTH, "suffix": (None,)},
+    CompletionBody: {"suffix": (None,)},
 }
 class TokenizeBody(BaseModel):
     """vLLM's ``/tokenize`` of a prompt (completions) or, with ``messages``, of a chat (`TokenizeChatBody`)."""
@@ -320,6 +320,17 @@ def choices_of(body: _Body) -> int:
     if not 1 <= n <= MAX_CHOICES:
         raise BadRequest(f"n must be in 1..{MAX_CHOICES}, got {shown(body.n)}", "n")
     return n
+
+
+def best_of_of(body: CompletionBody, n: int) -> int:
+    """Completions' ``best_of``: n..MAX_CHOICES generations (default n), of which the n whose tokens have the
+    highest total log-probability are returned; not with ``stream``."""
+    best_of = n if body.best_of is None else body.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise BadRequest(f"best_of must be in n ({n}) .. {MAX_CHOICES}, got {shown(body.best_of)}", "best_of")
+    if best_of > n and body.stream:
+        raise BadRequest("best_of above n cannot be streamed (the best are known at the end)", "best_of")
+    return best_of
 
 
 def logprobs_of(body: _Body) -> int | None:
