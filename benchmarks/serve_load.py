@@ -5,9 +5,16 @@ after another (prompts of ``--prompt-tokens`` random ids, ``--max-tokens`` new t
 TTFT = arrival of the first text chunk after sending; ITL = (last chunk − first chunk) / (tokens − 1), the mean
 gap between its tokens (chunks carry text, and a token may carry none: per-chunk gaps would be biased). Printed
 per C: requests answered / refused (503), generated tokens per second of wall time (all streams together),
-TTFT and ITL p50 / p90 / p99.
+TTFT and ITL p50 / p90 / p99, and the p99 / max of the gaps between consecutive text chunks of a stream (a stall
+that a mean hides).
+
+Workloads (``--workloads``, default ``plain``): ``plain`` as above; ``long``: the same streams while a long prompt
+(``--long-tokens`` random ids, 1 new token) arrives every ``--long-every`` seconds (the long requests' own TTFT
+is printed apart: the rows count the short streams only); ``prefix``: every prompt starts with the same
+``--prefix-tokens`` ids (a shared system prompt), then its own ``--prompt-tokens``.
 
   python benchmarks/serve_load.py --url http://127.0.0.1:8000
+  python benchmarks/serve_load.py --spawn --workloads plain,long,prefix -- --max-batch 32 --max-context 8192
   python benchmarks/serve_load.py --spawn -- --max-batch 32 --max-context 1024      # start the server too
 
 ``--spawn -- ARGS``: runs ``python -m dsv41_jax.serve --port 0 ARGS``, waits for its start-up line, loads it, stops it.
@@ -41,6 +48,7 @@ async def one_request(http: httpx.AsyncClient, prompt: list[int], max_tokens: in
     start = time.perf_counter()
     first = last = None
     tokens = 0
+    gaps = []
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -52,34 +60,58 @@ async def one_request(http: httpx.AsyncClient, prompt: list[int], max_tokens: in
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"] and chunk["choices"][0]["text"]:
-                last = time.perf_counter()
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
                 first = first or last
-    out = {"status": 200, "tokens": tokens, "ttft": (first or time.perf_counter()) - start}
+    out = {"status": 200, "tokens": tokens, "ttft": (first or time.perf_counter()) - start, "gaps": gaps}
     if first is not None and tokens > 1:
         out["itl"] = (last - first) / (tokens - 1)
     return out
 
 
-async def load(url: str, concurrency: int, rounds: int, prompt_tokens: int, max_tokens: int, seed: int) -> dict:
+async def load(url: str, concurrency: int, rounds: int, prompt_tokens: int, max_tokens: int, seed: int,
+               workload: str = "plain", long_tokens: int = 4000, long_every: float = 3.0,
+               prefix_tokens: int = 2000) -> dict:
     rng = np.random.default_rng(seed)
-    results = []
+    prefix = rng.integers(3, 500, prefix_tokens).tolist() if workload == "prefix" else []
+    results, long_results = [], []
+    running = asyncio.Event()
 
     async def stream(c: int, http):
         for k in range(rounds):
-            prompt = rng.integers(3, 500, prompt_tokens).tolist()
+            prompt = prefix + rng.integers(3, 500, prompt_tokens).tolist()
             results.append(await one_request(http, prompt, max_tokens))
+
+    async def long_prompts(http):  # one long prompt every long_every seconds while the streams run
+        while not running.is_set():
+            prompt = rng.integers(3, 500, long_tokens).tolist()
+            long_results.append(await one_request(http, prompt, 1))
+            try:
+                await asyncio.wait_for(running.wait(), long_every)
+            except asyncio.TimeoutError:
+                pass
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         start = time.perf_counter()
+        longs = asyncio.create_task(long_prompts(http)) if workload == "long" else None
         await asyncio.gather(*(stream(c, http) for c in range(concurrency)))
         wall = time.perf_counter() - start
+        running.set()
+        if longs is not None:
+            await longs
     ok = [r for r in results if r["status"] == 200]
     tokens = sum(r["tokens"] for r in ok)
-    return {"concurrency": concurrency, "requests": len(results), "ok": len(ok),
+    gaps = [g for r in ok for g in r["gaps"]]
+    return {"workload": workload, "concurrency": concurrency, "requests": len(results), "ok": len(ok),
             "refused": sum(r["status"] == 503 for r in results), "tokens": tokens, "wall_s": wall,
             "tok_s": tokens / wall, "ttft_ms": percentiles([r["ttft"] for r in ok]),
-            "itl_ms": percentiles([r["itl"] for r in ok if "itl" in r])}
+            "itl_ms": percentiles([r["itl"] for r in ok if "itl" in r]),
+            "gap_ms": f"{np.percentile(gaps, 99) * 1e3:.1f} / {max(gaps) * 1e3:.1f}" if gaps else "-",
+            "long_requests": len(long_results),
+            "long_ttft_ms": percentiles([r["ttft"] for r in long_results if r["status"] == 200])}
 
 
 def spawn(server_args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -107,8 +139,15 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4, help="requests per stream (default 4)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workloads", default="plain", help="comma-separated: plain, long, prefix (default plain)")
+    p.add_argument("--long-tokens", type=int, default=4000, help="the long prompt of 'long' (default 4000)")
+    p.add_argument("--long-every", type=float, default=3.0, help="seconds between long prompts (default 3)")
+    p.add_argument("--prefix-tokens", type=int, default=2000, help="the shared prefix of 'prefix' (default 2000)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     a = p.parse_args(argv)
+    unknown = set(a.workloads.split(",")) - {"plain", "long", "prefix"}
+    if unknown:
+        p.error(f"--workloads: unknown {', '.join(sorted(unknown))} (plain, long, prefix)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still stops the spawned server (finally)
     proc = None
     url = a.url
@@ -117,13 +156,19 @@ def main() -> int:
     try:
         asyncio.run(load(url, 1, 1, a.prompt_tokens, 4, 99))  # warm-up
         rows = []
-        print(f"{'streams':>7} {'requests':>8} {'ok':>4} {'503':>4} {'tokens':>7} {'wall s':>7} {'tok/s':>8} "
-              f"{'TTFT ms p50/p90/p99':>22} {'ITL ms p50/p90/p99':>22}")
-        for c in (int(x) for x in a.concurrency.split(",")):
-            row = asyncio.run(load(url, c, a.rounds, a.prompt_tokens, a.max_tokens, c))
-            rows.append(row)
-            print(f"{c:>7} {row['requests']:>8} {row['ok']:>4} {row['refused']:>4} {row['tokens']:>7} "
-                  f"{row['wall_s']:>7.2f} {row['tok_s']:>8.1f} {row['ttft_ms']:>22} {row['itl_ms']:>22}", flush=True)
+        print(f"{'workload':>8} {'streams':>7} {'requests':>8} {'ok':>4} {'503':>4} {'tokens':>7} {'wall s':>7} "
+              f"{'tok/s':>8} {'TTFT ms p50/p90/p99':>22} {'ITL ms p50/p90/p99':>22} {'gap ms p99/max':>15}")
+        for workload in a.workloads.split(","):
+            for c in (int(x) for x in a.concurrency.split(",")):
+                row = asyncio.run(load(url, c, a.rounds, a.prompt_tokens, a.max_tokens, c, workload, a.long_tokens,
+                                       a.long_every, a.prefix_tokens))
+                rows.append(row)
+                print(f"{workload:>8} {c:>7} {row['requests']:>8} {row['ok']:>4} {row['refused']:>4} "
+                      f"{row['tokens']:>7} {row['wall_s']:>7.2f} {row['tok_s']:>8.1f} {row['ttft_ms']:>22} "
+                      f"{row['itl_ms']:>22} {row['gap_ms']:>15}", flush=True)
+                if workload == "long":
+                    print(f"{'':>8} {row['long_requests']} long prompts of {a.long_tokens} tokens beside them, "
+                          f"TTFT ms p50/p90/p99 {row['long_ttft_ms']}", flush=True)
         print(httpx.get(url + "/metrics").text.count("\n"), "metric lines; server healthy:",
               httpx.get(url + "/health").json())
         if a.json:

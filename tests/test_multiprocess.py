@@ -209,7 +209,7 @@ def _listening(proc: subprocess.Popen) -> str:
 @pytest.mark.slow
 def test_serve_over_two_processes_answers_as_one_process_of_four():
     """A request to process 0 of a two-process server gets the completion a one-process world-4 server gives,
-    greedy and sampled (a seed); SIGTERM to process 0 ends both processes with status 0."""
+    greedy, sampled (a seed), and with log-probs and penalties; SIGTERM to process 0 ends both processes with status 0."""
     args = ["--world", "4", "--max-batch", "2", "--max-context", "64", "--dtype", "float32", "--no-quant-rounding",
             "--port", "0"]
     port = _free_port()
@@ -217,7 +217,10 @@ def test_serve_over_two_processes_answers_as_one_process_of_four():
     try:
         one, two = _listening(procs[0]), _listening(procs[1])
         bodies = [{"prompt": [5, 6, 7, 8, 9], "max_tokens": 5, "temperature": 0},
-                  {"prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 4, "temperature": 0.8, "seed": 3}]
+                  {"prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 4, "temperature": 0.8, "seed": 3},
+                  # what picks the step's variant (log-probs, penalties' counts) reaches the follower too
+                  {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.7, "seed": 1, "logprobs": 2,
+                   "presence_penalty": 0.5, "logit_bias": {"7": 2.0}}]
         for body in bodies:
             body = {**body, "return_token_ids": True}
             answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=120).json() for url in (one, two)]

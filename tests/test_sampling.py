@@ -13,7 +13,15 @@ import jax
 import numpy as np
 import pytest
 
-from dsv41_jax.sampling import SamplingError, SamplingParams, filtered_logits
+from dsv41_jax.sampling import (
+    SamplingError,
+    SamplingParams,
+    filtered_logits,
+    processed_logits,
+    sample,
+    sampling_arrays,
+    token_logprobs,
+)
 
 VOCAB = 20_000
 MARGIN = 1e-5
@@ -92,3 +100,45 @@ def test_a_non_finite_setting_is_named_as_not_a_number(field, value):
     with pytest.raises(SamplingError, match=f"--{field.replace('_', '-')} must be a finite number, got"):
         SamplingParams(**{field: value}).validate()
     SamplingParams().validate()
+
+
+def test_min_p_keeps_the_ids_at_least_min_p_times_as_likely_as_the_top():
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=(3, 4096)) * 3).astype(np.float32)
+    t, min_p = np.array([1.0, 0.7, 1.0], np.float32), np.array([0.05, 0.2, 0.0], np.float32)
+    out = np.asarray(jax.jit(filtered_logits)(logits, t, np.zeros(3, np.int32), np.ones(3, np.float32), min_p))
+    for b in range(3):
+        scaled = logits[b].astype(np.float64) / t[b]
+        ratio = np.exp(scaled - scaled.max())  # p / p_max
+        if min_p[b] > 0:
+            assert np.abs(ratio - min_p[b]).min() > 1e-5  # no id at a float32 rounding flip
+        np.testing.assert_array_equal(np.isfinite(out[b]), ratio >= min_p[b], err_msg=f"row {b}")
+
+
+def test_processors_bias_hold_the_end_ids_until_min_tokens_and_are_exact_when_neutral():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(3, 64)).astype(np.float32)
+    params = [SamplingParams(logit_bias=((5, 2.5), (9, -100.0))), SamplingParams(min_tokens=3, held_ids=(7,)),
+              SamplingParams(seed=1)]
+    eos = np.array([1, 2], np.int32)
+    for step, held in ((2, True), (3, False)):
+        out = np.asarray(jax.jit(processed_logits)(logits, sampling_arrays(params), np.full(3, step, np.int32),
+                                                   eos))
+        want = logits.copy()
+        want[0, 5] += 2.5
+        want[0, 9] -= 100.0
+        if held:
+            want[1, [1, 2, 7]] = -np.inf
+        np.testing.assert_array_equal(out, want)  # neutral rows (and untouched ids) bit for bit
+    greedy = jax.jit(sample)(logits, sampling_arrays([SamplingParams()] * 3), np.zeros(3, np.int32), eos)
+    np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1))  # as the argmax-only step
+
+
+def test_token_logprobs_are_the_log_softmax_of_the_logits():
+    logits = np.random.default_rng(5).normal(size=(2, 100)).astype(np.float32)
+    tokens = np.array([7, 42], np.int32)
+    out = jax.jit(token_logprobs)(logits, tokens)
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(out.token), ref[[0, 1], tokens], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-ref, axis=-1, kind="stable")[:, :20])
+    np.testing.assert_allclose(np.asarray(out.top), np.sort(ref, axis=-1)[:, ::-1][:, :20], atol=1e-5)

@@ -30,7 +30,7 @@ import pytest
 
 from dsv41_jax.chat import Message, ToolCall, render_reply
 from dsv41_jax.serve.__main__ import build_parser, listen, served_names
-from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream
+from dsv41_jax.serve.app import Finish, TextPipeline, _chat_stream, _merged
 from dsv41_jax.tokenizer import load_tokenizer
 
 openai = pytest.importorskip("openai")  # the test extra; a GPU machine may lack these: skipped there
@@ -212,7 +212,7 @@ def test_continuous_batching_is_exact_and_compiles_nothing(server):
 
 
 def test_disconnect_frees_the_slot(server):
-    before = _metric(server, "dsv41_generated_tokens_total")
+    before = _metric(server, "vllm:generation_tokens_total")
     with httpx.Client(base_url=server, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": CONTEXT - 2,
                                                           "temperature": 0, "stream": True}) as r:
@@ -223,7 +223,38 @@ def test_disconnect_frees_the_slot(server):
         while httpx.get(server + "/health").json()["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
     assert httpx.get(server + "/health").json()["running"] == 0
-    assert _metric(server, "dsv41_generated_tokens_total") - before < CONTEXT - 2
+    assert _metric(server, "vllm:generation_tokens_total") - before < CONTEXT - 2
+
+
+def _wait_idle(server: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = httpx.get(server + "/health").json()
+        if not health["running"] and not health["queued"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never went idle: {health}")
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": [5, 6, 8]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_a_stream_whose_client_leaves_before_its_first_chunk_is_cancelled(server, route, body):
+    """The client sends a streamed request and closes its socket at once: Starlette sees the disconnect before
+    the response body starts, so the body's generator never runs; the request must still be cancelled (it ran
+    all its max_tokens, holding its slot)."""
+    before = _metric(server, "vllm:generation_tokens_total")
+    max_tokens = CONTEXT - 40
+    payload = json.dumps({**body, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    for _ in range(3):  # three at once: each gone before its first chunk
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST {route} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                      f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+    _wait_idle(server)
+    # Each ran at most until its cancel reached the engine thread (a few steps), never its max_tokens.
+    assert _metric(server, "vllm:generation_tokens_total") - before < max_tokens
 
 
 # ------------------------------------------------------------------------------------------ errors and load
@@ -269,9 +300,9 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e400}', "temperature"),
     ("chat", b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', "top_p"),
     ("chat", b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -Infinity}',
-     "frequency_penalty"),  # a field the server does not read: still no JSON
+     "frequency_penalty"),
     ("chat", {"messages": [USER], "top_p": 0}, "top_p"),
-    ("chat", {"messages": [USER], "n": 2}, "n"),
+    ("chat", {"messages": [USER], "n": 129}, "n"),
     ("chat", {"messages": [USER], "n": 0}, "n"),
     ("chat", {"messages": [USER], "seed": -1}, "seed"),
     ("chat", {"messages": [USER], "seed": 2**64}, "seed"),
@@ -299,16 +330,27 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("completions", {"prompt": [1, 2], "return_token_ids": 1}, "return_token_ids"),
     ("completions", b'{"prompt": "a\\ud800b"}', "prompt"),
     # fields not implemented: refused by name unless at their "off" value (the openai client's cases below)
-    ("chat", {"messages": [USER], "logprobs": True}, "logprobs"),
     ("chat", {"messages": [USER], "logprobs": 0}, "logprobs"),  # not false: 0 == False only in Python
-    ("chat", {"messages": [USER], "top_logprobs": 3}, "top_logprobs"),
-    ("chat", {"messages": [USER], "presence_penalty": 0.5}, "presence_penalty"),
-    ("chat", {"messages": [USER], "logit_bias": {"5": 100}}, "logit_bias"),
+    ("chat", {"messages": [USER], "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"messages": [USER], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"messages": [USER], "logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"messages": [USER], "logit_bias": {"512": 1}}, "logit_bias"),  # outside the vocabulary
+    ("chat", {"messages": [USER], "logit_bias": {"x": 1}}, "logit_bias"),
+    ("chat", {"messages": [USER], "logit_bias": {"5": "1"}}, "logit_bias"),
+    ("chat", {"messages": [USER], "logit_bias": [5]}, "logit_bias"),
+    ("chat", {"messages": [USER], "min_p": 1.5}, "min_p"),
+    ("chat", {"messages": [USER], "min_tokens": -1}, "min_tokens"),
+    ("chat", {"messages": [USER], "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ("chat", {"messages": [USER], "ignore_eos": 1}, "ignore_eos"),
+    ("chat", {"messages": [USER], "stop_token_ids": [5, 600]}, "stop_token_ids[1]"),
+    ("chat", {"messages": [USER], "stop_token_ids": list(range(17))}, "stop_token_ids"),
+    ("chat", {"messages": [USER], "presence_penalty": 2.5}, "presence_penalty"),
+    ("chat", {"messages": [USER], "frequency_penalty": "1"}, "frequency_penalty"),
     ("chat", {"messages": [USER], "response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"messages": [USER], "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("chat", {"messages": [USER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ("chat", {"messages": [USER], "tool_choice": "required"}, "tool_choice"),
     ("chat", {"messages": [USER], "tool_choice": "any"}, "tool_choice"),
-    ("chat", {"messages": [USER], "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("chat", {"messages": [USER], "repetition_penalty": 0}, "repetition_penalty"),
     ("chat", {"messages": [USER], "echo": True}, "echo"),  # a completions field: unknown to chat
     ("chat", {"messages": [USER], "chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs"),
     ("chat", {"messages": [USER], "top_k": -2}, "top_k"),
@@ -318,11 +360,13 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
      "stream_options.include_usage"),
     ("chat", {"messages": [USER], "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
-    ("completions", {"prompt": [1], "logprobs": 0}, "logprobs"),
-    ("completions", {"prompt": [1], "echo": True}, "echo"),
-    ("completions", {"prompt": [1], "best_of": 2}, "best_of"),
+    ("completions", {"prompt": [1], "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": [1], "logprobs": True}, "logprobs"),
+    ("completions", {"prompt": [1], "echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"prompt": [1], "best_of": 2, "n": 3}, "best_of"),  # fewer than n
+    ("completions", {"prompt": [1], "best_of": 2, "stream": True}, "best_of"),
     ("completions", {"prompt": [1], "suffix": "x"}, "suffix"),
-    ("completions", {"prompt": [1], "min_tokens": 4}, "min_tokens"),
+    ("completions", {"prompt": [1], "min_tokens": 17}, "min_tokens"),  # above the default max_tokens, 16
     ("completions", {"prompt": [1], "tools": []}, "tools"),  # a chat field: unknown to completions
     ("completions", {"prompt": [1], "foo": None}, "foo"),
 ]
@@ -378,30 +422,30 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
     weather = [{"type": "function", "function": {"name": "get_weather"}}]
     asks = [
-        (client.chat.completions.create, dict(messages=user, logprobs=True), "logprobs"),
-        (client.chat.completions.create, dict(messages=user, logprobs=True, top_logprobs=2), "logprobs"),
-        (client.chat.completions.create, dict(messages=user, presence_penalty=0.5), "presence_penalty"),
-        (client.chat.completions.create, dict(messages=user, frequency_penalty=-1), "frequency_penalty"),
-        (client.chat.completions.create, dict(messages=user, logit_bias={"5": 10}), "logit_bias"),
+        (client.chat.completions.create, dict(messages=user, top_logprobs=2), "top_logprobs"),
+        (client.chat.completions.create, dict(messages=user, presence_penalty=3), "presence_penalty"),
+        (client.chat.completions.create, dict(messages=user, frequency_penalty=-2.5), "frequency_penalty"),
+        (client.chat.completions.create, dict(messages=user, logit_bias={"5": 200}), "logit_bias"),
         (client.chat.completions.create, dict(messages=user, response_format={"type": "json_object"}),
          "response_format"),
         (client.chat.completions.create, dict(messages=user, tools=weather, tool_choice="required"), "tool_choice"),
         (client.chat.completions.create, dict(messages=user, tools=weather, tool_choice={
             "type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
-        (client.chat.completions.create, dict(messages=user, extra_body={"min_tokens": 3}), "min_tokens"),
-        (client.chat.completions.create, dict(messages=user, extra_body={"min_p": 0.1}), "min_p"),
-        (client.chat.completions.create, dict(messages=user, extra_body={"ignore_eos": True}), "ignore_eos"),
-        (client.chat.completions.create, dict(messages=user, extra_body={"stop_token_ids": [5]}), "stop_token_ids"),
+        (client.chat.completions.create, dict(messages=user, max_tokens=2, extra_body={"min_tokens": 3}),
+         "min_tokens"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"min_p": -0.1}), "min_p"),
+        (client.chat.completions.create, dict(messages=user, extra_body={"stop_token_ids": [-5]}),
+         "stop_token_ids[0]"),
         (client.chat.completions.create, dict(messages=user, extra_body={"not_a_field": 1}), "not_a_field"),
-        (client.completions.create, dict(prompt="x", logprobs=2), "logprobs"),
-        (client.completions.create, dict(prompt="x", echo=True), "echo"),
-        (client.completions.create, dict(prompt="x", best_of=2), "best_of"),
+        (client.completions.create, dict(prompt="x", logprobs=30), "logprobs"),
+        (client.completions.create, dict(prompt="x", echo=True, logprobs=0), "echo"),
+        (client.completions.create, dict(prompt="x", best_of=200), "best_of"),
         (client.completions.create, dict(prompt="x", suffix="!"), "suffix"),
-        (client.completions.create, dict(prompt="x", presence_penalty=1), "presence_penalty"),
-        (client.completions.create, dict(prompt="x", extra_body={"repetition_penalty": 1.1}), "repetition_penalty"),
+        (client.completions.create, dict(prompt="x", presence_penalty=-3), "presence_penalty"),
+        (client.completions.create, dict(prompt="x", extra_body={"repetition_penalty": -1.1}), "repetition_penalty"),
         (client.chat.completions.create, dict(messages=image), "messages[0].content[0].type"),
         (client.chat.completions.create, dict(messages=user, max_tokens=10**6), "max_tokens"),
-        (client.chat.completions.create, dict(messages=user, n=3), "n"),
+        (client.chat.completions.create, dict(messages=user, n=-3), "n"),
         (client.chat.completions.create, dict(messages=user, stop=[5]), "stop"),
         (client.chat.completions.create, dict(messages=user, extra_body={"thinking": "on"}), "thinking"),
         (client.chat.completions.create, dict(messages=user, tools=[{"type": "function", "function": {"name": ""}}]),
@@ -414,7 +458,7 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
             create(model="m", **ask)
         assert e.value.status_code == 400 and e.value.param == param and e.value.type == "invalid_request_error", \
             (ask, e.value.body)
-        if param in ("logprobs", "presence_penalty", "tool_choice", "min_tokens", "best_of"):
+        if param in ("tool_choice", "echo"):
             assert "not supported by this server" in e.value.message, e.value.message
     assert client.chat.completions.create(model="m", messages=user, max_tokens=1).usage.completion_tokens == 1
 
@@ -540,14 +584,15 @@ def test_load_queue_bound_and_metrics(server):
     assert ok < 200  # 32 clients at once against 4 slots + 12 queued: some were refused at once
     assert httpx.get(server + "/health").json() == {"status": "ok", "running": 0, "queued": 0}
     assert _metric(server, 'dsv41_requests_total{endpoint="completions"') - start_requests == 200 + len(prompts)
-    assert _metric(server, "dsv41_time_to_first_token_seconds_count") >= ok
-    assert _metric(server, "dsv41_queue_length") == 0
+    assert _metric(server, "vllm:time_to_first_token_seconds_count") >= ok
+    assert _metric(server, "vllm:num_requests_waiting") == 0
 
 
 def test_bad_flags_exit_2_with_one_line():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for flags in (["--max-batch", "0"], ["--port", "70000"], ["--nonsense"], ["--drain-timeout", "-1"],
-                  ["--drain-timeout", "inf"], ["--served-model-name", "a,,b"]):
+                  ["--drain-timeout", "inf"], ["--served-model-name", "a,,b"], ["--api-key", ""],
+                  ["--api-key", " k"]):
         r = subprocess.run([sys.executable, "-m", "dsv41_jax.serve", *flags], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, r.stderr
@@ -581,7 +626,8 @@ def test_tool_calls_stream_as_openai_chunks():
         yield Finish("stop", tuple(ids[:-1]))
 
     async def collect():
-        return [line async for line in _chat_stream({"id": "x", "created": 0, "model": "m"}, events(), 10)]
+        return [line async for line in _chat_stream({"id": "x", "created": 0, "model": "m"}, _merged([events()]),
+                                                    10)]
 
     lines = asyncio.run(collect())
     assert lines[-1] == "data: [DONE]\n\n"
@@ -593,6 +639,30 @@ def test_tool_calls_stream_as_openai_chunks():
     assert "".join(d.content or "" for d in deltas) == "Let me look."
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Weather needs a tool."
     assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens == len(ids) - 1
+
+
+def test_parallel_tool_calls_false_ends_the_reply_with_its_first_call():
+    """Two DSML tool calls in one reply: with ``parallel_tool_calls: false`` the pipeline gives the first one only
+    and stops (finish reason tool_calls), what follows never sent; by default both."""
+    tokenizer, _ = load_tokenizer()
+    reply = Message("assistant", "", tool_calls=(ToolCall("get_weather", '{"city": "Paris"}'),
+                                                 ToolCall("get_time", '{"zone": "CET"}')))
+    ids = tokenizer.encode(render_reply(reply, thinking=False))[:-1]
+
+    def calls(one_call: bool):
+        pipeline = TextPipeline(tokenizer, (), chat=True, one_call=one_call)
+        events, pushed = [], 0
+        for i in ids:
+            events += pipeline.push(i)
+            pushed += 1
+            if pipeline.stop.stopped:  # as the server's loop: the generation is cancelled here
+                break
+        events += pipeline.finish()
+        return [e.call.name for e in events if type(e).__name__ == "ToolCallEvent"], pushed
+
+    assert calls(False) == (["get_weather", "get_time"], len(ids))
+    names, pushed = calls(True)
+    assert names == ["get_weather"] and pushed < len(ids)
 
 
 def test_the_socket_accepts_connections_before_uvicorn_starts():

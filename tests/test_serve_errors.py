@@ -66,20 +66,29 @@ class _Worker:
 
     queued, alive, draining = 0, True, False
 
-    def submit(self, request, loop):
+    def __init__(self, silent: bool = False):
+        self.cancelled, self.silent = [], silent  # silent: no event ever (a request waiting for a slot)
+
+    def submit(self, request, loop, **job):
         events = asyncio.Queue()
+        if self.silent:
+            return 1, events
         for i in range(request.max_new_tokens):
             events.put_nowait(("token", 10 + i))
         events.put_nowait(("done", "length"))
         return 1, events
 
     def cancel(self, job_id):
-        pass
+        self.cancelled.append(job_id)
+
+
+def _app(worker=None):
+    return create_app(ServerState(worker or _Worker(), _Tokenizer(), Metrics({}), ("stub",), VOCAB, CONTEXT))
 
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(ServerState(_Worker(), _Tokenizer(), Metrics({}), ("stub",), VOCAB, CONTEXT))
+    app = _app()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
@@ -155,6 +164,39 @@ def test_every_response_is_counted_by_endpoint_and_status(server):
     delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     assert delta == {("other", "404"): 1, ("completions", "405"): 1, ("completions", "400"): 1,
                      ("models", "200"): 1, ("metrics", "200"): 1}  # the first scrape is counted when answered
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "x"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_a_stream_whose_client_left_before_its_first_chunk_is_cancelled(path, body, spec, capfd):
+    """The app called as an ASGI server calls it, the client gone by the time the response starts: under ASGI
+    2.3 (uvicorn) the disconnect is there at once; under 2.4 the server raises OSError from ``send`` (Starlette:
+    ClientDisconnect) before the body's generator starts, so no ``finally`` of it runs. Either way the request is
+    cancelled (it held its slot to the end), and nothing is logged as an internal error. A real socket cannot
+    order this reliably (tests/test_serve.py closes real sockets early)."""
+    worker = _Worker(silent=True)
+    app = _app(worker)
+    payload = json.dumps({**body, "max_tokens": 3, "stream": True}).encode()
+    inbox = [{"type": "http.request", "body": payload, "more_body": False}]
+    sent = []
+
+    async def receive():  # no suspension: the disconnect is there at once
+        return inbox.pop(0) if inbox else {"type": "http.disconnect"}
+
+    async def send(message):
+        if spec == "2.4":
+            raise OSError("the client is gone")
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    capfd.readouterr()
+    asyncio.run(app(scope, receive, send))
+    assert worker.cancelled == [1], sent
+    assert "internal error" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("raw, param, words", [

@@ -12,6 +12,7 @@ greedy) runs.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import jax
 import jax.numpy as jnp
@@ -160,3 +161,81 @@ def test_a_failing_step_fails_its_request_and_the_engine_thread_goes_on(engine, 
     assert [kind for kind, _ in failed] == ["error"] * SLOTS
     assert [kind for kind, _ in events] == ["token", "token", "token", "done"] and events[-1] == ("done", "length")
     assert [v for _, v in events[:3]] == list(engine.generate([Request((5, 6), 3)]).generations[0].token_ids)
+
+
+def test_a_long_prompt_stalls_a_running_stream_at_most_one_segment(engine):
+    """A stream decodes while a 60-token prompt (4 segments of 16 rows) prefills beside it: between two of the
+    stream's tokens at most one prefill segment runs (the scheduler interleaves segments with decode steps), so
+    the stream's longest gap is about one decode step plus one segment, not the whole prefill. The structural
+    check is exact; the clock's is loose (2x plus 50 ms over a decode step and a segment measured alone, the
+    segment as a quarter of the prefill alone: dispatch is asynchronous, so single calls cannot be timed), for a
+    2-core machine shared with other work."""
+    rng = np.random.default_rng(7)
+    long_prompt = Request(tuple(int(t) for t in rng.integers(3, 512, 60)), 2)
+    stream = Request((5, 6, 7), 50)
+
+    def run(with_stream: bool, with_long: bool):
+        slots = SlotEngine(engine, SLOTS)
+        tokens, segments_before = [], []
+
+        def sink(kind, value):
+            if kind == "token":
+                tokens.append(time.perf_counter())
+                segments_before.append(slots.prefill_calls)
+
+        if with_stream:
+            slots.add(Job(0, stream, sink))
+            for _ in range(8):  # its prompt fed and a few tokens: decoding alone
+                slots.step()
+        if with_long:
+            slots.add(Job(1, long_prompt, lambda kind, value: None))
+        t0 = time.perf_counter()
+        while slots.prefill_calls < 4 * with_long or (with_stream and len(tokens) < 20):
+            slots.step()
+        for job in range(2):
+            slots.cancel(job)
+        while slots.busy:
+            slots.step()
+        return np.diff(tokens), np.array(segments_before), time.perf_counter() - t0
+
+    run(True, True)  # warm: every program has run once
+    alone_gaps, _, _ = run(True, False)
+    _, _, prefill_s = run(False, True)
+    gaps, segments, _ = run(True, True)
+    assert segments[-1] - segments[0] >= 3  # the prefill ran while the stream decoded
+    assert np.diff(segments).max() <= 1  # at most one segment between two tokens
+    bound = 2 * (np.median(alone_gaps) + prefill_s / 4) + 0.05
+    assert gaps.max() <= bound, (gaps.max(), np.median(alone_gaps), prefill_s)
+
+
+def test_penalties_count_each_slots_tokens_on_both_prefill_paths(engine):
+    """A penalised sampled request beside others: prefilled apart (a 30-token prompt: 2 segments; its first
+    token then drawn by a decode step, which has its counts) or row by row (``short_rows`` above it), the same
+    tokens; the counts its slot was penalised with are those of its tokens, its prompt's ids marked; nothing
+    compiles."""
+    rng = np.random.default_rng(11)
+    prompt = tuple(int(t) for t in rng.integers(3, 512, 30))
+    mine = Request(prompt, 12, SamplingParams(temperature=0.8, seed=3, frequency_penalty=1.0, presence_penalty=0.5,
+                                              repetition_penalty=1.3))
+    others = [Request((7, 8, 9), 15, SamplingParams(temperature=1.0, seed=4)),
+              Request((5,) * 20, 10, SamplingParams(presence_penalty=1.0))]
+
+    def run(short_rows):
+        slots = SlotEngine(engine, SLOTS, short_rows=short_rows)
+        got: dict[int, list] = {0: [], 1: [], 2: []}
+        for i, r in enumerate([others[0], mine, others[1]]):
+            slots.add(Job(i, r, lambda kind, value, i=i: got[i].append(value) if kind == "token" else None))
+        slot = None
+        while slots.busy:
+            slots.step()
+            slot = next((b for b, j in enumerate(slots.running) if j is not None and j.id == 1), slot)
+        return got, slots, slot
+
+    with backend_compiles() as compiles:
+        apart, slots, slot = run(None)
+        row_by_row, _, _ = run(64)
+    assert compiles == []
+    counts, seen = slots.penalty_state(slot)
+    assert apart == row_by_row and len(apart[1]) == 12
+    np.testing.assert_array_equal(counts, np.bincount(apart[1], minlength=512))
+    np.testing.assert_array_equal(np.flatnonzero(seen), sorted(set(prompt)))

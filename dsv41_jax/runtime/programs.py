@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model.transformer import ImageRows
-from ..sampling import SamplingArrays, sample
+from ..sampling import SamplingArrays, TokenLogprobs, sample, token_logprobs
 from .table import Program, merge
 
 
@@ -102,6 +102,7 @@ class StepOut(NamedTuple):
     lengths: jax.Array  # [B] i32: 1 where the sequence keeps going, else 0
     keep_going: jax.Array  # [B] bool
     next_step: jax.Array  # i32 scalar
+    logprobs: TokenLogprobs | None = None  # with sampling arrays: the drawn ids' and the top ids' log-probs
 
 
 def _step(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_ids, max_new,
@@ -111,15 +112,21 @@ def _step(graphdef, state, cache, ids, lengths, last_logits, running, step, eos_
     ids [B,T] i32, lengths [B] i32, last_logits [B,V] f32 (see ``_forward``), running [B] bool, step i32 (the
     index of the token drawn now: a scalar, or [B] when each sequence counts its own, as the server's slots do),
     eos_ids [E] i32, max_new [B] i32. Every sequence draws a token from its ``last_logits``; it keeps going unless
-    that token is an end id or its ``max_new``-th. The host uses the tokens of a prompt's last call and of decode
-    steps; earlier prefill calls' draws are don't-care (cheap: [B,V]).
+    that token is an end id (not where the sampling arrays' ``ignore_eos`` is set) or its ``max_new``-th. The
+    host uses the tokens of a prompt's last call and of decode steps; earlier prefill calls' draws are don't-care
+    (cheap: [B,V]). With sampling arrays the step also returns the log-probabilities of the draw (`sampling.
+    token_logprobs`), which the host reads only when a request asks for them.
     """
     cache, last_logits, first = _forward(graphdef, state, cache, ids, lengths, last_logits, images, engram,
                                          keep_first_row)
-    tokens = sample(last_logits, sampling, step)
+    tokens = sample(last_logits, sampling, step, eos_ids)
     keep_going = keeps_going(running, tokens, eos_ids, step, max_new)
+    logprobs = None
+    if sampling is not None:
+        keep_going = keep_going | (sampling.ignore_eos & running & (step + 1 < max_new))
+        logprobs = token_logprobs(last_logits, tokens)
     return StepOut(cache, last_logits, first, tokens[:, None], keep_going.astype(jnp.int32), keep_going,
-                   step + 1)
+                   step + 1, logprobs)
 
 
 class Chunk(NamedTuple):

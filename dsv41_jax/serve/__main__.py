@@ -4,6 +4,7 @@ batching. Model flags are `generate`'s; bad flags are one line on stderr and exi
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -15,7 +16,9 @@ import uvicorn
 from .. import distributed, runspec
 from ..cli import Parser, UsageError, cli_main, positive_int, say
 from ..compile_cache import enable as enable_compile_cache
-from .metrics import Metrics
+from .metrics import Metrics, server_gauges
+
+API_KEY_ENV = "DSV41_API_KEY"
 
 EXAMPLES = """\
 examples:
@@ -59,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                        help="on SIGTERM or Ctrl-C, seconds the running and queued requests have to finish before "
                             "they are ended with an error (default 60; a second Ctrl-C stops at once)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (else "
+                            "401); default: $DSV41_API_KEY if set and not empty, else none (no key needed)")
     return p
 
 
@@ -70,6 +76,16 @@ def check_args(args) -> None:
     if not 0 <= args.drain_timeout < float("inf"):
         raise UsageError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     served_names(args)
+    api_key(args)
+
+
+def api_key(args) -> str | None:
+    """``--api-key``, else ``$DSV41_API_KEY``; None: no key needed."""
+    key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)  # set empty: none
+    if key is not None and (not key.strip() or key != key.strip()):
+        source = "--api-key" if args.api_key is not None else API_KEY_ENV
+        raise UsageError(f"{source}: the key must be non-empty, without leading or trailing spaces")
+    return key
 
 
 def served_names(args) -> tuple[str, ...]:
@@ -158,18 +174,12 @@ def build_server(args, spec: runspec.RunSpec):
 
     slots, engine, tokenizer = build_slots(
         args, spec, before_compile=lambda: jax.monitoring.register_event_duration_secs_listener(on_compile))
-    metrics = Metrics({})
+    names = served_names(args)
+    metrics = Metrics({}, model_name=names[0])
     worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
-    metrics.gauges.update({
-        "dsv41_queue_length": ("Requests waiting for a slot.", lambda: worker.queued),
-        "dsv41_running_requests": ("Requests holding a slot.", lambda: worker.slots.active),
-        "dsv41_slots": ("Decode slots.", lambda: worker.slots.slots),
-        "dsv41_programs_compiled": ("Programs in the engine's table.", lambda: engine.compile_count),
-        "dsv41_compile_events": ("JAX backend compiles since start-up (precompile included).",
-                                 lambda: compile_events[0]),
-        "dsv41_decode_steps": ("Decode steps run.", lambda: worker.slots.decode_steps),
-    })
-    state = ServerState(worker, tokenizer, metrics, served_names(args), engine.vocab_size, args.max_context)
+    metrics.gauges.update(server_gauges(worker, lambda: compile_events[0]))
+    state = ServerState(worker, tokenizer, metrics, names, engine.vocab_size, args.max_context,
+                        api_key=api_key(args))
     return create_app(state), state
 
 

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse
 MAX_DEPTH = 64  # nesting of arrays and objects in a body (a tool schema needs a handful)
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
-             "/health": "health", "/metrics": "metrics"}  # any other path counts as "other"
+             "/tokenize": "tokenize", "/detokenize": "detokenize", "/health": "health",
+             "/metrics": "metrics"}  # any other path counts as "other"
 
 
 class BadRequest(ValueError):

@@ -43,7 +43,7 @@ class LeaderSlots(SlotEngine):
     channel: Channel | None = None
 
     def add(self, job: Job) -> None:
-        self.channel.notes.append(["add", job.id, _request_json(job.request)])
+        self.channel.notes.append(["add", job.id, _job_json(job)])
         super().add(job)
 
     def cancel(self, job_id: int) -> None:
@@ -81,7 +81,7 @@ def follow(slots: SlotEngine) -> None:
                 return
             if kind == "add":
                 try:
-                    slots.add(Job(note[1], _request(note[2]), _no_events))
+                    slots.add(_job(note[1], note[2]))
                 except Exception:  # noqa: BLE001 - refused on process 0 as well, which answers the client
                     pass
             elif kind == "cancel":
@@ -99,12 +99,23 @@ def _no_events(kind, value) -> None:
     """A follower's requests answer nobody (process 0 answers the client)."""
 
 
-def _request_json(request: Request) -> dict:
+def _job_json(job: Job) -> dict:
+    """What a follower needs of a job to run the same programs: its request and what of the job picks the step
+    variant or ends it on the host (log-probs, stop ids)."""
+    request = job.request
     if request.images is not None:
         raise ValueError("image prompts are not served over several processes")
     return {"prompt_ids": list(request.prompt_ids), "max_new_tokens": request.max_new_tokens,
-            "sampling": dataclasses.asdict(request.sampling)}
+            "sampling": dataclasses.asdict(request.sampling), "logprobs": job.logprobs,
+            "stop_ids": sorted(job.stop_ids)}
 
 
-def _request(obj: dict) -> Request:
-    return Request(tuple(obj["prompt_ids"]), obj["max_new_tokens"], SamplingParams(**obj["sampling"]))
+def _job(job_id: int, obj: dict) -> Job:
+    """`_job_json`'s job back (JSON's lists made tuples again, as `SamplingParams` holds them)."""
+    sampling = {k: _tuples(v) for k, v in obj["sampling"].items()}
+    request = Request(tuple(obj["prompt_ids"]), obj["max_new_tokens"], SamplingParams(**sampling))
+    return Job(job_id, request, _no_events, obj["logprobs"], frozenset(obj["stop_ids"]))
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

@@ -38,20 +38,29 @@ whatever S is, and the copy is one dynamic-update-slice per cache leaf (measured
 "Figures recorded in docs/DESIGN.md until it held contracts only"). It also makes a request's prefill independent
 of what else runs.
 
-A finished request (end id, ``max_new_tokens``: its slot's chain already stopped on the device; or `cancel`: a
-stop string, a client gone) frees its slot when the host reads it (at once for a cancel); the next admission
-overwrites the slot's row whole (the insert of a fresh one-row cache for a short prompt).
+A finished request (end id, ``max_new_tokens``: its slot's chain already stopped on the device; one of its
+``stop_ids``, read by the host, which stops the slot's chain from the next step; or `cancel`: a stop string, a
+client gone) frees its slot when the host reads it (at once for a cancel); the next admission overwrites the
+slot's row whole (the insert of a fresh one-row cache for a short prompt). A job that asks for log-probs reads
+them with its tokens (the step with the sampling arrays returns them; the host fetches them only then).
 
-Programs: ``init[1]``, ``init[S]``, ``step[S, 1]`` (per-slot steps; twice: with the sampling arrays, and the
-argmax-only variant run while every slot is greedy, which skips the filters' sort of the vocabulary), ``insert``,
-``override`` (serving's own, registered in the runtime's table) and ``step[1, T]`` per bucket above
-``short_rows`` — all compiled by `precompile`; slots are reused without compiling anything (tests/test_serve.py
-counts JAX's compile events in the server).
+Penalties (presence, frequency, repetition) need each request's token counts: the slots keep them on the device
+(counts [S, V], the prompts' ids [S, V]), passed to the step in its sampling arrays, counted after each decode step
+that has a penalised request (``count``) and reset when one takes a slot (``reset_counts``). A penalised long
+prompt's first token is drawn by the decode step after its prefill (which has its counts), not by the prefill.
+
+Programs: ``init[1]``, ``init[S]``, ``step[S, 1]`` (per-slot steps; twice: with the sampling arrays and the
+penalties' state, and the argmax-only variant run while every slot is plain greedy and wants no log-probs, which
+skips the filters' sort of the vocabulary), ``insert``, ``override``, ``count``, ``reset_counts`` (serving's own,
+registered in the runtime's table) and ``step[1, T]`` per bucket above ``short_rows`` — all compiled by
+`precompile`; slots are reused without compiling anything (tests/test_serve.py counts JAX's compile events in the
+server).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,11 +69,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..engine import Engine, EngineInputError, Request, bucket_rows
-from ..runtime import Program, keeps_going
-from ..sampling import sampling_arrays
+from ..runtime import Program, keeps_going, stop_ids
+from ..sampling import SamplingArrays, sampling_arrays
 
-# (kind, value): ("token", id) for each generated token, then ("done", finish_reason) once:
-# 'stop' (an end id; the id itself is not reported), 'length' or 'cancelled'; ("error", message) on failure.
+# (kind, value): ("token", id) for each generated token (preceded, for a job that asks for log-probabilities, by
+# ("logprobs", (the token's, the top ids, their log-probs))), then ("done", finish_reason) once: 'stop' (an end id
+# or one of the job's stop ids; the id itself is not reported), 'length' or 'cancelled'; ("error", message) on
+# failure.
 EventSink = Callable[[str, object], None]
 
 
@@ -79,6 +90,22 @@ def _insert_slot(cache, logits, chain, one_cache, one_logits, one_chain, slot):
     return jax.tree.map(put, cache, one_cache), put(logits, one_logits), jax.tree.map(put, chain, one_chain)
 
 
+def _count(counts, tokens, mask, running):
+    """The penalties' token counts [S, V] i32 (donated) plus one at each row's token (``tokens`` [S, 1], a step's
+    draws) where the host's ``mask`` [S] (the step's draw is a generated token) and the step's ``running`` [S]
+    input (the device had not stopped the row: an end id, the last new token) are set."""
+    add = (mask & running).astype(counts.dtype)
+    return counts.at[jnp.arange(counts.shape[0]), tokens[:, 0]].add(add)
+
+
+def _reset_counts(counts, seen, slot, seen_row):
+    """Row ``slot`` of the counts [S, V] zeroed and of ``seen`` [S, V] (the prompts' ids; both donated) set to
+    ``seen_row`` [V]: a penalised request takes the slot."""
+    zeros = jnp.zeros((1, counts.shape[1]), counts.dtype)
+    return (jax.lax.dynamic_update_slice_in_dim(counts, zeros, slot, axis=0),
+            jax.lax.dynamic_update_slice_in_dim(seen, seen_row[None], slot, axis=0))
+
+
 def _override(chain, mask, values):
     """The chain (ids [S, 1], lengths [S], running [S], step [S]) with the rows where ``mask [S]`` is set taken
     from ``values`` (same shapes, from the host)."""
@@ -89,6 +116,9 @@ def _override(chain, mask, values):
 # Serving's own programs in the runtime's table: a slot's admission and the host's overrides of the chain.
 INSERT = Program("insert", _insert_slot, donate=(0, 1), model=False)
 OVERRIDE = Program("override", _override, model=False)
+# The penalties' state (`sampling.SamplingArrays.counts`): counted after each step, reset for a new request.
+COUNT = Program("count", _count, donate=(0,), model=False)
+RESET_COUNTS = Program("reset_counts", _reset_counts, donate=(0, 1), model=False)
 
 
 def _host_chain(batch: int) -> tuple:
@@ -105,6 +135,9 @@ class Job:
     id: int
     request: Request
     sink: EventSink
+    logprobs: int | None = None  # the top log-probs each token reports with its own (None: none reported)
+    stop_ids: frozenset = frozenset()  # ids that end the request as an end id does (checked by the host)
+    draw_first: bool = False  # prefilled apart with penalties: its first token is drawn by a decode step
     prompt_done: int = 0
     segments: list = field(default_factory=list)  # remaining prefill segment sizes
     slot: int = -1
@@ -123,7 +156,7 @@ class SlotEngine:
             raise EngineInputError(f"the slot count must be at least 1, got {slots}")
         self.engine = engine
         self.runtime = engine.runtime
-        self.runtime.register(INSERT, OVERRIDE)
+        self.runtime.register(INSERT, OVERRIDE, COUNT, RESET_COUNTS)
         self.slots = slots
         self.short_rows = engine.short_rows if short_rows is None else short_rows
         self._longest = max(int(n) for n in engine.segment_plan(engine.max_context))
@@ -134,7 +167,11 @@ class SlotEngine:
         self._reserved = [False] * slots
         self._host_feed = engine.hasher is not None  # engram: the host hashes (so reads) every step's ids
         self._eos = engine.stop_ids()
-        self._sampling = sampling_arrays([Request(()).sampling] * slots)
+        self._no_eos = stop_ids(())  # the end ids of a request that ignores them
+        self._sampling = sampling_arrays([Request(()).sampling] * slots, penalties=True)
+        vocab = engine.vocab_size  # the penalties' state, on the device (`sampling.SamplingArrays`)
+        self._counts, self._seen = self.runtime.place((np.zeros((slots, vocab), np.int32),
+                                                       np.zeros((slots, vocab), bool)))
         self._max_new = np.ones(slots, np.int32)
         self._stop: dict[bool, tuple] = {}  # greedy? -> (eos, max_new, sampling | None) on the device
         self._history = self.runtime.empty_history(slots)
@@ -167,12 +204,15 @@ class SlotEngine:
         rt, positions, eos = self.runtime, self.engine.max_context, len(self._eos)
         before = rt.compile_s
         calls = [rt.init_call(self.slots, positions), rt.init_call(1, positions)]
-        calls += [rt.step_call(self.slots, 1, positions, eos, greedy=greedy, slot_steps=True)
-                  for greedy in (False, True)]
+        full, greedy = (rt.step_call(self.slots, 1, positions, eos, greedy=g, slot_steps=True) for g in (False, True))
+        calls += [greedy, full._replace(args=(*full.args[:9], rt.abstract(self._penalised(self._sampling)),
+                                              *full.args[10:]))]
         calls += [rt.step_call(1, t, positions, eos) for t in self._prefill_rows() if t != 1]
         rt.compile(calls)
         self._run_insert(self._run_init(1), np.zeros((1, rt.vocab_size), np.float32), _host_chain(1), 0)
         self._chain = self._run_override(np.zeros(self.slots, bool), _host_chain(self.slots))  # dry runs
+        self._run_reset_counts(0, np.zeros(rt.vocab_size, bool))
+        self._counts = rt.run(COUNT, {}, (self._counts, self._chain[0], np.zeros(self.slots, bool), self._chain[2]))
         sampling_arrays([Request(()).sampling])  # its one-request key op, so the first request compiles nothing
         return rt.compile_s - before
 
@@ -186,13 +226,22 @@ class SlotEngine:
     def _run_override(self, mask: np.ndarray, values: tuple) -> tuple:
         return self.runtime.run(OVERRIDE, {}, (self._chain, mask, values))
 
+    def _run_reset_counts(self, slot: int, seen_row: np.ndarray) -> None:
+        self._counts, self._seen = self.runtime.run(RESET_COUNTS, {}, (self._counts, self._seen, np.int32(slot),
+                                                                       seen_row))
+
+    def _penalised(self, sampling: SamplingArrays) -> SamplingArrays:
+        """``sampling`` with the penalties' state on the device (the counts as of the last step)."""
+        return dataclasses.replace(sampling, counts=self._counts, seen=self._seen)
+
     def _placed_stop(self, greedy: bool) -> tuple:
-        """The step's (eos ids, max new [S], sampling arrays, or None when ``greedy``) on the device, placed
-        again after an admission."""
+        """The step's (eos ids, max new [S], sampling arrays with the penalties' state, or None when ``greedy``)
+        on the device; the settings placed again after an admission."""
         if greedy not in self._stop:
             host = jax.tree.map(np.copy, (self._eos, self._max_new, None if greedy else self._sampling))
             self._stop[greedy] = self.runtime.place(host)  # never aliased, then changed
-        return self._stop[greedy]
+        eos, max_new, sampling = self._stop[greedy]
+        return eos, max_new, None if sampling is None else self._penalised(sampling)
 
     # ------------------------------------------------------------------------------------------ requests
     @property
@@ -203,6 +252,18 @@ class SlotEngine:
     def active(self) -> int:
         """Requests holding a slot (prefilling or decoding)."""
         return sum(self._reserved)
+
+    @property
+    def cache_usage(self) -> float:
+        """The fraction of the cache's positions (slots x context) that hold a request's tokens: what each
+        request in a slot has prefilled and generated (read by the metrics from another thread: a gauge)."""
+        jobs = [j for j in [*list(self.running), *list(self.prefilling)] if j is not None]
+        return sum(j.prompt_done + j.steps for j in jobs) / (self.slots * self.engine.max_context)
+
+    def penalty_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(each id's count among the generated tokens [V], the prompt's ids [V] bool) that slot ``slot``'s last
+        penalised request was penalised with (read from the device)."""
+        return np.asarray(self._counts[slot]), np.asarray(self._seen[slot])
 
     def add(self, job: Job) -> None:
         """Queue a request (checked here: EngineInputError for one the engine cannot run)."""
@@ -264,9 +325,14 @@ class SlotEngine:
         self._halt[b] = False
         if self._history is not None:
             self._history[b] = history[0]
-        one = sampling_arrays([r.sampling])
-        for name in ("temperature", "top_k", "top_p", "keys"):
-            getattr(self._sampling, name)[b] = getattr(one, name)[0]
+        one = sampling_arrays([r.sampling], penalties=True)
+        for name in SamplingArrays.__dataclass_fields__:
+            if getattr(one, name) is not None:
+                getattr(self._sampling, name)[b] = getattr(one, name)[0]
+        if r.sampling.penalised:  # its counts from zero; the prompt's ids for the repetition penalty
+            seen_row = np.zeros(self.engine.vocab_size, bool)
+            seen_row[list(r.prompt_ids)] = True
+            self._run_reset_counts(b, seen_row)
         self._max_new[b] = r.max_new_tokens
         self._stop = {}
         self.running[b] = job
@@ -276,8 +342,12 @@ class SlotEngine:
         its slot."""
         rt, job = self.runtime, self.prefilling[0]
         if self._one is None:
+            # A penalised request's first token is drawn by a decode step (which has its counts): its prefill's
+            # draw, without penalties, is not used.
+            sampling = dataclasses.replace(job.request.sampling, presence_penalty=0.0, frequency_penalty=0.0,
+                                           repetition_penalty=1.0)
             self._one = (self._run_init(1), np.zeros((1, rt.vocab_size), np.float32), rt.empty_history(1),
-                         self.engine.stop_inputs([job.request]))
+                         rt.stop_inputs(self.engine.eos_ids, [job.request.max_new_tokens], [sampling]))
         cache, logits, history, stop = self._one
         size = job.segments.pop(0)
         # A short tail segment runs in the smallest long bucket (padding rows are ignored).
@@ -291,10 +361,15 @@ class SlotEngine:
             return
         self._one = None
         self.prefilling.popleft()
+        if job.request.sampling.penalised:  # the next decode step draws token 0 (step 0) from these logits
+            job.draw_first = True
+            self._join(job, out.cache, out.last_logits, (np.zeros((1, 1), np.int32), np.zeros(1, np.int32),
+                                                         np.ones(1, bool), np.zeros(1, np.int32)), history)
+            return
         # Token 0 was drawn with step 0: the slot's chain goes on at step 1.
         self._join(job, out.cache, out.last_logits, (out.tokens, out.lengths, out.keep_going, np.ones(1, np.int32)),
                    history)
-        self._pending.append((out.tokens, [(0, job)]))
+        self._pending.append((out.tokens, [(0, job)], out.logprobs if job.logprobs is not None else None))
 
     def _decode_step(self) -> None:
         """One ``step[S, 1]``: on the previous step's chain, with the host's rows where it has any (a short
@@ -320,7 +395,8 @@ class SlotEngine:
                     continue
             elif self._host_feed:
                 mask[b] = True
-                ids[b, 0], lengths[b], running[b], steps[b] = job.last, 1, True, job.steps
+                ids[b, 0], lengths[b], running[b], steps[b] = job.last, int(not job.draw_first), True, job.steps
+            job.draw_first = False
             emit.append((b, job))
         self._halt[:] = False
         if self._host_feed:
@@ -329,9 +405,10 @@ class SlotEngine:
             chain = self._run_override(mask, values)
         else:
             chain = self._chain
-        # Every slot greedy (idle ones are): the argmax-only step, without the sampling filters' sort of the
-        # vocabulary (`sampling` module docstring).
-        greedy = all(job is None or job.request.sampling.greedy for job in self.running)
+        # Every slot plain greedy (idle ones are) and no log-probs asked for: the argmax-only step, without the
+        # sampling filters' sort of the vocabulary (`sampling` module docstring).
+        greedy = all(job is None or (job.request.sampling.argmax_only and job.logprobs is None)
+                     for job in self.running)
         args, self._history = rt.step_args(self._cache, self._logits, *chain, self._placed_stop(greedy),
                                            self._history)
         if greedy not in self._step_programs:
@@ -340,26 +417,44 @@ class SlotEngine:
         self.greedy_steps += greedy
         self._cache, self._logits = out.cache, out.last_logits
         self._chain = (out.tokens, out.lengths, out.keep_going, out.next_step)
-        self._pending.append((out.tokens, emit))
-        rt.fetch(out.tokens)  # _read reads them next: their copy starts when they are ready
+        logprobs = out.logprobs if any(job.logprobs is not None for _, job in emit) else None
+        self._pending.append((out.tokens, emit, logprobs))
+        if any(job.request.sampling.penalised for _, job in emit):  # the counts the next step penalises with
+            counted = np.zeros(self.slots, bool)
+            counted[[b for b, _ in emit]] = True
+            self._counts = rt.run(COUNT, {}, (self._counts, out.tokens, counted, chain[2]))
+        for array in (out.tokens, *(logprobs or ())):
+            rt.fetch(array)  # _read reads them next: their copy starts when they are ready
         self.decode_steps += 1
 
     def _read(self, in_flight: int) -> None:
-        """Read the tokens of all but the newest ``in_flight`` dispatched calls: report them, free the slots
-        of requests that end (an end id: 'stop', not reported; the last new token: 'length')."""
+        """Read the tokens of all but the newest ``in_flight`` dispatched calls: report them (with their
+        log-probs where asked), free the slots of requests that end (an end id, unless the request ignores them,
+        or one of its stop ids: 'stop', not reported; the last new token: 'length')."""
         while len(self._pending) > in_flight:
-            tokens, emit = self._pending.popleft()
+            tokens, emit, logprobs = self._pending.popleft()
             tokens = self.runtime.read(tokens)[:, 0]
+            if logprobs is not None:
+                logprobs = [self.runtime.read(a) for a in logprobs]
             for row, job in emit:
                 if job.finished or job.cancelled:
                     continue  # its slot was freed while this call ran
                 token = int(tokens[row])
-                keep = bool(keeps_going(True, tokens[row:row + 1], self._eos, job.steps,
-                                        job.request.max_new_tokens)[0])  # the step's own rule, on the host
+                ignore_eos = job.request.sampling.ignore_eos
+                keep = bool(keeps_going(True, tokens[row:row + 1], self._no_eos if ignore_eos else self._eos,
+                                        job.steps, job.request.max_new_tokens)[0])  # the step's own rule
                 job.steps, job.last = job.steps + 1, token
-                if token in self.engine.eos_ids:
+                if token in job.stop_ids:  # the device's chain goes on: the next step feeds the slot nothing
+                    self._halt[job.slot] = True
                     self._finish(job, "stop")
                     continue
+                if token in self.engine.eos_ids and not ignore_eos:
+                    self._finish(job, "stop")
+                    continue
+                if job.logprobs is not None:
+                    token_lp, top_ids, top = (a[row] for a in logprobs)
+                    job.sink("logprobs", (float(token_lp), top_ids[:job.logprobs].tolist(),
+                                          top[:job.logprobs].tolist()))
                 job.sink("token", token)
                 if not keep:
                     self._finish(job, "length")

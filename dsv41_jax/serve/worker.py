@@ -87,8 +87,10 @@ class Worker:
         """Requests waiting for a slot."""
         return max(0, self._in_flight - self.slots.slots)
 
-    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Queue]:
-        """Queue ``request`` (already checked by the caller); (job id, its event queue). QueueFull past the bound."""
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop, *, logprobs: int | None = None,
+               stop_ids=()) -> tuple[int, asyncio.Queue]:
+        """Queue ``request`` (already checked by the caller; ``logprobs``, ``stop_ids``: its `Job`'s); (job id,
+        its event queue). QueueFull past the bound."""
         with self._lock:
             if self._draining:
                 raise ShuttingDown("the server is shutting down: it takes no new requests")
@@ -100,14 +102,14 @@ class Worker:
         job_id = next(self._ids)
 
         def sink(kind, value):
-            if kind != "token":
+            if kind in ("done", "error", "shutdown"):  # its last event
                 with self._lock:
                     self._in_flight -= 1
-            elif self._on_token is not None:
+            elif kind == "token" and self._on_token is not None:
                 self._on_token()
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-        self._inbox.put(("add", Job(job_id, request, sink)))
+        self._inbox.put(("add", Job(job_id, request, sink, logprobs, frozenset(stop_ids))))
         return job_id, events
 
     def cancel(self, job_id: int) -> None:
