@@ -37,6 +37,8 @@ def export(out: Path, cfg: ModelConfig, flat: dict[str, np.ndarray], tokenizer_j
     write_checkpoint(out, cfg, release_weights(flat), "fp4", shard_bytes=64 << 20)
     shutil.copyfile(tokenizer_json, out / "tokenizer.json")
     write_record(out, record)
+    for f in out.iterdir():  # package data: readable by every user of an installed wheel
+        f.chmod(0o644)
 
 
 def write_record(out: Path, record: dict) -> None:
