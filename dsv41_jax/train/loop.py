@@ -23,6 +23,7 @@ from .quantize import as_stored, model_kinds
 
 EVAL_WINDOWS = 32  # held-out windows of --seq tokens in each evaluation (the same ones every time)
 WORDS = 5000  # the training text's most frequent words, recorded for the test of the generated text
+DRAFT_PROMPT_TOKENS = 64
 PROMPT_TOKENS = 128  # the held-out prompt the shipped model's test reads back through generate --logits-out
 
 
@@ -241,12 +242,19 @@ def run(args, cfg: ModelConfig, tok_path: Path, train_docs, held_docs) -> dict:
         "train_tokens": int(len(train.stream)), "held_out_tokens": int(len(held.stream)),
         "held_out_loss": round(final, 5), "held_out_windows": EVAL_WINDOWS,
         "prompt_ids": prompt, "prompt_loss_training": round(prompt_loss, 5),
+        "draft_prompt_ids": draft_prompts(eval_ids),
         "target_s": round(target_s, 1), "dspark_s": round(time.time() - t1, 1),
         "devices": str(jax.devices()), "curve": curve,
         "words": word_list([t for _, t in train_docs], WORDS),
     }
     export(args.out, cfg, flat, tok_path, record)
     return record
+
+
+def draft_prompts(eval_ids: np.ndarray) -> list[list[int]]:
+    """The held-out prompts the speculation test drafts from: the first DRAFT_PROMPT_TOKENS tokens of every
+    eighth evaluation window (four places spread over the held-out documents)."""
+    return [[int(x) for x in w[:DRAFT_PROMPT_TOKENS]] for w in eval_ids[::8]]
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
