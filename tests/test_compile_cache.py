@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _generate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "dsv41_jax.generate", "--prompt-ids", "5,6,7,8", "--max-new-tokens", "3",
+    cmd = [sys.executable, "-m", "dsv41_jax.generate", "--config", "tiny", "--prompt-ids", "5,6,7,8",
+           "--max-new-tokens", "3",
            "--greedy", "--json", *args]
     return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **(env or {})), capture_output=True, text=True,
                           timeout=300)

@@ -98,7 +98,7 @@ def test_installed_wheel_runs_generate_and_plan_from_another_directory(installed
     gen = _run([str(installed), "-m", "dsv41_jax.generate", "--prompt", "Hello", "--max-new-tokens", "2", "--json"],
                cwd=elsewhere)
     out = json.loads(gen.stdout)
-    assert "configs/tiny.json" in out["model"] and len(out["results"][0]["generated_ids"]) == 2
+    assert "assets/bard" in out["model"] and len(out["results"][0]["generated_ids"]) == 2
 
 
 def _dependency_dirs() -> list[str]:

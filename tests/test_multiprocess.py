@@ -26,8 +26,8 @@ from dsv41_jax import generate
 from dsv41_jax.serve.__main__ import main as serve_main
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = ["--prompt-ids", "5,6,7,8,9,10,11,12", "--max-new-tokens", "4", "--greedy", "--dtype", "float32",
-          "--no-quant-rounding", "--json"]
+PROMPT = ["--config", "tiny", "--prompt-ids", "5,6,7,8,9,10,11,12", "--max-new-tokens", "4", "--greedy",
+          "--dtype", "float32", "--no-quant-rounding", "--json"]
 
 
 def _env() -> dict:
@@ -95,7 +95,7 @@ def test_two_processes_of_two_devices_generate_as_one_of_four(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_with_engram_layers(tmp_path):
-    results = _one_and_two(["--config", "tiny_engram", *PROMPT], tmp_path)
+    results = _one_and_two([*PROMPT, "--config", "tiny_engram"], tmp_path)  # the last --config counts
     one, two = (json.loads(results[i][1]) for i in (0, 1))
     assert two["results"][0]["generated_ids"] == one["results"][0]["generated_ids"]
     a, b = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
@@ -209,8 +209,10 @@ def _listening(proc: subprocess.Popen) -> str:
 @pytest.mark.slow
 def test_serve_over_two_processes_answers_as_one_process_of_four():
     """A request to process 0 of a two-process server gets the completion a one-process world-4 server gives,
-    greedy, sampled (a seed), and with log-probs and penalties; SIGTERM to process 0 ends both processes with status 0."""
-    args = ["--world", "4", "--max-batch", "2", "--max-context", "64", "--dtype", "float32", "--no-quant-rounding",
+    greedy, sampled (a seed), and with log-probs and penalties; SIGTERM to process 0 ends both processes with
+    status 0."""
+    args = ["--config", "tiny", "--world", "4", "--max-batch", "2", "--max-context", "64", "--dtype", "float32",
+            "--no-quant-rounding",
             "--port", "0"]
     port = _free_port()
     procs = [_serve(args), *(_serve(args, port=port, id=i) for i in (0, 1))]

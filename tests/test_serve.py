@@ -46,7 +46,8 @@ NAMES = ["dsv41-tiny-random", "m", "alias"]  # --served-model-name, given once a
 
 def _start(*flags):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--port", "0", "--dtype", "float32", "--no-quant-rounding",
+    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--config", "tiny", "--port", "0", "--dtype", "float32",
+           "--no-quant-rounding",
            "--max-batch", str(SLOTS), "--max-queue", str(QUEUE), "--max-context", str(CONTEXT),
            "--segment-rows", "16", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

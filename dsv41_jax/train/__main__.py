@@ -20,7 +20,7 @@ from pathlib import Path
 from ..cli import Parser, positive_int, say
 from ..config import ConfigError, load_named
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "assets" / "bard"
+DEFAULT_OUT = Path("train-work") / "bard"  # not the shipped copy: replacing that is a deliberate copy
 EXAMPLES = """\
 examples:
   python -m dsv41_jax.train                          # the shipped model (dsv41_jax/assets/bard), defaults
