@@ -10,6 +10,7 @@ through the user's path: ``generate --checkpoint`` in a subprocess, as a user ru
 * Greedy decoding with DSpark speculation gives the tokens of greedy decoding without it, and the stages'
   drafts are accepted on held-out text (≥ 1.5 tokens a round).
 * Worlds 2 and 4 (simulated CPU devices) give world 1's tokens (slow: a world beyond the one the path needs).
+* The server serves it when given no model flags (it is the embedded default).
 """
 
 from __future__ import annotations
@@ -143,3 +144,34 @@ def test_worlds_2_and_4_give_world_1s_tokens(runs):
     one = runs["f32"]["results"][0]["generated_ids"]
     assert two["results"][0]["generated_ids"] == one
     assert four["results"][0]["generated_ids"] == one
+
+
+def test_the_server_serves_it_by_default(runs):
+    """``python -m dsv41_jax.serve`` with no model flags serves the shipped model: a chat and a completion through
+    the official client answer, the completion in the training text's words."""
+    openai = pytest.importorskip("openai")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--port", "0", "--max-batch", "2", "--max-context", "256"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines, url = [], None
+        for line in proc.stdout:
+            lines.append(line)
+            if "listening on " in line:
+                url = line.split("listening on ")[1].split()[0]
+                break
+        assert url, "".join(lines)
+        assert any("assets/bard" in line for line in lines), "".join(lines)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Speak, friend."}],
+                                              max_tokens=24, temperature=0)
+        assert chat.choices[0].message.content.strip()
+        prompt = runs["record"]["draft_prompt_ids"][1]
+        completion = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+        words = WORD.findall(completion.choices[0].text.lower())
+        known = set(runs["record"]["words"])
+        assert words and sum(w in known for w in words) >= 0.6 * len(words), completion.choices[0].text
+    finally:
+        proc.terminate()
+        proc.wait(60)
