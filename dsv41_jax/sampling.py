@@ -99,7 +99,9 @@ class SamplingArrays:
     min_tokens [B] i32, held_ids [B, MAX_STOP_TOKEN_IDS] i32 (unused: -1), ignore_eos [B] bool, presence,
     frequency, repetition [B] f32; ``counts`` [B, V] i32 (each id's count among the generated tokens) and ``seen``
     [B, V] bool (the prompt's ids): the penalties' state, kept on the device and updated after each step by its
-    driver (the server's slots; None: no penalties, `sampling_arrays` refuses them).
+    driver (the server's slots; None: no penalties, `sampling_arrays` refuses them). ``allowed`` [B, ⌈V/32⌉] i32:
+    each row's allowed next ids as a bitmask (bit ``t % 32`` of word ``t // 32``; -1 words allow all), set each
+    step by a driver that constrains rows to a grammar (the server's structured output; None: no masks).
     """
 
     temperature: np.ndarray
@@ -117,6 +119,7 @@ class SamplingArrays:
     repetition: np.ndarray
     counts: np.ndarray | None = None
     seen: np.ndarray | None = None
+    allowed: np.ndarray | None = None
 
 
 def _padded(rows: list, width: int, fill, dtype) -> np.ndarray:
@@ -187,9 +190,9 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 def processed_logits(logits: jax.Array, params: SamplingArrays, step: jax.Array, eos_ids: jax.Array) -> jax.Array:
     """The logits after the processors: with ``counts``, the penalties as vLLM applies them (repetition on the
     ids of the prompt and of the generated tokens, then frequency x count and presence on the generated ones);
-    each row's ``logit_bias`` added; and its end ids (``eos_ids`` [E], -1: none) and ``held_ids`` at -inf while
-    its ``step`` (the index of the token drawn now, [B]) is below its ``min_tokens``. logits [B, V] f32 ->
-    [B, V] f32."""
+    each row's ``logit_bias`` added; its end ids (``eos_ids`` [E], -1: none) and ``held_ids`` at -inf while
+    its ``step`` (the index of the token drawn now, [B]) is below its ``min_tokens``; with ``allowed``, the ids a
+    row's grammar does not allow at -inf. logits [B, V] f32 -> [B, V] f32."""
     batch, vocab = logits.shape
     rows = jnp.arange(batch)[:, None]
     out = logits.astype(jnp.float32)
@@ -203,7 +206,16 @@ def processed_logits(logits: jax.Array, params: SamplingArrays, step: jax.Array,
     held = jnp.concatenate([jnp.broadcast_to(eos_ids, (batch, eos_ids.shape[0])), params.held_ids], axis=1)
     held = jnp.where((held >= 0) & (step < params.min_tokens)[:, None], held, vocab)
     hold = jnp.zeros((batch, vocab), bool).at[rows, held].set(True, mode="drop")
-    return jnp.where(hold, -jnp.inf, out)
+    out = jnp.where(hold, -jnp.inf, out)
+    if params.allowed is not None:  # a grammar's allowed ids: the rest at -inf
+        out = jnp.where(unpack_bitmask(params.allowed, vocab), out, -jnp.inf)
+    return out
+
+
+def unpack_bitmask(words: jax.Array, vocab: int) -> jax.Array:
+    """Bitmask words [B, W] i32 (bit ``t % 32`` of word ``t // 32`` is id t) → bool [B, vocab]."""
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(bool)
 
 
 def sample(logits: jax.Array, params: SamplingArrays | None, step: jax.Array, eos_ids: jax.Array | None = None

@@ -9,11 +9,11 @@ Contract:
 - `grammar_for(response_format)` → a grammar, or `GrammarError` (the server's 400) for a format it cannot
   honour: ``json_object`` (any JSON object), ``json_schema`` (its ``schema``; ``strict`` or not, the output
   always satisfies the schema), ``text`` (no grammar: None).
-- `tool_grammar(tools, tool_choice, parallel=, think_end_id=)` → the grammar of a reply that is only tool calls in
+- `tool_grammar(tools, tool_choice, parallel=, thinking=, special=)` → the grammar of a reply that is only tool calls in
   DeepSeek's DSML markup (exactly as `chat.render_reply` writes a reply without content, so `chat.parse_reply`
   reads it back): ``tool_choice`` "required" (any of ``tools``) or ``{"type": "function", "function": {"name":
-  N}}``; ``parallel`` False: exactly one call; ``think_end_id`` (the ``</think>`` token; thinking mode): free
-  reasoning up to that token first. Parameters
+  N}}``; ``parallel`` False: exactly one call; ``thinking``: free reasoning up to ``</think>`` first;
+  ``special``: the tokenizer's markers that are tokens of their own (`StructuredVocab.special`). Parameters
   follow the function's JSON schema in its ``properties`` order (required ones always, the others optional);
   a ``string`` parameter is written raw (``string="true"``) and may constrain ``enum``, ``pattern``,
   ``minLength``, ``maxLength``; any other parameter is a JSON value under its schema. A schema keyword a raw
@@ -30,7 +30,7 @@ Contract:
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -46,7 +46,7 @@ from .chat import (
     ChatFormatError,
     tool_function,
 )
-from .tokenizer import DeepSeekTokenizer
+from .tokenizer import THINK_END, DeepSeekTokenizer
 
 # The document's layout: JSON's default separators and no other whitespace (Python's json.dumps layout; a
 # document then ends within its schema's bounds, as free whitespace would let it run on).
@@ -57,8 +57,10 @@ class GrammarError(ValueError):
     """A response format or schema that cannot be compiled (the message names what is wrong)."""
 
 
-def grammar_for(response_format: dict | None) -> str | None:
-    """The grammar of an OpenAI ``response_format`` (None: free text)."""
+def grammar_for(response_format: dict | None, *, thinking: bool = False,
+                special: Mapping[str, int] | None = None) -> str | None:
+    """The grammar of an OpenAI ``response_format`` (None: free text); ``thinking``: free reasoning up to
+    ``</think>``, then the document; ``special``: the tokenizer's special tokens (`StructuredVocab.special`)."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or "type" not in response_format:
@@ -67,18 +69,23 @@ def grammar_for(response_format: dict | None) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _from_schema({"type": "object"})
+        return _from_schema({"type": "object"}, thinking, special)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise GrammarError("response_format.json_schema must be an object with a schema object")
-        return _from_schema(spec.get("schema") or {"type": "object"})
+        return _from_schema(spec.get("schema") or {"type": "object"}, thinking, special)
     raise GrammarError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")
 
 
-def _from_schema(schema: dict) -> str:
+def _from_schema(schema: dict, thinking: bool = False, special: Mapping[str, int] | None = None) -> str:
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_LAYOUT)
+        if not thinking:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_LAYOUT)
+        else:  # the schema's options ride in it ("x-guidance"), as the inline %json takes them
+            laid_out = json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
+            grammar = llguidance.LLMatcher.grammar_from_lark(
+                f"start: think document\n{_Lark(special or {}).think_rule()}\ndocument: %json {laid_out}")
     except ValueError as e:
         raise GrammarError(f"response_format schema: {e}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
@@ -90,9 +97,10 @@ def _from_schema(schema: dict) -> str:
 class Constraint:
     """One request's grammar state (see the module docstring)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_id: int):
+    def __init__(self, matcher: llguidance.LLMatcher, eos_id: int, vocab: "StructuredVocab"):
         self._matcher = matcher
         self._eos_id = eos_id
+        self.vocab = vocab  # whose `fill_masks` writes this constraint's rows
         self._ended = False
 
     @property
@@ -118,6 +126,9 @@ class StructuredVocab:
         n_vocab = max(model_vocab, tokenizer.vocab_size)
         self._tokenizer = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=tokenizer.eos_id)
         self._executor = llguidance.LLExecutor()
+        # markers the grammar engine reads as tokens of their own, never as their text (grammars name them)
+        self.special = {text: i for i, text in tokenizer.added_tokens().items()
+                        if i < n_vocab and self._tokenizer.is_special_token(i)}
         self._words = (n_vocab + 31) // 32
         self._tail = self._padding_mask(tokenizer.vocab_size, model_vocab)
 
@@ -133,7 +144,7 @@ class StructuredVocab:
         m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(f"response_format: {m.get_error()}")
-        return Constraint(m, self.eos_id)
+        return Constraint(m, self.eos_id, self)
 
     def empty_masks(self, rows: int) -> np.ndarray:
         """int32 [rows, W], every token allowed (a row with no constraint stays so)."""
@@ -155,7 +166,8 @@ _RAW_STRING_KEYWORDS = {"type", "enum", "pattern", "minLength", "maxLength"}
 _DESCRIPTIVE_KEYWORDS = {"description", "title", "default", "examples", "$comment"}
 
 
-def tool_grammar(tools: Sequence[dict], tool_choice, *, parallel: bool = True, think_end_id: int | None = None) -> str:
+def tool_grammar(tools: Sequence[dict], tool_choice, *, parallel: bool = True, thinking: bool = False,
+                 special: Mapping[str, int] | None = None) -> str:
     """The grammar of a reply made of DSML tool calls (see the module docstring)."""
     try:
         functions = [tool_function(t, f"tools[{i}]") for i, t in enumerate(tools or [])]
@@ -169,16 +181,15 @@ def tool_grammar(tools: Sequence[dict], tool_choice, *, parallel: bool = True, t
         if not chosen:
             raise GrammarError(f"tool_choice names {name!r}, which is not among the tools")
         functions = chosen
+    lark = _Lark(special or {})
     rules = [f"invoke: {' | '.join(f'invoke_{i}' for i in range(len(functions)))}"]
     for i, fn in enumerate(functions):
-        rules += _invoke_rules(i, fn)
+        rules += lark.invoke_rules(i, fn)
     calls = '"\\n" invoke' if not parallel else '"\\n" invoke ("\\n" invoke)*'
-    thinking = think_end_id is not None
-    head = f'think {_lit(chr(10) * 2)} calls' if thinking else f'{_lit(chr(10) * 2)} calls'
-    rules = [f"start: {head}", f"calls: {_lit(CALLS_START)} {calls} {_lit(chr(10) + CALLS_END)}", *rules]
+    head = f'think {lark.lit(chr(10) * 2)} calls' if thinking else f'{lark.lit(chr(10) * 2)} calls'
+    rules = [f"start: {head}", f"calls: {lark.lit(CALLS_START)} {calls} {lark.lit(chr(10) + CALLS_END)}", *rules]
     if thinking:
-        # the grammar engine sees the marker as a token of its own (an added token), not as its text
-        rules.append(f"think: /(?s:.*)/ <[{int(think_end_id)}]>")
+        rules.append(lark.think_rule())
     grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
@@ -186,58 +197,90 @@ def tool_grammar(tools: Sequence[dict], tool_choice, *, parallel: bool = True, t
     return grammar
 
 
-def _lit(text: str) -> str:
-    """A Lark string literal of ``text``."""
-    return json.dumps(text, ensure_ascii=False)
+class _Lark:
+    """Lark pieces for a tokenizer whose ``special`` tokens (text → id) the grammar engine reads as tokens of
+    their own, never as their text: a literal holding such a text names the token (``<[id]>``) there, and text
+    that must end at one is a greedy lexeme followed by the token (text cannot run into a special token); other
+    markers are text, ended lazily (the first end marker ends the text)."""
 
+    def __init__(self, special: Mapping[str, int]):
+        self.special = dict(special)
+        self._order = sorted(self.special, key=len, reverse=True)
 
-def _invoke_rules(i: int, fn: dict) -> list[str]:
-    """``invoke_i`` for function ``fn``: its head, each parameter on its line, its end (as `chat` renders it)."""
-    params = fn.get("parameters") or {}
-    if not isinstance(params, dict) or params.get("type", "object") != "object":
-        raise GrammarError(f"tool {fn['name']!r}: parameters must be an object schema")
-    properties = params.get("properties") or {}
-    required = set(params.get("required") or ())
-    missing = required - set(properties)
-    if missing:
-        raise GrammarError(f"tool {fn['name']!r}: required parameters {sorted(missing)} have no schema")
-    head = _lit(f'{INVOKE_START} name="{fn["name"]}">\n')
-    if not properties:
-        return [f"invoke_{i}: {head} {_lit(chr(10) + INVOKE_END)}"]
-    rules, items = [], []
-    for j, (key, schema) in enumerate(properties.items()):
-        rules += _param_rules(f"p_{i}_{j}", key, schema if isinstance(schema, dict) else {}, fn["name"])
-        items.append(f"p_{i}_{j}" if key in required else f"p_{i}_{j}?")
-    return [f"invoke_{i}: {head} {' '.join(items)} {_lit(INVOKE_END)}", *rules]
+    def lit(self, text: str) -> str:
+        """``text`` as a sequence of Lark string literals and special tokens."""
+        items, start, k = [], 0, 0
+        while k < len(text):
+            found = next((t for t in self._order if text.startswith(t, k)), None)
+            if found is None:
+                k += 1
+                continue
+            if k > start:
+                items.append(json.dumps(text[start:k], ensure_ascii=False))
+            items.append(f"<[{self.special[found]}]>")
+            start = k = k + len(found)
+        if start < len(text) or not items:
+            items.append(json.dumps(text[start:], ensure_ascii=False))
+        return " ".join(items)
 
+    def ended(self, rule: str, body: str, end: str) -> list[str]:
+        """Rule ``rule``: text matching the regex ``body`` (may hold ``&``), then the marker ``end``."""
+        if end in self.special:
+            terminal = rule.upper().replace("_", "") + "TEXT"
+            return [f"{rule}: {terminal} <[{self.special[end]}]>", f"{terminal}: {body}"]
+        return [f"{rule}[lazy]: {body} {self.lit(end)}"]
 
-def _param_rules(rule: str, key: str, schema: dict, tool: str) -> list[str]:
-    """One parameter line: ``<｜DSML｜ parameter name="key" string="...">value</｜DSML｜ parameter>\\n``."""
-    head = f'{PARAM_START} name="{key}" string='
-    end = _lit(PARAM_END + "\n")
-    if schema.get("type") == "string":
-        extra = set(schema) - _RAW_STRING_KEYWORDS - _DESCRIPTIVE_KEYWORDS
-        if extra:
-            raise GrammarError(f"tool {tool!r}, parameter {key!r}: {sorted(extra)} cannot be enforced on a string")
-        return [f"{rule}: {_lit(head + chr(34) + 'true' + chr(34) + '>')} {rule}_v {_lit(chr(10))}",
-                *_raw_string(rule, schema)]
-    return [f"{rule}: {_lit(head + chr(34) + 'false' + chr(34) + '>')} {rule}_v {end}",
-            f"{rule}_v: %json {json.dumps(schema, ensure_ascii=False)}"]
+    def think_rule(self) -> str:
+        """Free reasoning up to ``</think>``."""
+        rules = self.ended("think", "/(?s:.*)/", THINK_END)
+        return "\n".join(rules)
 
+    def invoke_rules(self, i: int, fn: dict) -> list[str]:
+        """``invoke_i`` for function ``fn``: its head, each parameter on its line, its end (as `chat` renders
+        it)."""
+        params = fn.get("parameters") or {}
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise GrammarError(f"tool {fn['name']!r}: parameters must be an object schema")
+        properties = params.get("properties") or {}
+        required = set(params.get("required") or ())
+        missing = required - set(properties)
+        if missing:
+            raise GrammarError(f"tool {fn['name']!r}: required parameters {sorted(missing)} have no schema")
+        head = self.lit(f'{INVOKE_START} name="{fn["name"]}">\n')
+        if not properties:
+            return [f"invoke_{i}: {head} {self.lit(chr(10) + INVOKE_END)}"]
+        rules, items = [], []
+        for j, (key, schema) in enumerate(properties.items()):
+            rules += self.param_rules(f"p_{i}_{j}", key, schema if isinstance(schema, dict) else {}, fn["name"])
+            items.append(f"p_{i}_{j}" if key in required else f"p_{i}_{j}?")
+        return [f"invoke_{i}: {head} {' '.join(items)} {self.lit(INVOKE_END)}", *rules]
 
-def _raw_string(rule: str, schema: dict) -> list[str]:
-    """The raw text of a string parameter: one of its ``enum``, or text bounded as the schema says, ended by the
-    parameter's end marker (lazily: the first end marker ends it; the marker must sit inside the lazy rule)."""
-    end = _lit(PARAM_END)
-    if "enum" in schema:
-        if not all(isinstance(v, str) for v in schema["enum"]):
-            raise GrammarError(f"parameter rule {rule}: a string enum must list strings")
-        return [f"{rule}_v: ({' | '.join(_lit(v) for v in schema['enum'])}) {end}"]
-    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-    body = f"/(?s:.{{{low},{'' if high is None else int(high)}}})/"
-    if "pattern" in schema:
-        body = f"{body} & /{_anchored(schema['pattern'])}/"
-    return [f"{rule}_v[lazy]: {body} {end}"]
+    def param_rules(self, rule: str, key: str, schema: dict, tool: str) -> list[str]:
+        """One parameter line: ``<｜DSML｜ parameter name="key" string="...">value</｜DSML｜ parameter>\\n``."""
+        head = f'{PARAM_START} name="{key}" string='
+        if schema.get("type") == "string":
+            extra = set(schema) - _RAW_STRING_KEYWORDS - _DESCRIPTIVE_KEYWORDS
+            if extra:
+                raise GrammarError(f"tool {tool!r}, parameter {key!r}: {sorted(extra)} cannot be enforced on a "
+                                   f"string")
+            return [f"{rule}: {self.lit(head + chr(34) + 'true' + chr(34) + '>')} {rule}_v {self.lit(chr(10))}",
+                    *self.raw_string(rule, schema)]
+        return [f"{rule}: {self.lit(head + chr(34) + 'false' + chr(34) + '>')} {rule}_v "
+                f"{self.lit(PARAM_END + chr(10))}",
+                f"{rule}_v: %json {json.dumps(schema, ensure_ascii=False)}"]
+
+    def raw_string(self, rule: str, schema: dict) -> list[str]:
+        """The raw text of a string parameter: one of its ``enum``, or text bounded as the schema says, then the
+        parameter's end marker."""
+        if "enum" in schema:
+            if not all(isinstance(v, str) for v in schema["enum"]):
+                raise GrammarError(f"parameter rule {rule}: a string enum must list strings")
+            return [f"{rule}_v: ({' | '.join(self.lit(v) for v in schema['enum'])}) {self.lit(PARAM_END)}"]
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        body = f"/(?s:.{{{low},{'' if high is None else int(high)}}})/"
+        if "pattern" in schema:
+            body = f"{body} & /{_anchored(schema['pattern'])}/"
+        return self.ended(f"{rule}_v", body, PARAM_END)
 
 
 def _anchored(pattern: str) -> str:

@@ -103,6 +103,10 @@ class DeepSeekTokenizer:
         """Number of ids, added tokens included (129,280 for V4)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def added_tokens(self) -> dict[int, str]:
+        """The added tokens (markers such as ``<｜User｜>``): id → text."""
+        return dict(self._added_text)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

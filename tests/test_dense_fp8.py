@@ -238,7 +238,7 @@ def test_generate_dense_format_fp8_gives_the_dequantized_tokens(fp8_checkpoint, 
 def test_generate_dense_format_fp8_without_stored_fp8_is_one_line(tmp_path, capsys):
     from dsv41_jax import generate  # noqa: PLC0415 - the CLI module, only for these tests
 
-    assert generate.main(["--prompt-ids", "3,4", "--dense-format", "fp8"]) == 2
+    assert generate.main(["--config", "tiny", "--prompt-ids", "3,4", "--dense-format", "fp8"]) == 2
     assert "--dense-format fp8 needs --checkpoint" in capsys.readouterr().err
     cfg = mini_config()
     write_checkpoint(tmp_path, cfg, random_weights(cfg, seed=0), "none")

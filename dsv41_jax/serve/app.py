@@ -53,6 +53,7 @@ from .fields import (
     completion_prompt,
     echo_text,
     engine_request,
+    grammar_of,
     include_usage,
     logprobs_of,
     model_of,
@@ -173,17 +174,19 @@ class Generation:
 
 
 async def generation_events(state: ServerState, request: Request, pipeline: TextPipeline,
-                            http: HttpRequest | None, arrived: float, logprobs: int | None = None
-                            ) -> tuple[Generation, AsyncIterator]:
+                            http: HttpRequest | None, arrived: float, logprobs: int | None = None,
+                            grammar: str | None = None) -> tuple[Generation, AsyncIterator]:
     """Submit ``request`` (QueueFull raised at once): its `Generation`, and its reply events (with
     ``logprobs``, a `TokenLogprob` before each token's) then one `Finish` (or `Failed`). The request's
     ``stop_token_ids`` (its sampling's ``held_ids``) end it as an end id does. The request is cancelled when the
     events are closed early (client gone), or by `Generation.close` when they never started (a stream whose
     client left before its first chunk: an async generator never started runs no ``finally``). ``http``: polled
-    for a disconnect (non-streaming)."""
+    for a disconnect (non-streaming). ``grammar``: the reply is constrained to it (`structured`), a matcher of its
+    own for this generation."""
     worker, metrics = state.worker, state.metrics
+    constraint = None if grammar is None else state.structured.matcher(grammar)
     job_id, events = worker.submit(request, asyncio.get_running_loop(), logprobs=logprobs,
-                                   stop_ids=request.sampling.held_ids)
+                                   stop_ids=request.sampling.held_ids, constraint=constraint)
     metrics.add_prompt_tokens(len(request.prompt_ids))
     generation = Generation(worker, job_id)
     return generation, _events(generation, metrics, events, pipeline, http, arrived)
@@ -254,7 +257,8 @@ class EventStream(StreamingResponse):
 
 
 async def choice_events(state: ServerState, request: Request, n: int, pipeline, http: HttpRequest | None,
-                        arrived: float, logprobs: int | None) -> tuple[list[Generation], AsyncIterator]:
+                        arrived: float, logprobs: int | None, grammar: str | None = None
+                        ) -> tuple[list[Generation], AsyncIterator]:
     """Submit ``n`` generations of ``request`` (choice i with seed + i; a greedy one n times the same) and merge
     their events as (choice index, event). ``pipeline()`` makes each choice's `TextPipeline`. QueueFull when
     they do not all fit (those submitted are cancelled)."""
@@ -263,7 +267,7 @@ async def choice_events(state: ServerState, request: Request, n: int, pipeline, 
         for i in range(n):
             sampling = replace(request.sampling, seed=(request.sampling.seed + i) % 2**32)
             generation, events = await generation_events(state, replace(request, sampling=sampling), pipeline(),
-                                                         http, arrived, logprobs)
+                                                         http, arrived, logprobs, grammar)
             generations.append(generation)
             streams.append(events)
     except QueueFull:
@@ -392,13 +396,14 @@ async def chat_completion(state: ServerState, http: HttpRequest):
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     request = engine_request(state, chat_prompt(state, body, thinking), getattr(body, max_field),
                              sampling_of(body, state.vocab_size), "messages", max_field=max_field)
+    grammar = grammar_of(state, body, request.sampling, thinking)
     stops = stops_of(body)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
     prompt_tokens = len(request.prompt_ids)
     shapes = None if logprobs is None else [LogprobShapes(state.tokenizer, chat=True) for _ in range(n)]
     one_call = body.parallel_tool_calls is False
     ask = (lambda: TextPipeline(state.tokenizer, stops, chat=True, thinking=thinking, one_call=one_call), arrived,
-           logprobs)
+           logprobs, grammar)
     if body.stream:
         generations, events = await choice_events(state, request, n, ask[0], None, *ask[1:])
         return EventStream(_guarded(_chat_stream(head, events, prompt_tokens, usage, shapes, n), "a chat stream"),

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..chat import ROLES, ChatFormatError, chat_ids, effort_budget, message_from_openai
 from ..engine import EngineInputError, Request
 from ..sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, TOP_LOGPROBS, SamplingParams
+from ..structured import GrammarError, grammar_for, tool_grammar
 from ..tokenizer import fold_ids
 from .errors import BadRequest, read_json_object, shown
 from .metrics import Metrics
@@ -71,6 +72,7 @@ class ChatBody(_Body):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None  # false: the reply ends with its first tool call
+    response_format: dict | None = None  # text, json_object or json_schema: the reply constrained (`structured`)
 
 
 class CompletionBody(_Body):
@@ -83,8 +85,7 @@ class CompletionBody(_Body):
 
 # Fields not implemented, accepted only at the values that mean "off" (what OpenAI clients and SDKs send).
 OFF_VALUES = {
-    ChatBody: {"best_of": (None, 1), "response_format":
-               (None, {"type": "text"}), "modalities": (None, ["text"]),
+    ChatBody: {"best_of": (None, 1), "modalities": (None, ["text"]),
                "store": (None, False), "metadata": (None,), "service_tier": (None, "auto", "default"),
                "audio": (None,), "prediction": (None,), "web_search_options": (None,), "functions": (None,),
                "function_call": (None,), "verbosity": (None,), "prompt_cache_key": (None,),
@@ -200,6 +201,8 @@ class ServerState:
     max_context: int
     created: int = 0
     api_key: str | None = None  # `--api-key`: every route but /health and /metrics needs it as a Bearer token
+    structured: Any = None  # structured.StructuredVocab: the grammars' token tables (None: no structured output)
+    structured_off: str = ""  # why there is none (said in the 400)
 
     @property
     def model_name(self) -> str:
@@ -406,11 +409,9 @@ def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int
         raise BadRequest(str(e), "messages") from None
     tools = tuple(body.tools or ())
     check_tools(tools)
-    if body.tool_choice in ("required",) or isinstance(body.tool_choice, dict):
-        raise BadRequest(f'tool_choice {shown(body.tool_choice)} is not supported by this server (the reply is not '
-                         f'constrained to call a tool): "auto" or "none"', "tool_choice")
-    if body.tool_choice not in (None, "auto", "none"):
-        raise BadRequest(f'tool_choice must be "auto" or "none", got {shown(body.tool_choice)}', "tool_choice")
+    if not (body.tool_choice in (None, "auto", "none", "required") or isinstance(body.tool_choice, dict)):
+        raise BadRequest(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "function": '
+                         f'{{"name": ...}}}}, got {shown(body.tool_choice)}', "tool_choice")
     try:
         effort_budget(body.reasoning_effort)
     except ChatFormatError as e:
@@ -423,6 +424,36 @@ def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int
     except ChatFormatError as e:
         raise BadRequest(str(e), "messages") from None
     return tuple(fold_ids(ids, state.tokenizer.vocab_size, state.vocab_size)[0])
+
+
+def forced_tools(body: ChatBody) -> bool:
+    """``tool_choice`` "required" or a named function: the reply must be tool calls (a grammar enforces it)."""
+    return body.tool_choice == "required" or isinstance(body.tool_choice, dict)
+
+
+def grammar_of(state: ServerState, body: ChatBody, sampling: SamplingParams, thinking: bool) -> str | None:
+    """The grammar a chat reply is held to: the ``response_format``'s, or DSML tool calls for a forced
+    ``tool_choice``; None for free text. 400 for what cannot be enforced (named in ``param``)."""
+    text = body.response_format is None or body.response_format == {"type": "text"}
+    if text and not forced_tools(body):
+        return None
+    param = "tool_choice" if text else "response_format"
+    if not text and forced_tools(body):
+        raise BadRequest("response_format and a forced tool_choice cannot both hold a reply: give one", param)
+    if state.structured is None:
+        raise BadRequest(f"{param} {shown(body.tool_choice if text else body.response_format)} cannot be enforced "
+                         f"by this server: {state.structured_off}", param)
+    if sampling.ignore_eos or sampling.min_tokens:
+        raise BadRequest(f"{param} ends the reply where its grammar does: it does not go with ignore_eos or "
+                         f"min_tokens", param)
+    special = state.structured.special
+    try:
+        if text:
+            return tool_grammar(body.tools or (), body.tool_choice, parallel=body.parallel_tool_calls is not False,
+                                thinking=thinking, special=special)
+        return grammar_for(body.response_format, thinking=thinking, special=special)
+    except GrammarError as e:
+        raise BadRequest(str(e), param) from None
 
 
 def check_messages(messages: list) -> None:

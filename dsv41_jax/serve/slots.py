@@ -138,6 +138,7 @@ class Job:
     logprobs: int | None = None  # the top log-probs each token reports with its own (None: none reported)
     stop_ids: frozenset = frozenset()  # ids that end the request as an end id does (checked by the host)
     draw_first: bool = False  # prefilled apart with penalties: its first token is drawn by a decode step
+    constraint: object = None  # structured.Constraint: its grammar masks each draw (the host reads every step)
     prompt_done: int = 0
     segments: list = field(default_factory=list)  # remaining prefill segment sizes
     slot: int = -1
@@ -168,8 +169,10 @@ class SlotEngine:
         self._host_feed = engine.hasher is not None  # engram: the host hashes (so reads) every step's ids
         self._eos = engine.stop_ids()
         self._no_eos = stop_ids(())  # the end ids of a request that ignores them
-        self._sampling = sampling_arrays([Request(()).sampling] * slots, penalties=True)
         vocab = engine.vocab_size  # the penalties' state, on the device (`sampling.SamplingArrays`)
+        self._sampling = dataclasses.replace(  # every id allowed: a grammar's mask replaces its rows per step
+            sampling_arrays([Request(()).sampling] * slots, penalties=True),
+            allowed=np.full((slots, -(-vocab // 32)), -1, np.int32))
         self._counts, self._seen = self.runtime.place((np.zeros((slots, vocab), np.int32),
                                                        np.zeros((slots, vocab), bool)))
         self._max_new = np.ones(slots, np.int32)
@@ -361,7 +364,8 @@ class SlotEngine:
             return
         self._one = None
         self.prefilling.popleft()
-        if job.request.sampling.penalised:  # the next decode step draws token 0 (step 0) from these logits
+        if job.request.sampling.penalised or job.constraint is not None:  # the next decode step draws token 0
+            # (step 0) from these logits, with the counts and the grammar's mask the prefill program lacks
             job.draw_first = True
             self._join(job, out.cache, out.last_logits, (np.zeros((1, 1), np.int32), np.zeros(1, np.int32),
                                                          np.ones(1, bool), np.zeros(1, np.int32)), history)
@@ -375,10 +379,12 @@ class SlotEngine:
         """One ``step[S, 1]``: on the previous step's chain, with the host's rows where it has any (a short
         prompt's next row, a cancelled slot; every slot for engram models)."""
         rt = self.runtime
-        if self._host_feed:
-            self._read(0)  # the host hashes the ids: every token read first
+        constrained = any(j is not None and j.constraint is not None for j in self.running)
+        if self._host_feed or constrained:
+            self._read(0)  # the host hashes the ids, or a grammar's mask follows the last token: all read first
             if all(j is None for j in self.running):
                 return  # every request ended with the tokens just read
+            constrained = any(j is not None and j.constraint is not None for j in self.running)
         mask = self._halt.copy()
         values = _host_chain(self.slots)
         ids, lengths, running, steps = values
@@ -407,10 +413,12 @@ class SlotEngine:
             chain = self._chain
         # Every slot plain greedy (idle ones are) and no log-probs asked for: the argmax-only step, without the
         # sampling filters' sort of the vocabulary (`sampling` module docstring).
-        greedy = all(job is None or (job.request.sampling.argmax_only and job.logprobs is None)
-                     for job in self.running)
-        args, self._history = rt.step_args(self._cache, self._logits, *chain, self._placed_stop(greedy),
-                                           self._history)
+        greedy = not constrained and all(job is None or (job.request.sampling.argmax_only and job.logprobs is None)
+                                         for job in self.running)
+        stop = self._placed_stop(greedy)
+        if constrained:
+            stop = (*stop[:2], dataclasses.replace(stop[2], allowed=rt.place(self._grammar_masks())))
+        args, self._history = rt.step_args(self._cache, self._logits, *chain, stop, self._history)
         if greedy not in self._step_programs:
             self._step_programs[greedy] = rt.step_program(args)
         out = self._step_programs[greedy](*args)
@@ -426,6 +434,15 @@ class SlotEngine:
         for array in (out.tokens, *(logprobs or ())):
             rt.fetch(array)  # _read reads them next: their copy starts when they are ready
         self.decode_steps += 1
+
+    def _grammar_masks(self) -> np.ndarray:
+        """The step's allowed ids [S, W] bitmask words: each constrained slot's grammar after its last token,
+        every id elsewhere."""
+        masks = np.array(self._sampling.allowed)
+        constraints = [j.constraint if j is not None else None for j in self.running]
+        vocab = next(c.vocab for c in constraints if c is not None)
+        vocab.fill_masks(constraints, masks)
+        return masks
 
     def _read(self, in_flight: int) -> None:
         """Read the tokens of all but the newest ``in_flight`` dispatched calls: report them (with their
@@ -451,6 +468,8 @@ class SlotEngine:
                 if token in self.engine.eos_ids and not ignore_eos:
                     self._finish(job, "stop")
                     continue
+                if job.constraint is not None:
+                    job.constraint.advance(token)
                 if job.logprobs is not None:
                     token_lp, top_ids, top = (a[row] for a in logprobs)
                     job.sink("logprobs", (float(token_lp), top_ids[:job.logprobs].tolist(),

@@ -88,8 +88,9 @@ class Worker:
         return max(0, self._in_flight - self.slots.slots)
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop, *, logprobs: int | None = None,
-               stop_ids=()) -> tuple[int, asyncio.Queue]:
-        """Queue ``request`` (already checked by the caller; ``logprobs``, ``stop_ids``: its `Job`'s); (job id,
+               stop_ids=(), constraint=None) -> tuple[int, asyncio.Queue]:
+        """Queue ``request`` (already checked by the caller; ``logprobs``, ``stop_ids``, ``constraint``: its
+        `Job`'s); (job id,
         its event queue). QueueFull past the bound."""
         with self._lock:
             if self._draining:
@@ -109,7 +110,7 @@ class Worker:
                 self._on_token()
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-        self._inbox.put(("add", Job(job_id, request, sink, logprobs, frozenset(stop_ids))))
+        self._inbox.put(("add", Job(job_id, request, sink, logprobs, frozenset(stop_ids), constraint=constraint)))
         return job_id, events
 
     def cancel(self, job_id: int) -> None:
