@@ -146,6 +146,7 @@ def test_worlds_2_and_4_give_world_1s_tokens(runs):
     assert four["results"][0]["generated_ids"] == one
 
 
+@pytest.mark.slow  # the default server's user path is guarded by tests/test_serve_structured.py's server
 def test_the_server_serves_it_by_default(runs):
     """``python -m dsv41_jax.serve`` with no model flags serves the shipped model: a chat and a completion through
     the official client answer, the completion in the training text's words."""
