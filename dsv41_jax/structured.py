@@ -130,15 +130,6 @@ class StructuredVocab:
         self.special = {text: i for i, text in tokenizer.added_tokens().items()
                         if i < n_vocab and self._tokenizer.is_special_token(i)}
         self._words = (n_vocab + 31) // 32
-        self._tail = self._padding_mask(tokenizer.vocab_size, model_vocab)
-
-    def _padding_mask(self, tokenizer_vocab: int, model_vocab: int) -> np.ndarray | None:
-        """Words of ids the tokenizer lacks (cleared in every mask), or None when there are none."""
-        if tokenizer_vocab >= model_vocab:
-            return None
-        keep = np.zeros(self._words * 32, bool)
-        keep[:tokenizer_vocab] = True
-        return np.packbits(keep, bitorder="little").view(np.int32)
 
     def matcher(self, grammar: str) -> Constraint:
         m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
@@ -156,9 +147,6 @@ class StructuredVocab:
         if not pairs:
             return
         llg_numpy.fill_next_token_bitmask_par(self._executor, pairs, masks)
-        if self._tail is not None:
-            rows = [k for _, k in pairs]
-            masks[rows] &= self._tail
 
 
 # String-schema keywords a raw (unquoted) DSML string parameter enforces, and those that only describe it.
