@@ -45,11 +45,16 @@ NAMES = ["dsv41-tiny-random", "m", "alias"]  # --served-model-name, given once a
 
 
 def _start(*flags):
+    """The tiny random model's server with this module's settings (and ``flags``): (process, url, its lines)."""
+    return launch("--config", "tiny", "--dtype", "float32", "--no-quant-rounding", "--max-batch", str(SLOTS),
+                  "--max-queue", str(QUEUE), "--max-context", str(CONTEXT), "--segment-rows", "16", *flags)
+
+
+def launch(*flags):
+    """``python -m dsv41_jax.serve --port 0 flags`` on the CPU, once it listens: (process, url, its output lines
+    so far; stdout and stderr together, the rest unread)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--config", "tiny", "--port", "0", "--dtype", "float32",
-           "--no-quant-rounding",
-           "--max-batch", str(SLOTS), "--max-queue", str(QUEUE), "--max-context", str(CONTEXT),
-           "--segment-rows", "16", *flags]
+    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--port", "0", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, deadline = [], time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
@@ -64,6 +69,15 @@ def _start(*flags):
     raise AssertionError("the server did not start:\n" + "".join(lines))
 
 
+def stop(proc) -> None:
+    """End a server process: SIGTERM (its drain), then a kill if it has not exited after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 STARTUP: dict = {}
 SERVER_LOG: list[str] = []  # the server's stdout and stderr after start-up, read on a thread
 
@@ -76,11 +90,7 @@ def server():
     try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     assert proc.returncode is not None
 
 

@@ -6,12 +6,11 @@ flags and tiny model; its start-up programs come from the compile cache that mod
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 
 import pytest
-from test_serve import CONTEXT, SLOTS, _start
+from test_serve import CONTEXT, SLOTS, _start, stop
 
 from dsv41_jax.serve.__main__ import api_key, build_parser
 from dsv41_jax.tokenizer import load_tokenizer
@@ -32,11 +31,7 @@ def server():
     try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")

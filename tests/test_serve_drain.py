@@ -93,17 +93,23 @@ def _stop(proc) -> int:
     return proc.wait(60)
 
 
-def test_sigterm_drains_running_and_queued_requests_then_exits_0():
-    proc, url, log, reader = _serve()
+def _drained(asks, *flags):
+    """A server (``flags``) SIGTERMed under ``asks`` (`_sigterm_under_load`): (results, /health, the late
+    request, exit status, its log)."""
+    proc, url, log, reader = _serve(*flags)
     try:
-        asks = [(RUNNING_TOKENS, True)] * SLOTS + [(QUEUED_TOKENS, True), (QUEUED_TOKENS, False),
-                                                   (QUEUED_TOKENS, True)]
         results, (health, late) = _sigterm_under_load(url, proc, asks)
         code = _stop(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
     reader.join(10)
+    return results, health, late, code, log
+
+
+def test_sigterm_drains_running_and_queued_requests_then_exits_0():
+    asks = [(RUNNING_TOKENS, True)] * SLOTS + [(QUEUED_TOKENS, True), (QUEUED_TOKENS, False), (QUEUED_TOKENS, True)]
+    results, health, late, code, log = _drained(asks)
     assert health is not None and late is not None, "the server closed before the drain was probed"
     assert health.status_code == 503 and health.json()["status"] == "draining", health.text
     assert health.json()["running"] == SLOTS  # the drain waited on work in flight
@@ -124,15 +130,8 @@ def test_sigterm_drains_running_and_queued_requests_then_exits_0():
 
 
 def test_a_drain_timeout_ends_what_is_left_with_an_error_and_done():
-    proc, url, log, reader = _serve("--drain-timeout", "0")
-    try:
-        asks = [(CONTEXT - 20, True)] * SLOTS + [(QUEUED_TOKENS, False), (QUEUED_TOKENS, True)]
-        results, (health, late) = _sigterm_under_load(url, proc, asks)
-        code = _stop(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(10)
+    asks = [(CONTEXT - 20, True)] * SLOTS + [(QUEUED_TOKENS, False), (QUEUED_TOKENS, True)]
+    results, health, late, code, log = _drained(asks, "--drain-timeout", "0")
     # with no drain time the process may be gone before a probe: then the probe finds the socket closed
     assert all(r is None or r.status_code == 503 for r in (health, late)), (health, late)
     for (max_tokens, stream), result in zip(asks, results):

@@ -13,11 +13,10 @@ log-probs agree to 1e-5).
 from __future__ import annotations
 
 import math
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_serve import _start
+from test_serve import _start, stop
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -32,11 +31,7 @@ def server():
     try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")

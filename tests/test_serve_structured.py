@@ -6,19 +6,15 @@ answers with tool calls whose arguments validate; what cannot be enforced is a 4
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from test_serve import launch, stop
 
 from dsv41_jax.assets import embedded_checkpoint
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not (embedded_checkpoint() / "config.json").is_file(),
                                 reason="the trained checkpoint is not in this tree")
 
@@ -42,19 +38,11 @@ ASK = [{"role": "user", "content": "Who comes hither?"}]
 
 @pytest.fixture(scope="module")
 def client():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--port", "0", "--max-batch", "4", "--max-context", "2048"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, url = [], None
-    for line in proc.stdout:
-        lines.append(line)
-        if "listening on " in line:
-            url = line.split("listening on ")[1].split()[0]
-            break
-    assert url, "".join(lines)
-    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    proc.terminate()
-    proc.wait(60)
+    proc, url, _ = launch("--max-batch", "4", "--max-context", "2048")  # no model flags: the embedded model
+    try:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    finally:
+        stop(proc)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

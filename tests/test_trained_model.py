@@ -151,17 +151,10 @@ def test_the_server_serves_it_by_default(runs):
     """``python -m dsv41_jax.serve`` with no model flags serves the shipped model: a chat and a completion through
     the official client answer, the completion in the training text's words."""
     openai = pytest.importorskip("openai")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    cmd = [sys.executable, "-m", "dsv41_jax.serve", "--port", "0", "--max-batch", "2", "--max-context", "256"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    from test_serve import launch, stop  # noqa: PLC0415 - the server tests' helpers (they need the test extra)
+
+    proc, url, lines = launch("--max-batch", "2", "--max-context", "256")
     try:
-        lines, url = [], None
-        for line in proc.stdout:
-            lines.append(line)
-            if "listening on " in line:
-                url = line.split("listening on ")[1].split()[0]
-                break
-        assert url, "".join(lines)
         assert any("assets/bard" in line for line in lines), "".join(lines)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         model = client.models.list().data[0].id
@@ -174,5 +167,4 @@ def test_the_server_serves_it_by_default(runs):
         known = set(runs["record"]["words"])
         assert words and sum(w in known for w in words) >= 0.6 * len(words), completion.choices[0].text
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc)
