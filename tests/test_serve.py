@@ -287,7 +287,7 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("chat", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
-     "messages[0].content[0].type"),
+     "messages[0].content[0].image_url"),  # the tiny model has no vision tower (tests/test_serve_images.py)
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
     ("chat", {"messages": [{"role": "tool", "content": "r", "tool_call_id": 5}]}, "messages[0].tool_call_id"),
     ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},
@@ -454,7 +454,7 @@ def test_the_openai_client_gets_400s_naming_the_field(client):
         (client.completions.create, dict(prompt="x", suffix="!"), "suffix"),
         (client.completions.create, dict(prompt="x", presence_penalty=-3), "presence_penalty"),
         (client.completions.create, dict(prompt="x", extra_body={"repetition_penalty": -1.1}), "repetition_penalty"),
-        (client.chat.completions.create, dict(messages=image), "messages[0].content[0].type"),
+        (client.chat.completions.create, dict(messages=image), "messages[0].content[0].image_url"),
         (client.chat.completions.create, dict(messages=user, max_tokens=10**6), "max_tokens"),
         (client.chat.completions.create, dict(messages=user, n=-3), "n"),
         (client.chat.completions.create, dict(messages=user, stop=[5]), "stop"),

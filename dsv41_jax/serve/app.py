@@ -38,9 +38,11 @@ from starlette.requests import ClientDisconnect
 from ..chat import ContentDelta, ReasoningDelta, ReplyStream, ToolCallEvent, UnparsedDelta
 from ..engine import Request
 from ..tokenizer import fold_ids
+from ..vision.preprocess import ImagePrompt
 from .errors import BadRequest, ErrorGuard, error_body, error_response, log_internal_error, read_json_object, shown
 from .fields import (
     ChatBody,
+    ChatPrompt,
     CompletionBody,
     DetokenizeBody,
     ModelNotFound,
@@ -54,6 +56,7 @@ from .fields import (
     echo_text,
     engine_request,
     grammar_of,
+    image_prompt,
     include_usage,
     logprobs_of,
     model_of,
@@ -387,6 +390,12 @@ class LogprobShapes:
         return out
 
 
+async def read_images(state: ServerState, prompt: ChatPrompt) -> ImagePrompt | None:
+    """The chat's image prompt (`fields.image_prompt`: decoded, resized, laid out), on a worker thread so the
+    event loop serves the other requests meanwhile; None for a text prompt."""
+    return await asyncio.to_thread(image_prompt, state, prompt) if prompt.images else None
+
+
 async def chat_completion(state: ServerState, http: HttpRequest):
     arrived = time.perf_counter()
     body = await parse_body(http, ChatBody)
@@ -394,8 +403,10 @@ async def chat_completion(state: ServerState, http: HttpRequest):
     thinking = thinking_of(body)
     logprobs = logprobs_of(body)
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-    request = engine_request(state, chat_prompt(state, body, thinking), getattr(body, max_field),
-                             sampling_of(body, state.vocab_size), "messages", max_field=max_field)
+    prompt, sampling = chat_prompt(state, body, thinking), sampling_of(body, state.vocab_size)
+    images = await read_images(state, prompt)
+    request = engine_request(state, prompt.ids if images is None else images.ids, getattr(body, max_field),
+                             sampling, "messages", max_field=max_field, images=images)
     grammar = grammar_of(state, body, request.sampling, thinking)
     stops = stops_of(body)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
@@ -575,13 +586,15 @@ async def _completion_stream(head: dict, events, prompt_tokens: int, usage: bool
 async def tokenize(state: ServerState, http: HttpRequest):
     """vLLM's ``POST /tokenize``: a completion's ``prompt`` (with its BOS unless ``add_special_tokens`` is false),
     or with ``messages`` (and ``tools``, ``thinking``, ``reasoning_effort``) the chat prompt the server would
-    run, as the model's ids -> ``{"count", "max_model_len", "tokens", "token_strs"}`` (``return_token_strs``:
-    each id's text, invalid UTF-8 as U+FFFD)."""
+    run (image parts expanded into their spans), as the model's ids -> ``{"count", "max_model_len", "tokens",
+    "token_strs"}`` (``return_token_strs``: each id's text, invalid UTF-8 as U+FFFD)."""
     data = read_json_object(await http.body())
     if "messages" in data:
         chat = validated(data, TokenizeChatBody)
         model_of(state, chat)
-        ids = chat_prompt(state, chat, thinking_of(chat))
+        prompt = chat_prompt(state, chat, thinking_of(chat))
+        images = await read_images(state, prompt)
+        ids = prompt.ids if images is None else images.ids
         strs = chat.return_token_strs
     else:
         body = validated(data, TokenizeBody)

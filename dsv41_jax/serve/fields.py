@@ -12,6 +12,12 @@ presence and frequency penalties included, computed in the device step: `samplin
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids``
 (completions: the generated ids in the choice, ``token_ids``), DeepSeek's ``thinking`` and ``reasoning_effort``
 (chat). A ``model`` the server does not serve is a 404 ``model_not_found`` (`ModelNotFound`).
+
+Images (`media`): a user message's content may hold ``image_url`` parts among its text parts; each is one image
+placeholder in the chat text where it stands (parts joined by a blank line, as text parts are), the text ids then
+laid out as ``generate --image`` lays them (`image_prompt_ids`), and the decoded images expanded into their
+spans (`image_prompt`: ``vision.preprocess``, the same preprocessing as generate's), counted against the
+context.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ from typing import Any, Union, get_args, get_origin
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..chat import ROLES, ChatFormatError, chat_ids, effort_budget, message_from_openai
+from ..chat import ROLES, ChatFormatError, chat_ids, effort_budget, encode_messages, message_from_openai
 from ..engine import EngineInputError, Request
+from ..generate import IMAGE_PLACEHOLDER
 from ..sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, TOP_LOGPROBS, SamplingParams
 from ..structured import GrammarError, grammar_for, tool_grammar
 from ..tokenizer import fold_ids
+from ..vision.preprocess import ImagePrompt, expand_prompt, plan_image, prepare_image
 from .errors import BadRequest, read_json_object, shown
+from .media import ImagePart, MediaPolicy, check_image_part, read_image
 from .metrics import Metrics
 from .worker import Worker
 
@@ -203,10 +212,21 @@ class ServerState:
     api_key: str | None = None  # `--api-key`: every route but /health and /metrics needs it as a Bearer token
     structured: Any = None  # structured.StructuredVocab: the grammars' token tables (None: no structured output)
     structured_off: str = ""  # why there is none (said in the 400)
+    media: MediaPolicy = MediaPolicy()  # where image URLs may come from (`--allowed-local-media-path`)
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @property
+    def vision(self):
+        """The model's `config.VisionConfig` when it runs the image path (its tower loaded), else None."""
+        engine = self.worker.slots.engine
+        return engine.cfg.vision if engine.runtime.has_vision else None
+
+    @property
+    def image_token_id(self) -> int:
+        return self.worker.slots.engine.cfg.image_token_id
 
 
 class ModelNotFound(LookupError):
@@ -362,10 +382,12 @@ def stops_of(body: _Body) -> tuple[str, ...]:
 
 
 def engine_request(state: ServerState, ids: tuple[int, ...], max_tokens: int | None, sampling,
-                   prompt_field: str, default_max: int | None = None, max_field: str = "max_tokens") -> Request:
+                   prompt_field: str, default_max: int | None = None, max_field: str = "max_tokens",
+                   images: ImagePrompt | None = None) -> Request:
     """The engine request; 400 for a prompt or max_tokens that does not fit. Without max_tokens:
     ``default_max`` (None: the rest of the context), cut to what fits. ``prompt_field``, ``max_field``: the body
-    fields the prompt and max_tokens came from (the errors' param)."""
+    fields the prompt and max_tokens came from (the errors' param). ``images``: the prompt's image spans
+    (`image_prompt`; then ``ids`` are its expanded ids, image positions counted in the context)."""
     if not ids:
         raise BadRequest("the prompt is empty", prompt_field)
     room = state.max_context - len(ids) + 1
@@ -380,7 +402,7 @@ def engine_request(state: ServerState, ids: tuple[int, ...], max_tokens: int | N
     if sampling.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens ({sampling.min_tokens}) must be at most {max_field} ({max_tokens})",
                          "min_tokens")
-    request = Request(tuple(ids), max_tokens, sampling)
+    request = Request(tuple(ids), max_tokens, sampling, images=images)
     try:
         state.worker.slots.engine.check([request])
     except EngineInputError as e:
@@ -399,12 +421,25 @@ def thinking_of(body: ChatBody) -> bool:
     return body.reasoning_effort is not None if t is None else t
 
 
-def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int, ...]:
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat's prompt before its images are read: ``ids`` with one image token id where each of ``images``
+    goes (in order; none: a text prompt, its ids final)."""
+
+    ids: tuple[int, ...]
+    images: tuple[ImagePart, ...] = ()
+
+
+def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> ChatPrompt:
     """Prompt ids of the chat: DeepSeek-V4.1's format (`chat.encode_messages`), folded into a smaller model
-    vocabulary as `generate` does (the tiny model)."""
-    check_messages(body.messages)
+    vocabulary as `generate` does (the tiny model); image parts as `generate --image` places images
+    (`image_prompt_ids`). 400 for an image part when the model has no vision tower."""
+    images = check_messages(body.messages)
+    if images and state.vision is None:
+        raise BadRequest(f"{images[0].field}: the model {state.model_name} reads no images (it runs no vision "
+                         f"tower): send text parts only", images[0].field)
     try:
-        messages = tuple(message_from_openai(m, f"messages[{i}]") for i, m in enumerate(body.messages))
+        messages = tuple(message_from_openai(_placeholders(m), f"messages[{i}]") for i, m in enumerate(body.messages))
     except ChatFormatError as e:
         raise BadRequest(str(e), "messages") from None
     tools = tuple(body.tools or ())
@@ -418,12 +453,68 @@ def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> tuple[int
         raise BadRequest(str(e), "reasoning_effort") from None
     if body.tool_choice == "none":
         tools = ()
+    options = dict(thinking=thinking, reasoning_effort=body.reasoning_effort, tools=tools)
     try:
-        ids = chat_ids(state.tokenizer, messages, thinking=thinking, reasoning_effort=body.reasoning_effort,
-                       tools=tools)
+        if images:
+            text = encode_messages(messages, **options)
+            ids = image_prompt_ids(state.tokenizer, text, len(images), state.image_token_id, state.vocab_size)
+            return ChatPrompt(ids, tuple(images))
+        ids = chat_ids(state.tokenizer, messages, **options)
     except ChatFormatError as e:
         raise BadRequest(str(e), "messages") from None
-    return tuple(fold_ids(ids, state.tokenizer.vocab_size, state.vocab_size)[0])
+    return ChatPrompt(tuple(fold_ids(ids, state.tokenizer.vocab_size, state.vocab_size)[0]))
+
+
+def _placeholders(message: Any) -> Any:
+    """A message whose image parts are text parts holding the image placeholder (each image block, as the V4
+    chat encoder writes it, joined to its neighbours by a blank line as text parts are)."""
+    content = message.get("content")
+    if not isinstance(content, list) or not any(p.get("type") == "image_url" for p in content):
+        return message
+    parts = [{"type": "text", "text": IMAGE_PLACEHOLDER} if p.get("type") == "image_url" else p for p in content]
+    return {**message, "content": parts}
+
+
+def image_prompt_ids(tokenizer, text: str, n_images: int, image_id: int, model_vocab: int) -> tuple[int, ...]:
+    """Ids of a chat prompt ``text`` holding ``n_images`` image placeholders: each one ``image_id``, the text
+    between them encoded piece by piece and folded into a smaller model vocabulary, a folded text id never
+    landing on ``image_id`` (it steps one below): `generate`'s layout for ``--image``, id for id. ChatFormatError
+    when the text holds other placeholders (a message's own text)."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    if len(pieces) - 1 != n_images:
+        raise ChatFormatError(f"the messages' text holds the image placeholder {IMAGE_PLACEHOLDER} "
+                              f"{len(pieces) - 1 - n_images} time(s) besides the {n_images} image part(s): it "
+                              f"marks where an image goes, so text may not hold it where images are sent")
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k:
+            ids.append(image_id)
+        part, folded = fold_ids(tokenizer.encode(piece) if piece else [], tokenizer.vocab_size, model_vocab)
+        ids += [i - 1 if i == image_id else i for i in part] if folded else part
+    return tuple(ids)
+
+
+def image_prompt(state: ServerState, prompt: ChatPrompt) -> ImagePrompt:
+    """``prompt``'s images read (`media.read_image`), planned and laid out in their spans as `generate` does
+    (`vision.preprocess`): the expanded prompt. 400 naming the image part that is refused or unreadable, or
+    with which the prompt (text and image spans, each ``Hl·(Wl+1)+2`` positions) passes the context. Slow for
+    large images (decoding, resizing): run off the event loop."""
+    vc, context = state.vision, state.max_context
+    length = len(prompt.ids) - len(prompt.images)
+    if length > context:
+        raise BadRequest(f"the prompt's text has {length} tokens, longer than the context of {context} tokens",
+                         "messages")
+    opened = []
+    for k, part in enumerate(prompt.images):
+        image = read_image(part, state.media)
+        span = plan_image(image.width, image.height, vc).span_len
+        length += span
+        if length > context:
+            raise BadRequest(f"{part.field}: with this image ({image.width}×{image.height} pixels: {span} "
+                             f"positions) the prompt passes the context of {context} tokens ({length} positions: "
+                             f"the text and {k + 1} image(s)); send fewer or smaller images", part.field)
+        opened.append(image)
+    return expand_prompt(prompt.ids, [prepare_image(image, vc) for image in opened], state.image_token_id)
 
 
 def forced_tools(body: ChatBody) -> bool:
@@ -456,12 +547,13 @@ def grammar_of(state: ServerState, body: ChatBody, sampling: SamplingParams, thi
         raise BadRequest(str(e), param) from None
 
 
-def check_messages(messages: list) -> None:
+def check_messages(messages: list) -> list[ImagePart]:
     """Each message's shape, the field named (`chat.message_from_openai` reads them): a role, content (a string
-    or text parts; may be null or absent only for an assistant), string reasoning_content and tool_call_id, tool
-    calls with a function name."""
+    or text parts, a user's also image parts; may be null or absent only for an assistant), string
+    reasoning_content and tool_call_id, tool calls with a function name. Returns the image parts, in order."""
     if not messages:
         raise BadRequest("messages must not be empty", "messages")
+    images = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -469,7 +561,7 @@ def check_messages(messages: list) -> None:
         if m.get("role") not in ROLES:
             got = f"got {shown(m['role'])}" if "role" in m else "none given"
             raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)} ({got})", f"{where}.role")
-        check_content(m.get("content"), f"{where}.content", m["role"], "content" in m)
+        images += check_content(m.get("content"), f"{where}.content", m["role"], "content" in m)
         for field in ("reasoning_content", "tool_call_id"):
             if m.get(field) is not None and not isinstance(m[field], str):
                 raise BadRequest(f"{where}.{field} must be a string, got {shown(m[field])}", f"{where}.{field}")
@@ -485,27 +577,37 @@ def check_messages(messages: list) -> None:
             if not isinstance(fn.get("arguments", ""), (str, dict)):
                 raise BadRequest(f"{where}.tool_calls[{k}].function.arguments must be a string (a JSON object's "
                                  f"text), got {shown(fn['arguments'])}", f"{where}.tool_calls[{k}].function.arguments")
+    return images
 
 
-def check_content(content: Any, where: str, role: str, given: bool) -> None:
+def check_content(content: Any, where: str, role: str, given: bool) -> list[ImagePart]:
+    """A message's content: a string, or text parts (a user's: text and ``image_url`` parts, `media`); its
+    image parts, in order."""
+    parts = "text and image_url parts" if role == "user" else "text parts"
     if content is None:
         if role == "assistant":
-            return
-        raise BadRequest(f"{where} of a {role} message must be a string or an array of text parts "
+            return []
+        raise BadRequest(f"{where} of a {role} message must be a string or an array of {parts} "
                          f"({'got null' if given else 'none given'})", where)
     if isinstance(content, str):
-        return
+        return []
     if not isinstance(content, list):
-        raise BadRequest(f"{where} must be a string or an array of text parts, got {shown(content)}", where)
+        raise BadRequest(f"{where} must be a string or an array of {parts}, got {shown(content)}", where)
+    images = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise BadRequest(f'{where}[{j}] must be a part {{"type": "text", "text": ...}}, got {shown(part)}',
                              f"{where}[{j}]")
+        if part.get("type") == "image_url" and role == "user":
+            images.append(check_image_part(part, f"{where}[{j}]"))
+            continue
         if part.get("type") != "text":
-            raise BadRequest(f'{where}[{j}].type must be "text" (this server reads text parts only), got '
-                             f'{shown(part.get("type"))}', f"{where}[{j}].type")
+            kinds = '"text" or "image_url"' if role == "user" else '"text" (images go in user messages)'
+            raise BadRequest(f'{where}[{j}].type must be {kinds}, got {shown(part.get("type"))}',
+                             f"{where}[{j}].type")
         if not isinstance(part.get("text"), str):
             raise BadRequest(f"{where}[{j}].text must be a string, got {shown(part.get('text'))}", f"{where}[{j}].text")
+    return images
 
 
 def check_tools(tools: tuple) -> None:
