@@ -504,8 +504,8 @@ def image_prompt(state: ServerState, prompt: ChatPrompt) -> ImagePrompt:
     if length > context:
         raise BadRequest(f"the prompt's text has {length} tokens, longer than the context of {context} tokens",
                          "messages")
-    opened = []
-    for k, part in enumerate(prompt.images):
+    prepared = []
+    for k, part in enumerate(prompt.images):  # one decoded image at a time: each is resized before the next
         image = read_image(part, state.media)
         span = plan_image(image.width, image.height, vc).span_len
         length += span
@@ -513,8 +513,8 @@ def image_prompt(state: ServerState, prompt: ChatPrompt) -> ImagePrompt:
             raise BadRequest(f"{part.field}: with this image ({image.width}×{image.height} pixels: {span} "
                              f"positions) the prompt passes the context of {context} tokens ({length} positions: "
                              f"the text and {k + 1} image(s)); send fewer or smaller images", part.field)
-        opened.append(image)
-    return expand_prompt(prompt.ids, [prepare_image(image, vc) for image in opened], state.image_token_id)
+        prepared.append(prepare_image(image, vc))
+    return expand_prompt(prompt.ids, prepared, state.image_token_id)
 
 
 def forced_tools(body: ChatBody) -> bool:
