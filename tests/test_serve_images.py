@@ -343,13 +343,17 @@ def test_a_chat_with_an_image_gives_generates_greedy_tokens(vision_server, token
     control = tmp_path / "control.png"
     _noise(100, 70, 5).save(control)  # the fixture's size: the same ids, other pixels
 
+    ask = dict(model="dsv41-tiny_vision-random", temperature=0, max_tokens=NEW_TOKENS)
+
     def served(image: Path):
-        reply = client.chat.completions.create(
-            model="dsv41-tiny_vision-random", temperature=0, max_tokens=NEW_TOKENS, logprobs=True,
-            messages=[{"role": "user", "content": [_image(_data_url(image)), _text(PROMPT)]}])
+        reply = client.chat.completions.create(**ask, logprobs=True, messages=[
+            {"role": "user", "content": [_image(_data_url(image)), _text(PROMPT)]}])
         return reply, [bytes(t.bytes) for t in reply.choices[0].logprobs.content]
 
     reply, tokens = served(FIXTURE)
+    stream = client.chat.completions.create(**ask, stream=True, messages=[
+        {"role": "user", "content": [_image(_data_url(FIXTURE)), _text(PROMPT)]}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
     want = _generated(capsys, FIXTURE)
     assert reply.usage.prompt_tokens == len(want["prompt_ids"])
     ends = {tokenizer.token_bytes(i, False) for i in CFG.eos_token_ids}  # an end id: reported or not, the same
