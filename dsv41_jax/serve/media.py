@@ -9,8 +9,8 @@ null). URL is
   the path, symlinks resolved, lies under DIR; refused otherwise.
 
 http(s) URLs are refused: the server fetches nothing over the network. Every refusal is a `BadRequest` naming
-the part's ``image_url`` (``messages[0].content[1].image_url``). Decoding is `vision.preprocess.open_image`,
-the one ``generate --image`` uses, so both read the same pixels.
+the part's ``image_url`` (``messages[0].content[1].image_url``, or the key under it that is wrong). Decoding is
+`vision.preprocess.open_image`, the one ``generate --image`` uses, so both read the same pixels.
 """
 
 from __future__ import annotations
