@@ -287,7 +287,7 @@ BAD = [  # (route, body: an object sent as JSON or raw bytes, the param the erro
     ("chat", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
-     "messages[0].content[0].image_url"),  # the tiny model has no vision tower (tests/test_serve_images.py)
+     "messages[0].content[0].image_url"),  # the tiny model has no vision tower (tests/test_serve_image_parts.py)
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
     ("chat", {"messages": [{"role": "tool", "content": "r", "tool_call_id": 5}]}, "messages[0].tool_call_id"),
     ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},
