@@ -271,6 +271,17 @@ def test_a_model_without_a_vision_tower_refuses_images(tokenizer):
                                                    "max_tokens": 1}).status_code == 200  # text still served
 
 
+def test_images_are_not_served_over_several_processes(tokenizer, monkeypatch):
+    from dsv41_jax import distributed  # noqa: PLC0415
+
+    monkeypatch.setattr(distributed, "several", lambda: True)  # the followers would get the ids alone
+    http, worker = _http(tokenizer)
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        _text("x"), _image(_data_url(FIXTURE))]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1].image_url", r.text
+    assert "several processes" in r.json()["error"]["message"] and worker.requests == []
+
+
 def test_image_positions_count_toward_the_context(tokenizer):
     """CONTEXT 128: the chat text takes a handful of ids, each image SPAN positions; the image with which the
     prompt passes the context is named, and a prompt that just fits leaves room for one new token."""

@@ -30,6 +30,7 @@ from typing import Any, Union, get_args, get_origin
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .. import distributed
 from ..chat import ROLES, ChatFormatError, chat_ids, effort_budget, encode_messages, message_from_openai
 from ..engine import EngineInputError, Request
 from ..generate import IMAGE_PLACEHOLDER
@@ -433,11 +434,14 @@ class ChatPrompt:
 def chat_prompt(state: ServerState, body: ChatBody, thinking: bool) -> ChatPrompt:
     """Prompt ids of the chat: DeepSeek-V4.1's format (`chat.encode_messages`), folded into a smaller model
     vocabulary as `generate` does (the tiny model); image parts as `generate --image` places images
-    (`image_prompt_ids`). 400 for an image part when the model has no vision tower."""
+    (`image_prompt_ids`). 400 for an image part when the model has no vision tower, or over several processes."""
     images = check_messages(body.messages)
     if images and state.vision is None:
         raise BadRequest(f"{images[0].field}: the model {state.model_name} reads no images (it runs no vision "
                          f"tower): send text parts only", images[0].field)
+    if images and distributed.several():  # the followers take a request's ids, not its images (`lockstep`)
+        raise BadRequest(f"{images[0].field}: image prompts are not served over several processes",
+                         images[0].field)
     try:
         messages = tuple(message_from_openai(_placeholders(m), f"messages[{i}]") for i, m in enumerate(body.messages))
     except ChatFormatError as e:
