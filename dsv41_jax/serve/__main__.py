@@ -22,8 +22,9 @@ from ..structured import StructuredVocab
 from .metrics import Metrics, server_counters, server_gauges
 
 API_KEY_ENV = "DSV41_API_KEY"
-# A 512-row segment of the 2-layer cut is about a quarter of its 2,048-row 19.4 ms on the H200 (README "Status"),
-# near one 32-slot decode step (5.7 ms): a stream's gap during a long prefill stays near twice its step.
+# Not measured yet: a 512-row segment of the 2-layer cut would be about a quarter of its 2,048-row 19.4 ms on the
+# H200 (README "Status") if the time scales with the rows, near one 32-slot decode step (5.7 ms), so a stream's
+# gap while a long prompt prefills would stay near twice its step (the issue asks ITL p99 <= 2x without).
 DEFAULT_PREFILL_TOKENS = 512
 DEFAULT_PREFIX_CACHE_GIB = 1.0
 

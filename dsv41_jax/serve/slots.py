@@ -190,12 +190,12 @@ def chunk_rows(engine: Engine, prefill_budget: int | None, short_rows: int) -> i
     """The prefill chunk: ``prefill_budget`` (None: the planner's segment), at most the planner's segment for the
     engine's context, rounded down to a multiple of every compress ratio (a block of the prefix cache then closes
     every compressed group). EngineInputError for a budget not above ``short_rows`` (every prompt would feed row by
-    row)."""
+    row; a planner's segment not above it is the engine's choice: prompts then feed row by row, as the engine's)."""
     longest = max(int(n) for n in engine.segment_plan(engine.max_context))
     chunk = longest if prefill_budget is None else min(int(prefill_budget), longest)
     align = math.lcm(1, *(r for r in engine.cfg.compress_ratios if r > 0))
     chunk -= chunk % align
-    if prefill_budget is not None and chunk <= short_rows:
+    if prefill_budget is not None and prefill_budget <= short_rows:
         raise EngineInputError(f"the prefill budget ({prefill_budget} tokens) must be above the short-prompt rows "
                                f"({short_rows}): shorter prompts feed row by row in the decode steps")
     return chunk
