@@ -106,7 +106,7 @@ def test_budget_left_after_one_prompt_serves_the_next(engine):
     requests = {i: Request(tuple(int(t) for t in rng.integers(3, 500, 128)), 4) for i in range(3)}
     slots = SlotEngine(engine, 3, prefill_budget=BUDGET)
     got, _ = _drive(slots, requests)
-    assert slots.prefill_per_step[:2] == [BUDGET, 128] and slots.prefill_calls == 3
+    assert list(slots.prefill_per_step)[:2] == [BUDGET, 128] and slots.prefill_calls == 3
     for i, r in requests.items():
         alone, _ = _drive(SlotEngine(engine, 3, prefill_budget=BUDGET), {i: r})
         assert got[i] == alone[i], i

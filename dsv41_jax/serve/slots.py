@@ -16,8 +16,9 @@ One `SlotEngine.step` (called in a loop by the one thread that owns the devices)
 2. prefill *long* prompts (more than ``short_rows`` tokens, or with images) within the step's token budget
    (``prefill_budget``, the server's ``--max-prefill-tokens``; vLLM's ``max_num_batched_tokens``): a long prompt is
    cut at the multiples of ``chunk`` (the budget, at most the planner's segment, PLANNER.md §A), and each step runs
-   the next segment of the prompts in the prefill line, first come first, while their program rows (the segment
-   rounded up to a power-of-two bucket) fit the budget: one chunk, or several short tails of different prompts.
+   segments of the prompts in the prefill line, first come first (a prompt's next segments before the next
+   prompt's), while their program rows (a segment rounded up to a power-of-two bucket) fit the budget: one
+   prompt's, or the tails of several.
    Each segment is one call of the runtime's ``step[1, T]`` program (the one ``Engine.generate`` runs for one
    prompt) on the request's own *one-row* cache; its last segment draws the request's first token. A small program
    (``_insert_slot``) then copies that cache row, its last logits and its chain row (that token, its keep-going
@@ -168,6 +169,7 @@ class Job:
     prompt_done: int = 0
     segments: list = field(default_factory=list)  # remaining prefill segment sizes
     prefill: object = None  # a long prompt's one-row state between its segments (`_Prefill`)
+    blocks: list = field(default_factory=list)  # prefix caching: the keys of its prompt's whole chunks
     slot: int = -1
     cancelled: bool = False
     finished: bool = False
@@ -254,7 +256,8 @@ class SlotEngine:
         self.greedy_steps = 0  # decode steps run by the argmax-only variant
         self.prefill_calls = 0
         self.prefill_rows = 0  # prompt tokens computed by long prefills (a prefix hit's are not)
-        self.prefill_per_step: list[int] = []  # program rows of long prefill in each step that ran any
+        # program rows of long prefill in each of the last steps that had a prompt to prefill
+        self.prefill_per_step: collections.deque[int] = collections.deque(maxlen=4096)
 
     def fresh(self) -> "SlotEngine":
         """A new slot engine of the same kind and settings over the same engine and prefix cache (a reset)."""
@@ -438,13 +441,20 @@ class SlotEngine:
         for job in list(self.prefilling):
             if job.prefill is None:
                 self._start_prefill(job)
-            rows = self._bucket(job.segments[0])
-            if rows > left:
-                break
-            left -= rows
-            done = self._prefill_segment(job)
+            elif isinstance(job.prefill.logits, jax.Array):
+                # Its last segment (an earlier step's) is done before more are queued: on an in-order device
+                # the decode step queued after it still runs meanwhile. A backend that runs independent programs
+                # side by side (XLA's CPU client) would otherwise let the prefill chain fall behind the decode
+                # chain, and the prompt's join would wait for the whole backlog.
+                jax.block_until_ready(job.prefill.logits)
+            done = None
+            while job.segments and self._bucket(job.segments[0]) <= left:
+                left -= self._bucket(job.segments[0])
+                done = self._prefill_segment(job)
             if done is not None:
                 prefilled.append((job, *done))
+            if job.segments:
+                break  # first come first: the next prompt waits for this one's next step
         self.prefill_per_step.append(self.budget - left)
         return prefilled
 
@@ -460,8 +470,9 @@ class SlotEngine:
         images = rt.encode_images([r.images], len(r.prompt_ids)) if r.images is not None else None
         snapshot = None
         if self.prefix_cache is not None and r.images is None:
+            job.blocks = block_hashes(r.prompt_ids, self.chunk, len(r.prompt_ids) // self.chunk)
             usable = (len(r.prompt_ids) - 1) // self.chunk  # at least one row is left: it draws the first token
-            snapshot = self.prefix_cache.lookup(block_hashes(r.prompt_ids, self.chunk, usable), len(r.prompt_ids))
+            snapshot = self.prefix_cache.lookup(job.blocks[:usable], len(r.prompt_ids))
         if snapshot is None:
             job.prefill = _Prefill(self._run_init(1), np.zeros((1, rt.vocab_size), np.float32),
                                    rt.empty_history(1), stop, images)
@@ -475,10 +486,10 @@ class SlotEngine:
     def _keep_snapshot(self, job: Job, cache, logits, history) -> None:
         """After a segment that ends on a block boundary: the state there, kept by the prefix cache unless it has
         it (a copy: the next segment donates ``cache``)."""
-        done, ids = job.prompt_done, job.request.prompt_ids
-        if self.prefix_cache is None or job.request.images is not None or done % self.chunk:
+        done = job.prompt_done
+        if self.prefix_cache is None or not job.blocks or done % self.chunk:
             return
-        key = block_hashes(ids, self.chunk, done // self.chunk)[-1]
+        key = job.blocks[done // self.chunk - 1]
         if key in self.prefix_cache:
             return
         cache, logits = self.runtime.run(COPY, {}, ((cache, logits),))
@@ -493,12 +504,6 @@ class SlotEngine:
         ids = np.zeros((1, self._bucket(size)), np.int32)
         ids[0, :size] = job.request.prompt_ids[job.prompt_done:job.prompt_done + size]
         images = segment_images(state.images, job.prompt_done, size, ids.shape[1])
-        if isinstance(state.logits, jax.Array):
-            # The last step's segment is done before this one is queued (on one in-order stream it is: the last
-            # step read its decode tokens, queued after it). A backend that runs independent programs side by
-            # side (XLA's CPU client) would let the prefill chain fall behind the decode chain, and a prompt's
-            # join would then wait for the whole backlog.
-            jax.block_until_ready(state.logits)
         out, history = rt.prefill(state.cache, state.logits, ids, np.array([size], np.int32), state.stop,
                                   state.history, images)
         job.prompt_done += size
