@@ -180,7 +180,7 @@ def build_slots(args, spec: runspec.RunSpec, before_compile=lambda: None):
     except EngineInputError as e:
         raise UsageError(f"--max-prefill-tokens: {e}") from None
     say(f"scheduling: prefill segments of {slots.chunk:,} rows, at most {slots.budget:,} prefill rows a step; "
-        f"prefix cache: {prefix_note(slots)}")
+        f"prefix cache: {prefix_note(slots, prefix.capacity)}")
     before_compile()
     say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
     seconds = slots.precompile()
@@ -189,17 +189,16 @@ def build_slots(args, spec: runspec.RunSpec, before_compile=lambda: None):
     return slots, engine, tokenizer
 
 
-def prefix_note(slots) -> str:
-    """The prefix cache's size in snapshots of this slot engine's one-row state, for the start-up line."""
-    cache = slots.prefix_cache
-    if cache is None:
+def prefix_note(slots, asked: int) -> str:
+    """The prefix cache of this slot engine (``asked``: the bytes --prefix-cache-gib gives) for the start-up line:
+    its size in snapshots of the engine's one-row state."""
+    one = slots.snapshot_bytes / (1 << 20)
+    if not asked:
         return "off"
-    room = cache.capacity // slots.snapshot_bytes
-    if not room:
-        return (f"off: one snapshot ({slots.snapshot_bytes / (1 << 20):,.0f} MiB, a one-row cache of the context) "
-                f"is larger than --prefix-cache-gib")
-    return (f"{cache.capacity / (1 << 30):g} GiB, {room:,} snapshots of {slots.snapshot_bytes / (1 << 20):,.1f} "
-            f"MiB, blocks of {slots.chunk:,} tokens")
+    if slots.prefix_cache is None:
+        return f"off: one snapshot ({one:,.1f} MiB, a one-row cache of the context) is larger than --prefix-cache-gib"
+    return (f"{asked / (1 << 30):g} GiB, {asked // slots.snapshot_bytes:,} snapshots of {one:,.1f} MiB, blocks of "
+            f"{slots.chunk:,} tokens")
 
 
 def build_server(args, spec: runspec.RunSpec):
