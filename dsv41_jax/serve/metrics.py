@@ -16,7 +16,7 @@ Prefix caching (`serve.prefix`), vLLM's counters in tokens: ``vllm:prefix_cache_
 of the long prompts looked up) and ``vllm:prefix_cache_hits_total`` (of those, the tokens served by a snapshot;
 hits / queries is vLLM's hit rate); the server's own ``dsv41_prefix_cache_bytes`` (held by snapshots),
 ``dsv41_prefix_cache_snapshots`` and ``dsv41_prefill_rows_total`` (prompt tokens computed by long prefills: a hit's
-are not; counted per slot engine, from zero again after a reset).
+are not); all kept across a reset of the slot engine.
 """
 
 from __future__ import annotations

@@ -260,9 +260,12 @@ class SlotEngine:
         self.prefill_per_step: collections.deque[int] = collections.deque(maxlen=4096)
 
     def fresh(self) -> "SlotEngine":
-        """A new slot engine of the same kind and settings over the same engine and prefix cache (a reset)."""
-        return type(self)(self.engine, self.slots, self.short_rows, prefill_budget=self.prefill_budget,
-                          prefix_cache=self.prefix_cache)
+        """A new slot engine of the same kind and settings over the same engine and prefix cache (a reset); the
+        prefilled-rows count goes on (a counter of the server's)."""
+        new = type(self)(self.engine, self.slots, self.short_rows, prefill_budget=self.prefill_budget,
+                         prefix_cache=self.prefix_cache)
+        new.prefill_rows = self.prefill_rows
+        return new
 
     # ------------------------------------------------------------------------------------------ programs
     def release(self) -> None:
