@@ -11,7 +11,11 @@ that a mean hides).
 Workloads (``--workloads``, default ``plain``): ``plain`` as above; ``long``: the same streams while a long prompt
 (``--long-tokens`` random ids, 1 new token) arrives every ``--long-every`` seconds (the long requests' own TTFT
 is printed apart: the rows count the short streams only); ``prefix``: every prompt starts with the same
-``--prefix-tokens`` ids (a shared system prompt), then its own ``--prompt-tokens``.
+``--prefix-tokens`` ids (a shared system prompt), then its own ``--prompt-tokens``. ``long`` loads the server's
+prefill budget (``--max-prefill-tokens``: the streams' gaps while a long prompt prefills), ``prefix`` its prefix
+cache: each row also prints the prefix cache's hit rate over the row (``vllm:prefix_cache_hits_total`` /
+``vllm:prefix_cache_queries_total``, in prompt tokens; the cache keeps whole blocks of ``--max-prefill-tokens``,
+so a shared prefix shorter than one block is never a hit) and the prompt tokens the server's prefills computed.
 
   python benchmarks/serve_load.py --url http://127.0.0.1:8000
   python benchmarks/serve_load.py --spawn --workloads plain,long,prefix -- --max-batch 32 --max-context 8192
@@ -114,6 +118,14 @@ async def load(url: str, concurrency: int, rounds: int, prompt_tokens: int, max_
             "long_ttft_ms": percentiles([r["ttft"] for r in long_results if r["status"] == 200])}
 
 
+def counters(url: str) -> dict[str, float]:
+    """The server's prefix cache counters and computed prefill rows (0 where a server lacks them)."""
+    names = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "dsv41_prefill_rows_total")
+    text = httpx.get(url + "/metrics").text
+    return {n: sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((n + " ", n + "{")))
+            for n in names}
+
+
 def spawn(server_args: list[str]) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "dsv41_jax.serve", "--port", "0", *server_args]
     print("starting:", " ".join(cmd), file=sys.stderr, flush=True)
@@ -157,15 +169,23 @@ def main() -> int:
         asyncio.run(load(url, 1, 1, a.prompt_tokens, 4, 99))  # warm-up
         rows = []
         print(f"{'workload':>8} {'streams':>7} {'requests':>8} {'ok':>4} {'503':>4} {'tokens':>7} {'wall s':>7} "
-              f"{'tok/s':>8} {'TTFT ms p50/p90/p99':>22} {'ITL ms p50/p90/p99':>22} {'gap ms p99/max':>15}")
-        for workload in a.workloads.split(","):
+              f"{'tok/s':>8} {'TTFT ms p50/p90/p99':>22} {'ITL ms p50/p90/p99':>22} {'gap ms p99/max':>15} "
+              f"{'prefix hit':>10} {'prefilled':>9}")
+        for w, workload in enumerate(a.workloads.split(",")):
             for c in (int(x) for x in a.concurrency.split(",")):
-                row = asyncio.run(load(url, c, a.rounds, a.prompt_tokens, a.max_tokens, c, workload, a.long_tokens,
-                                       a.long_every, a.prefix_tokens))
+                before = counters(url)
+                seed = 1000 * (w + 1) + c  # rows share no prompts (a prefix hit across rows would flatter one)
+                row = asyncio.run(load(url, c, a.rounds, a.prompt_tokens, a.max_tokens, seed, workload,
+                                       a.long_tokens, a.long_every, a.prefix_tokens))
+                after = counters(url)
+                queries, hits, prefilled = (after[n] - before[n] for n in after)
+                row["prefix_hit"] = f"{hits / queries:.1%}" if queries else "-"
+                row["prefilled_tokens"] = int(prefilled)
                 rows.append(row)
                 print(f"{workload:>8} {c:>7} {row['requests']:>8} {row['ok']:>4} {row['refused']:>4} "
                       f"{row['tokens']:>7} {row['wall_s']:>7.2f} {row['tok_s']:>8.1f} {row['ttft_ms']:>22} "
-                      f"{row['itl_ms']:>22} {row['gap_ms']:>15}", flush=True)
+                      f"{row['itl_ms']:>22} {row['gap_ms']:>15} {row['prefix_hit']:>10} {row['prefilled_tokens']:>9}",
+                      flush=True)
                 if workload == "long":
                     print(f"{'':>8} {row['long_requests']} long prompts of {a.long_tokens} tokens beside them, "
                           f"TTFT ms p50/p90/p99 {row['long_ttft_ms']}", flush=True)

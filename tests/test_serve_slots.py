@@ -239,3 +239,29 @@ def test_penalties_count_each_slots_tokens_on_both_prefill_paths(engine):
     assert apart == row_by_row and len(apart[1]) == 12
     np.testing.assert_array_equal(counts, np.bincount(apart[1], minlength=512))
     np.testing.assert_array_equal(np.flatnonzero(seen), sorted(set(prompt)))
+
+
+def test_a_budget_above_the_segment_runs_several_segments_a_step(engine):
+    """``prefill_budget`` 48 over 16-row segments: a 40-token prompt's three segments (16, 16, and 8 in the 16-row
+    program) run in one step, a 30-token prompt behind it waits for the next; the tokens are those of the default
+    budget (one segment a step) and of each request alone; nothing compiles."""
+    rng = np.random.default_rng(5)
+    requests = [Request(tuple(int(t) for t in rng.integers(3, 512, n)), 4) for n in (40, 30)]
+
+    def run(budget):
+        slots = SlotEngine(engine, SLOTS, prefill_budget=budget)
+        got: dict[int, list] = {0: [], 1: []}
+        for i, r in enumerate(requests):
+            slots.add(Job(i, r, lambda kind, value, i=i: got[i].append(value) if kind == "token" else None))
+        while slots.busy:
+            slots.step()
+        return got, slots
+
+    with backend_compiles() as compiles:
+        wide, slots = run(48)
+        narrow, _ = run(None)
+    assert compiles == []
+    assert list(slots.prefill_per_step)[:2] == [48, 32] and slots.prefill_calls == 5
+    assert wide == narrow
+    for i, r in enumerate(requests):
+        assert tuple(wide[i]) == engine.generate([r]).generations[0].token_ids, i

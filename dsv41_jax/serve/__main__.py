@@ -19,9 +19,14 @@ from ..assets import EMBEDDED_MODEL
 from ..cli import Parser, UsageError, cli_main, positive_int, say
 from ..compile_cache import enable as enable_compile_cache
 from ..structured import StructuredVocab
-from .metrics import Metrics, server_gauges
+from .metrics import Metrics, server_counters, server_gauges
 
 API_KEY_ENV = "DSV41_API_KEY"
+# Not measured yet: a 512-row segment of the 2-layer cut would be about a quarter of its 2,048-row 19.4 ms on the
+# H200 (README "Status") if the time scales with the rows, near one 32-slot decode step (5.7 ms), so a stream's
+# gap while a long prompt prefills would stay near twice its step (the issue asks ITL p99 <= 2x without).
+DEFAULT_PREFILL_TOKENS = 512
+DEFAULT_PREFIX_CACHE_GIB = 1.0
 
 EXAMPLES = """\
 examples:
@@ -57,7 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64, metavar="Q",
                        help="requests that may wait for a slot; more get 503 at once (default 64)")
     serve.add_argument("--segment-rows", type=positive_int, metavar="N",
-                       help="prefill segment rows (default: the planner's segments)")
+                       help="prefill segment rows (default: the planner's segments; at most --max-prefill-tokens)")
+    serve.add_argument("--max-prefill-tokens", type=positive_int, default=DEFAULT_PREFILL_TOKENS, metavar="N",
+                       help="prefill rows a scheduling step runs beside its decode step: long prompts are cut into "
+                            "segments of at most N, so a running stream waits at most about one decode step plus "
+                            f"N rows of prefill (default {DEFAULT_PREFILL_TOKENS}; more: faster long prefills, "
+                            "longer stalls)")
+    serve.add_argument("--prefix-cache-gib", type=float, default=DEFAULT_PREFIX_CACHE_GIB, metavar="G",
+                       help="device memory for prefix caching: prompts that start with the blocks (segments) of an "
+                            "earlier prompt start from its prefill state (least recently used dropped first; "
+                            f"default {DEFAULT_PREFIX_CACHE_GIB:g}; 0: off)")
     serve.add_argument("--served-model-name", action="append", metavar="NAME[,NAME...]",
                        help="the model names requests may ask for and /v1/models lists (repeatable or a comma "
                             "list; the first is the default; default: the checkpoint folder's name (bard: the "
@@ -78,6 +92,8 @@ def check_args(args) -> None:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.drain_timeout < float("inf"):
         raise UsageError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    if not 0 <= args.prefix_cache_gib < float("inf"):
+        raise UsageError(f"--prefix-cache-gib must be a number of GiB >= 0, got {args.prefix_cache_gib}")
     served_names(args)
     api_key(args)
 
@@ -132,8 +148,9 @@ def build_slots(args, spec: runspec.RunSpec, before_compile=lambda: None):
     others' (`lockstep`)."""
     # The engine and the slots bring JAX: after the command line is checked.
     from ..compiler import compiling_note  # noqa: PLC0415 - brings JAX (see above)
-    from ..engine import Engine  # noqa: PLC0415 - brings JAX (see above)
+    from ..engine import Engine, EngineInputError  # noqa: PLC0415 - brings JAX (see above)
     from .lockstep import Channel, LeaderSlots  # noqa: PLC0415 - brings JAX (see above)
+    from .prefix import PrefixCache  # noqa: PLC0415 - brings JAX (see above)
     from .slots import SlotEngine  # noqa: PLC0415 - brings JAX (see above)
 
     distributed.agree(distributed.run_fingerprint(args))
@@ -153,17 +170,35 @@ def build_slots(args, spec: runspec.RunSpec, before_compile=lambda: None):
     model, mesh = runspec.build(inputs, spec)
     engine = Engine(model, cfg, max_context=args.max_context, cache_dtype=args.dtype, segment_plan=plan, mesh=mesh,
                     hasher=inputs.hasher)
+    kind = SlotEngine
     if distributed.several() and distributed.is_leader():
         LeaderSlots.channel = Channel()
-        slots = LeaderSlots(engine, args.max_batch)
-    else:
-        slots = SlotEngine(engine, args.max_batch)
+        kind = LeaderSlots
+    prefix = PrefixCache(int(args.prefix_cache_gib * (1 << 30)))
+    try:
+        slots = kind(engine, args.max_batch, prefill_budget=args.max_prefill_tokens, prefix_cache=prefix)
+    except EngineInputError as e:
+        raise UsageError(f"--max-prefill-tokens: {e}") from None
+    say(f"scheduling: prefill segments of {slots.chunk:,} rows, at most {slots.budget:,} prefill rows a step; "
+        f"prefix cache: {prefix_note(slots, prefix.capacity)}")
     before_compile()
     say(compiling_note(f"the programs for {args.max_batch} slots and a context of {args.max_context:,} tokens"))
     seconds = slots.precompile()
     loaded = f" ({engine.programs_loaded} loaded from the cache)" if engine.programs_loaded else ""
     say(f"compiled {engine.compile_count} programs in {seconds:.1f} s{loaded}")
     return slots, engine, tokenizer
+
+
+def prefix_note(slots, asked: int) -> str:
+    """The prefix cache of this slot engine (``asked``: the bytes --prefix-cache-gib gives) for the start-up line:
+    its size in snapshots of the engine's one-row state."""
+    one = slots.snapshot_bytes / (1 << 20)
+    if not asked:
+        return "off"
+    if slots.prefix_cache is None:
+        return f"off: one snapshot ({one:,.1f} MiB, a one-row cache of the context) is larger than --prefix-cache-gib"
+    return (f"{asked / (1 << 30):g} GiB, {asked // slots.snapshot_bytes:,} snapshots of {one:,.1f} MiB, blocks of "
+            f"{slots.chunk:,} tokens")
 
 
 def build_server(args, spec: runspec.RunSpec):
@@ -186,6 +221,7 @@ def build_server(args, spec: runspec.RunSpec):
     metrics = Metrics({}, model_name=names[0])
     worker = Worker(slots, args.max_queue, on_token=metrics.add_generated_token)
     metrics.gauges.update(server_gauges(worker, lambda: compile_events[0]))
+    metrics.counters.update(server_counters(worker))
     structured, structured_off = structured_vocab(tokenizer, engine.vocab_size)
     state = ServerState(worker, tokenizer, metrics, names, engine.vocab_size, args.max_context,
                         api_key=api_key(args), structured=structured, structured_off=structured_off)

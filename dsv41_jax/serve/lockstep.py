@@ -88,7 +88,7 @@ def follow(slots: SlotEngine) -> None:
                 slots.cancel(note[1])
             elif kind == "reset":
                 slots.release()
-                slots = SlotEngine(slots.engine, slots.slots, slots.short_rows)
+                slots = slots.fresh()
         try:
             slots.step()
         except Exception:  # noqa: BLE001 - process 0's step failed as well: its reset follows

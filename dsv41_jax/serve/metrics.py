@@ -11,6 +11,12 @@ the drain), and the histograms ``vllm:time_to_first_token_seconds`` (arrival to 
 ``vllm:e2e_request_latency_seconds`` (arrival to the last token). The server's own: ``dsv41_requests_total``
 (every response by endpoint and HTTP status, 4xx and 5xx included), ``dsv41_slots``, ``dsv41_decode_steps``,
 ``dsv41_programs_compiled``, ``dsv41_compile_events``.
+
+Prefix caching (`serve.prefix`), vLLM's counters in tokens: ``vllm:prefix_cache_queries_total`` (prompt tokens
+of the long prompts looked up) and ``vllm:prefix_cache_hits_total`` (of those, the tokens served by a snapshot;
+hits / queries is vLLM's hit rate); the server's own ``dsv41_prefix_cache_bytes`` (held by snapshots),
+``dsv41_prefix_cache_snapshots`` and ``dsv41_prefill_rows_total`` (prompt tokens computed by long prefills: a hit's
+are not); all kept across a reset of the slot engine.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class Metrics:
     histograms; gauges are read at scrape time from callables (``gauges``: name -> (help, callable), vLLM's
     names labelled with ``model_name``)."""
 
-    def __init__(self, gauges: dict, model_name: str = ""):
+    def __init__(self, gauges: dict, model_name: str = "", counters: dict | None = None):
         self._lock = threading.Lock()
         self.model_label = f'model_name="{_escaped(model_name)}"'
         self.requests: dict[tuple[str, int], int] = {}
@@ -77,6 +83,7 @@ class Metrics:
                              "Seconds from a request's arrival to its end (finished requests).", E2E_BUCKETS,
                              self.model_label)
         self.gauges = gauges
+        self.counters = {} if counters is None else counters  # name -> (help, callable), read at scrape time
 
     def request_done(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -111,11 +118,28 @@ class Metrics:
                       for reason, n in self.finished.items()]
             counters = [("vllm:prompt_tokens_total", "Prompt tokens of admitted requests.", self.prompt_tokens),
                         ("vllm:generation_tokens_total", "Tokens generated.", self.generated_tokens)]
+        counters += [(name, help_text, read()) for name, (help_text, read) in self.counters.items()]
         for name, help_text, value in counters:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{self._labelled(name)} {value}"]
         for name, (help_text, read) in self.gauges.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{self._labelled(name)} {read()}"]
         return "\n".join(lines + self.ttft.lines() + self.itl.lines() + self.e2e.lines()) + "\n"
+
+
+def server_counters(worker) -> dict:
+    """The counters a running server reads from its slot engine (`worker.Worker`) at each scrape: the prefix
+    cache's (kept across a reset) and the long prefills' rows."""
+
+    def prefix(name):
+        return lambda: getattr(worker.slots.prefix_cache, name, 0)
+
+    return {
+        "vllm:prefix_cache_queries_total": ("Prefix cache queries, in prompt tokens looked up.", prefix("queries")),
+        "vllm:prefix_cache_hits_total": ("Prefix cache hits, in prompt tokens served by a cached prefix.",
+                                         prefix("hits")),
+        "dsv41_prefill_rows_total": ("Prompt tokens computed by long-prompt prefills (a prefix hit's are not).",
+                                     lambda: worker.slots.prefill_rows),
+    }
 
 
 def server_gauges(worker, compile_events) -> dict:
@@ -128,6 +152,10 @@ def server_gauges(worker, compile_events) -> dict:
         "vllm:kv_cache_usage_perc": ("Fraction of the cache's positions (slots x context) holding tokens, 0..1.",
                                      lambda: round(worker.slots.cache_usage, 6)),
         "dsv41_slots": ("Decode slots.", lambda: worker.slots.slots),
+        "dsv41_prefix_cache_bytes": ("Bytes held by prefix cache snapshots.",
+                                     lambda: getattr(worker.slots.prefix_cache, "bytes", 0)),
+        "dsv41_prefix_cache_snapshots": ("Prefix cache snapshots held.",
+                                         lambda: len(worker.slots.prefix_cache or ())),
         "dsv41_decode_steps": ("Decode steps run.", lambda: worker.slots.decode_steps),
         "dsv41_programs_compiled": ("Programs in the engine's table.", lambda: worker.slots.engine.compile_count),
         "dsv41_compile_events": ("JAX backend compiles since start-up (precompile included).", compile_events),

@@ -13,20 +13,38 @@ step runs: it reports them to the requests, and frees the slots of finished ones
 One `SlotEngine.step` (called in a loop by the one thread that owns the devices):
 
 1. admit waiting requests while a slot is free (FIFO), reserving the slot;
-2. prefill a *long* prompt (a segment of more than ``short_rows`` rows, PLANNER.md §A): one planner-sized
-   segment of the request at the head of the prefill line, through the runtime's ``step[1, T]`` program
-   (the one ``Engine.generate`` runs for one prompt) into a *one-row* cache (T: the segment rounded up to a
-   power-of-two bucket); its last segment draws the request's first token. A small program (``_insert_slot``)
-   then copies that cache row, its last logits and its chain row (that token, its keep-going flag, step 1) into
-   the reserved slot. A prompt of several segments thus takes several steps, and the running streams decode in
-   between;
+2. prefill *long* prompts (more than ``short_rows`` tokens, or with images) within the step's token budget
+   (``prefill_budget``, the server's ``--max-prefill-tokens``; vLLM's ``max_num_batched_tokens``): a long prompt is
+   cut at the multiples of ``chunk`` (the budget, at most the planner's segment, PLANNER.md §A), and each step runs
+   segments of the prompts in the prefill line, first come first (a prompt's next segments before the next
+   prompt's), while their program rows (a segment rounded up to a power-of-two bucket) fit the budget: one
+   prompt's, or the tails of several.
+   Each segment is one call of the runtime's ``step[1, T]`` program (the one ``Engine.generate`` runs for one
+   prompt) on the request's own *one-row* cache; its last segment draws the request's first token. A small program
+   (``_insert_slot``) then copies that cache row, its last logits and its chain row (that token, its keep-going
+   flag, step 1) into the reserved slot, at the end of the step (after 3 and 4: the copy waits for the prefill).
+   A long prompt thus takes several steps, and the running streams decode in between: no stream waits more than
+   one decode step plus one budget of prefill rows. A request's cut depends on its prompt and the budget alone,
+   never on what else runs, so its tokens are those it gets alone;
 3. decode: one ``step[S, 1]`` on the chain of the previous step; where the host has something to say (the next
    row of a *short* prompt, a slot whose request was cancelled), a small program (``_override``) first replaces
    those slots' rows of the chain. Short prompts (every segment at most ``short_rows`` rows) are prefilled row by
    row inside the decode steps, as the engine runs short segments through its decode program, so they cost no
    call of their own; the step that feeds a prompt's last row draws its first token. A slot with ``lengths`` 0
    (free, finished, cancelled, or prefilling apart) keeps its cache rows and logits untouched;
-4. read the tokens of every step but the one just dispatched.
+4. read the tokens of every call but those this step dispatched (they are read by the next step, while its calls
+   run).
+
+Prefix caching (`serve.prefix`, with a ``prefix_cache``): a long prompt's prefill state is kept at each multiple of
+``chunk`` it reaches, keyed by the hash chain of its blocks, and a prompt whose leading blocks match starts its
+prefill from the longest such snapshot (same cut, same state: the cold run's tokens). Prompts with images are cut
+and prefilled the same way, each segment with its slice of the image rows (the tower runs once per request, at
+its first segment; `Runtime.encode_images`), and are never prefix-cached; their decode steps are text.
+
+Why the prefill and the decode step stay two programs, not one: one program holding both forwards would save a
+launch, not a read of the experts (the rows of two forwards do not share a matmul); sharing those reads needs one
+forward over the decode rows and the prefill rows together, a ragged batch of different caches, which the model
+does not have.
 
 Engram models (`MODEL.md` §B.12) hash each step's ids on the host, so there the host reads every token before it
 dispatches the next step and feeds every slot's row itself (as `Engine.generate` does for them).
@@ -51,26 +69,29 @@ prompt's first token is drawn by the decode step after its prefill (which has it
 
 Programs: ``init[1]``, ``init[S]``, ``step[S, 1]`` (per-slot steps; twice: with the sampling arrays and the
 penalties' state, and the argmax-only variant run while every slot is plain greedy and wants no log-probs, which
-skips the filters' sort of the vocabulary), ``insert``, ``override``, ``count``, ``reset_counts`` (serving's own,
-registered in the runtime's table) and ``step[1, T]`` per bucket above ``short_rows`` — all compiled by
-`precompile`; slots are reused without compiling anything (tests/test_serve.py counts JAX's compile events in the
-server).
+skips the filters' sort of the vocabulary), ``insert``, ``override``, ``count``, ``reset_counts``, ``copy`` (with
+a prefix cache; serving's own, registered in the runtime's table) and ``step[1, T]`` per bucket above
+``short_rows`` up to ``chunk`` — all compiled by `precompile` (a prompt with images compiles its ``step[1, T]`` on
+first use, as the engine's do: their shapes are known after encoding); slots are reused without compiling anything
+(tests/test_serve.py counts JAX's compile events in the server).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import Engine, EngineInputError, Request, bucket_rows
-from ..runtime import Program, keeps_going, stop_ids
+from ..engine import Engine, EngineInputError, Request, bucket_rows, fixed_segments
+from ..runtime import Program, keeps_going, segment_images, stop_ids
 from ..sampling import SamplingArrays, sampling_arrays
+from .prefix import PrefixCache, Snapshot, block_hashes, tree_bytes
 
 # (kind, value): ("token", id) for each generated token (preceded, for a job that asks for log-probabilities, by
 # ("logprobs", (the token's, the top ids, their log-probs))), then ("done", finish_reason) once: 'stop' (an end id
@@ -113,12 +134,18 @@ def _override(chain, mask, values):
                         chain, values)
 
 
+def _copy(tree):
+    """Fresh buffers holding ``tree``'s values: a prefix snapshot (the prefill donates the cache it reads)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 # Serving's own programs in the runtime's table: a slot's admission and the host's overrides of the chain.
 INSERT = Program("insert", _insert_slot, donate=(0, 1), model=False)
 OVERRIDE = Program("override", _override, model=False)
 # The penalties' state (`sampling.SamplingArrays.counts`): counted after each step, reset for a new request.
 COUNT = Program("count", _count, donate=(0,), model=False)
 RESET_COUNTS = Program("reset_counts", _reset_counts, donate=(0, 1), model=False)
+COPY = Program("copy", _copy, model=False)  # prefix caching: a snapshot and its restore
 
 
 def _host_chain(batch: int) -> tuple:
@@ -141,6 +168,8 @@ class Job:
     constraint: object = None  # structured.Constraint: its grammar masks each draw (the host reads every step)
     prompt_done: int = 0
     segments: list = field(default_factory=list)  # remaining prefill segment sizes
+    prefill: object = None  # a long prompt's one-row state between its segments (`_Prefill`)
+    blocks: list = field(default_factory=list)  # prefix caching: the keys of its prompt's whole chunks
     slot: int = -1
     cancelled: bool = False
     finished: bool = False
@@ -148,20 +177,58 @@ class Job:
     last: int = 0
 
 
+class _Prefill(NamedTuple):
+    """A long prompt's one-row state between its segments: cache, last logits [1, V], engram history, the
+    prefill's stop inputs, the encoded images (`Runtime.encode_images`) or None."""
+
+    cache: object
+    logits: object
+    history: object
+    stop: tuple
+    images: object
+
+
+def chunk_rows(engine: Engine, prefill_budget: int | None, short_rows: int) -> int:
+    """The prefill chunk: ``prefill_budget`` (None: the planner's segment), at most the planner's segment for the
+    engine's context, rounded down to a multiple of every compress ratio (a block of the prefix cache then closes
+    every compressed group). EngineInputError for a budget not above ``short_rows`` (every prompt would feed row by
+    row; a planner's segment not above it is the engine's choice: prompts then feed row by row, as the engine's)."""
+    longest = max(int(n) for n in engine.segment_plan(engine.max_context))
+    chunk = longest if prefill_budget is None else min(int(prefill_budget), longest)
+    align = math.lcm(1, *(r for r in engine.cfg.compress_ratios if r > 0))
+    chunk -= chunk % align
+    if prefill_budget is not None and prefill_budget <= short_rows:
+        raise EngineInputError(f"the prefill budget ({prefill_budget} tokens) must be above the short-prompt rows "
+                               f"({short_rows}): shorter prompts feed row by row in the decode steps")
+    return chunk
+
+
 class SlotEngine:
     """S decode slots over ``engine``'s model and runtime (see the module docstring). ``short_rows`` (default the
-    engine's): prompts whose segments are all at most this long prefill row by row in the decode steps."""
+    engine's): prompts of at most this many tokens (without images) prefill row by row in the decode steps.
+    ``prefill_budget``: the program rows of long-prompt prefill a scheduling step runs beside its decode step
+    (default: the planner's segment, `chunk_rows`). ``prefix_cache``: a `PrefixCache` (None: off), kept by
+    `fresh`."""
 
-    def __init__(self, engine: Engine, slots: int, short_rows: int | None = None):
+    def __init__(self, engine: Engine, slots: int, short_rows: int | None = None, *,
+                 prefill_budget: int | None = None, prefix_cache: PrefixCache | None = None):
         if slots < 1:
             raise EngineInputError(f"the slot count must be at least 1, got {slots}")
         self.engine = engine
         self.runtime = engine.runtime
-        self.runtime.register(INSERT, OVERRIDE, COUNT, RESET_COUNTS)
+        self.runtime.register(INSERT, OVERRIDE, COUNT, RESET_COUNTS, COPY)
         self.slots = slots
         self.short_rows = engine.short_rows if short_rows is None else short_rows
-        self._longest = max(int(n) for n in engine.segment_plan(engine.max_context))
+        self.prefill_budget = prefill_budget
+        self.chunk = chunk_rows(engine, prefill_budget, self.short_rows)
+        self.budget = self.chunk if prefill_budget is None else max(int(prefill_budget), self.chunk)
         self._rows: list[int] | None = None
+        one = jax.eval_shape(lambda: (self.runtime.empty_cache(1, engine.max_context),
+                                      jnp.zeros((1, engine.vocab_size), jnp.float32)))
+        self.snapshot_bytes = tree_bytes(one)  # one prefix snapshot: a one-row cache and its logits
+        # Off (None) without a cache or where one snapshot is larger than its whole budget.
+        self.prefix_cache = prefix_cache if prefix_cache is not None and \
+            prefix_cache.capacity >= self.snapshot_bytes else None
         self.waiting: collections.deque[Job] = collections.deque()
         self.prefilling: collections.deque[Job] = collections.deque()  # long prompts: slot reserved, not done
         self.running: list[Job | None] = [None] * slots  # by slot: feeding a short prompt, or decoding
@@ -178,16 +245,27 @@ class SlotEngine:
         self._max_new = np.ones(slots, np.int32)
         self._stop: dict[bool, tuple] = {}  # greedy? -> (eos, max_new, sampling | None) on the device
         self._history = self.runtime.empty_history(slots)
-        self._one = None  # (one-row cache, logits [1, V], engram history, stop inputs) of the long prefill
         self._cache = self._run_init(slots)
         self._logits = np.zeros((slots, engine.vocab_size), np.float32)
         self._chain = _host_chain(slots)  # the next step's (ids, lengths, running, step): device or host arrays
         self._halt = np.zeros(slots, bool)  # slots whose request the host dropped while the chain runs it
         self._pending: collections.deque = collections.deque()  # (tokens, [(row, job)]) not read yet
+        self._queued = 0  # calls queued in `_pending` so far
         self._step_programs: dict = {}  # greedy? -> the compiled step[S, 1], looked up once
         self.decode_steps = 0
         self.greedy_steps = 0  # decode steps run by the argmax-only variant
         self.prefill_calls = 0
+        self.prefill_rows = 0  # prompt tokens computed by long prefills (a prefix hit's are not)
+        # program rows of long prefill in each of the last steps that had a prompt to prefill
+        self.prefill_per_step: collections.deque[int] = collections.deque(maxlen=4096)
+
+    def fresh(self) -> "SlotEngine":
+        """A new slot engine of the same kind and settings over the same engine and prefix cache (a reset); the
+        prefilled-rows count goes on (a counter of the server's)."""
+        new = type(self)(self.engine, self.slots, self.short_rows, prefill_budget=self.prefill_budget,
+                         prefix_cache=self.prefix_cache)
+        new.prefill_rows = self.prefill_rows
+        return new
 
     # ------------------------------------------------------------------------------------------ programs
     def release(self) -> None:
@@ -196,11 +274,16 @@ class SlotEngine:
         self._stop = {}
 
     def _prefill_rows(self) -> list[int]:
-        """The one-row prefill program sizes: the buckets of segments longer than ``short_rows``."""
+        """The one-row prefill program sizes: the buckets of segments longer than ``short_rows``, up to ``chunk``
+        (``chunk`` alone when ``short_rows`` is not below it: then only image prompts prefill apart)."""
         if self._rows is None:
-            self._rows = sorted({bucket_rows(n, self._longest) for n in range(self.short_rows + 1,
-                                                                               self._longest + 1)})
+            low = min(self.short_rows, self.chunk - 1) + 1
+            self._rows = sorted({bucket_rows(n, self.chunk) for n in range(low, self.chunk + 1)})
         return self._rows
+
+    def _bucket(self, size: int) -> int:
+        """The program rows a segment of ``size`` runs in (a short tail: the smallest long bucket)."""
+        return min(t for t in self._prefill_rows() if t >= size)
 
     def precompile(self) -> float:
         """Compile every program serving can need (module docstring); returns compile seconds."""
@@ -215,6 +298,9 @@ class SlotEngine:
         self._run_insert(self._run_init(1), np.zeros((1, rt.vocab_size), np.float32), _host_chain(1), 0)
         self._chain = self._run_override(np.zeros(self.slots, bool), _host_chain(self.slots))  # dry runs
         self._run_reset_counts(0, np.zeros(rt.vocab_size, bool))
+        if self.prefix_cache is not None:
+            one = self._run_init(1)
+            rt.run(COPY, {}, ((one, np.zeros((1, rt.vocab_size), np.float32)),))
         self._counts = rt.run(COUNT, {}, (self._counts, self._chain[0], np.zeros(self.slots, bool), self._chain[2]))
         sampling_arrays([Request(()).sampling])  # its one-request key op, so the first request compiles nothing
         return rt.compile_s - before
@@ -271,7 +357,10 @@ class SlotEngine:
     def add(self, job: Job) -> None:
         """Queue a request (checked here: EngineInputError for one the engine cannot run)."""
         self.engine.check([job.request])
-        job.segments = [int(n) for n in self.engine.segment_plan(len(job.request.prompt_ids))]
+        if job.request.images is not None and not self.runtime.has_vision:
+            raise EngineInputError("this model has no vision tower: image prompts need a checkpoint with a "
+                                   "vision_config, loaded with its image path")
+        job.segments = fixed_segments(len(job.request.prompt_ids), self.chunk)
         self.waiting.append(job)
 
     def cancel(self, job_id: int) -> None:
@@ -282,22 +371,29 @@ class SlotEngine:
 
     # ------------------------------------------------------------------------------------------ stepping
     def step(self) -> None:
-        """One scheduling step: admit, one long-prefill segment, one decode step, read what is done (module
-        docstring)."""
+        """One scheduling step: admit, long-prefill segments within the budget, one decode step, read what is
+        done (module docstring)."""
         self._drop_cancelled()
         self._admit()
-        if self.prefilling:
-            self._prefill_segment()
+        before = self._queued
+        prefilled = self._prefill_within_budget() if self.prefilling else []
         decoding = any(j is not None for j in self.running)
         if decoding:
             self._decode_step()
-        self._read(1 if decoding and not self._host_feed else 0)
+        # This step's calls are read by the next one, while the next step's calls run.
+        self._read(min(self._queued - before, len(self._pending)) if decoding and not self._host_feed else 0)
+        for job, out, history in prefilled:  # after the decode step and the read: see `_join_prefilled`
+            self._join_prefilled(job, out, history)
+
+    def _queue(self, entry: tuple) -> None:
+        """A dispatched call's (tokens, [(row, job)], log-probs | None), read later by `_read`."""
+        self._pending.append(entry)
+        self._queued += 1
 
     def _drop_cancelled(self) -> None:
         for queue in (self.waiting, self.prefilling):
             for job in [j for j in queue if j.cancelled]:
-                if queue is self.prefilling and job is queue[0]:
-                    self._one = None  # only the head has prefill state
+                job.prefill = None
                 queue.remove(job)
                 if job.slot >= 0:
                     self._reserved[job.slot] = False
@@ -313,7 +409,7 @@ class SlotEngine:
             job = self.waiting.popleft()
             job.slot = self._reserved.index(False)
             self._reserved[job.slot] = True
-            if max(job.segments) <= self.short_rows:
+            if max(job.segments) <= self.short_rows and job.request.images is None:
                 self._join(job, self._run_init(1), np.zeros((1, self.engine.vocab_size), np.float32),
                            _host_chain(1), self.runtime.empty_history(1))
             else:
@@ -340,30 +436,95 @@ class SlotEngine:
         self._stop = {}
         self.running[b] = job
 
-    def _prefill_segment(self) -> None:
-        """The next segment of the head long prefill; the last one draws the first token, and the request joins
-        its slot."""
-        rt, job = self.runtime, self.prefilling[0]
-        if self._one is None:
-            # A penalised request's first token is drawn by a decode step (which has its counts): its prefill's
-            # draw, without penalties, is not used.
-            sampling = dataclasses.replace(job.request.sampling, presence_penalty=0.0, frequency_penalty=0.0,
-                                           repetition_penalty=1.0)
-            self._one = (self._run_init(1), np.zeros((1, rt.vocab_size), np.float32), rt.empty_history(1),
-                         rt.stop_inputs(self.engine.eos_ids, [job.request.max_new_tokens], [sampling]))
-        cache, logits, history, stop = self._one
+    def _prefill_within_budget(self) -> list[tuple]:
+        """The next segment of each prompt in the prefill line, in order, while their program rows fit the
+        budget (the first always does: a segment is at most ``chunk`` rows) -> (job, StepOut, engram history) of
+        each prompt whose last segment ran."""
+        left, prefilled = self.budget, []
+        for job in list(self.prefilling):
+            if job.prefill is None:
+                self._start_prefill(job)
+            elif isinstance(job.prefill.logits, jax.Array):
+                # Its last segment (an earlier step's) is done before more are queued: on an in-order device
+                # the decode step queued after it still runs meanwhile. A backend that runs independent programs
+                # side by side (XLA's CPU client) would otherwise let the prefill chain fall behind the decode
+                # chain, and the prompt's join would wait for the whole backlog.
+                jax.block_until_ready(job.prefill.logits)
+            done = None
+            while job.segments and self._bucket(job.segments[0]) <= left:
+                left -= self._bucket(job.segments[0])
+                done = self._prefill_segment(job)
+            if done is not None:
+                prefilled.append((job, *done))
+            if job.segments:
+                break  # first come first: the next prompt waits for this one's next step
+        self.prefill_per_step.append(self.budget - left)
+        return prefilled
+
+    def _start_prefill(self, job: Job) -> None:
+        """A long prompt's one-row state before its first segment: fresh, or a prefix snapshot's copy (its
+        segments then start at the snapshot's block); its images encoded (the tower once a request)."""
+        rt, r = self.runtime, job.request
+        # A penalised request's first token is drawn by a decode step (which has its counts): its prefill's
+        # draw, without penalties, is not used.
+        sampling = dataclasses.replace(r.sampling, presence_penalty=0.0, frequency_penalty=0.0,
+                                       repetition_penalty=1.0)
+        stop = rt.stop_inputs(self.engine.eos_ids, [r.max_new_tokens], [sampling])
+        images = rt.encode_images([r.images], len(r.prompt_ids)) if r.images is not None else None
+        snapshot = None
+        if self.prefix_cache is not None and r.images is None:
+            job.blocks = block_hashes(r.prompt_ids, self.chunk, len(r.prompt_ids) // self.chunk)
+            usable = (len(r.prompt_ids) - 1) // self.chunk  # at least one row is left: it draws the first token
+            snapshot = self.prefix_cache.lookup(job.blocks[:usable], len(r.prompt_ids))
+        if snapshot is None:
+            job.prefill = _Prefill(self._run_init(1), np.zeros((1, rt.vocab_size), np.float32),
+                                   rt.empty_history(1), stop, images)
+            return
+        cache, logits = rt.run(COPY, {}, ((snapshot.cache, snapshot.logits),))
+        history = None if snapshot.history is None else snapshot.history.copy()
+        job.prefill = _Prefill(cache, logits, history, stop, None)
+        job.prompt_done = snapshot.tokens
+        del job.segments[:snapshot.tokens // self.chunk]
+
+    def _keep_snapshot(self, job: Job, cache, logits, history) -> None:
+        """After a segment that ends on a block boundary: the state there, kept by the prefix cache unless it has
+        it (a copy: the next segment donates ``cache``)."""
+        done = job.prompt_done
+        if self.prefix_cache is None or not job.blocks or done % self.chunk:
+            return
+        key = job.blocks[done // self.chunk - 1]
+        if key in self.prefix_cache:
+            return
+        cache, logits = self.runtime.run(COPY, {}, ((cache, logits),))
+        history = None if history is None else np.array(history)
+        self.prefix_cache.put(key, Snapshot(done, cache, logits, history, tree_bytes((cache, logits))))
+
+    def _prefill_segment(self, job: Job) -> tuple | None:
+        """The next segment of ``job``'s prompt -> None, or after its last segment (which draws the first token)
+        that call's (StepOut, engram history)."""
+        rt, state = self.runtime, job.prefill
         size = job.segments.pop(0)
-        # A short tail segment runs in the smallest long bucket (padding rows are ignored).
-        ids = np.zeros((1, min(t for t in self._prefill_rows() if t >= size)), np.int32)
+        ids = np.zeros((1, self._bucket(size)), np.int32)
         ids[0, :size] = job.request.prompt_ids[job.prompt_done:job.prompt_done + size]
-        out, history = rt.prefill(cache, logits, ids, np.array([size], np.int32), stop, history)
+        images = segment_images(state.images, job.prompt_done, size, ids.shape[1])
+        out, history = rt.prefill(state.cache, state.logits, ids, np.array([size], np.int32), state.stop,
+                                  state.history, images)
         job.prompt_done += size
         self.prefill_calls += 1
+        self.prefill_rows += size
+        self._keep_snapshot(job, out.cache, out.last_logits, history)
         if job.segments:
-            self._one = (out.cache, out.last_logits, history, stop)
-            return
-        self._one = None
-        self.prefilling.popleft()
+            job.prefill = state._replace(cache=out.cache, logits=out.last_logits, history=history)
+            return None
+        job.prefill = None
+        self.prefilling.remove(job)
+        return out, history
+
+    def _join_prefilled(self, job: Job, out, history) -> None:
+        """A prefilled request takes its slot, with the first token its last segment drew (read by the next step).
+        Run at the end of the step, after its decode step (whose row of the slot is idle, then overwritten) and
+        its read: the copy waits for the prefill where a backend runs a small program inline (XLA's CPU client),
+        and would otherwise hold the decode step and the streams' tokens back by that long."""
         if job.request.sampling.penalised or job.constraint is not None:  # the next decode step draws token 0
             # (step 0) from these logits, with the counts and the grammar's mask the prefill program lacks
             job.draw_first = True
@@ -373,7 +534,7 @@ class SlotEngine:
         # Token 0 was drawn with step 0: the slot's chain goes on at step 1.
         self._join(job, out.cache, out.last_logits, (out.tokens, out.lengths, out.keep_going, np.ones(1, np.int32)),
                    history)
-        self._pending.append((out.tokens, [(0, job)], out.logprobs if job.logprobs is not None else None))
+        self._queue((out.tokens, [(0, job)], out.logprobs if job.logprobs is not None else None))
 
     def _decode_step(self) -> None:
         """One ``step[S, 1]``: on the previous step's chain, with the host's rows where it has any (a short
@@ -426,7 +587,7 @@ class SlotEngine:
         self._cache, self._logits = out.cache, out.last_logits
         self._chain = (out.tokens, out.lengths, out.keep_going, out.next_step)
         logprobs = out.logprobs if any(job.logprobs is not None for _, job in emit) else None
-        self._pending.append((out.tokens, emit, logprobs))
+        self._queue((out.tokens, emit, logprobs))
         if any(job.request.sampling.penalised for _, job in emit):  # the counts the next step penalises with
             counted = np.zeros(self.slots, bool)
             counted[[b for b, _ in emit]] = True

@@ -155,4 +155,4 @@ class Worker:
                 job.sink(kind, message)
                 job.finished = True  # one end event a request, even if this reset is retried
         old.release()  # its cache goes before the new one is made: two would not fit a cache-sized memory
-        self.slots = type(old)(old.engine, old.slots, old.short_rows)  # serve.lockstep's kind too
+        self.slots = old.fresh()  # its kind (serve.lockstep's too), settings and prefix cache
