@@ -18,7 +18,9 @@ from .. import distributed, runspec
 from ..assets import EMBEDDED_MODEL
 from ..cli import Parser, UsageError, cli_main, positive_int, say
 from ..compile_cache import enable as enable_compile_cache
+from ..config import load_named
 from ..structured import StructuredVocab
+from .media import add_media_args, media_policy
 from .metrics import Metrics, server_counters, server_gauges
 
 API_KEY_ENV = "DSV41_API_KEY"
@@ -82,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (else "
                             "401); default: $DSV41_API_KEY if set and not empty, else none (no key needed)")
+    add_media_args(serve)
     return p
 
 
@@ -96,6 +99,7 @@ def check_args(args) -> None:
         raise UsageError(f"--prefix-cache-gib must be a number of GiB >= 0, got {args.prefix_cache_gib}")
     served_names(args)
     api_key(args)
+    media_policy(args)
 
 
 def api_key(args) -> str | None:
@@ -139,7 +143,19 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_spec(args) -> runspec.RunSpec:
     """The model setup this command line asks for (engram tables on the devices; no speculation)."""
-    return runspec.spec_from_args(args, engram_tables="device")
+    return runspec.spec_from_args(args, engram_tables="device", images=_has_vision(args))
+
+
+def _has_vision(args) -> bool:
+    """Whether the model has a vision tower (its config's vision_config): then the server loads its image path."""
+    if args.layers:
+        return False
+    if args.config:
+        return load_named(args.config).vision is not None
+    if args.checkpoint:
+        path = Path(args.checkpoint) / "config.json"
+        return path.is_file() and load_named(str(path)).vision is not None
+    return False
 
 
 def build_slots(args, spec: runspec.RunSpec, before_compile=lambda: None):
@@ -224,7 +240,8 @@ def build_server(args, spec: runspec.RunSpec):
     metrics.counters.update(server_counters(worker))
     structured, structured_off = structured_vocab(tokenizer, engine.vocab_size)
     state = ServerState(worker, tokenizer, metrics, names, engine.vocab_size, args.max_context,
-                        api_key=api_key(args), structured=structured, structured_off=structured_off)
+                        api_key=api_key(args), structured=structured, structured_off=structured_off,
+                        media=media_policy(args))
     return create_app(state), state
 
 
