@@ -45,6 +45,8 @@ from dsv41_jax.planner import (
     engram_bytes_per_rank,
     engram_placement,
     kernel_tiles,
+    max_context,
+    memory_need,
     plan_segment,
     plan_vision,
     planned_only,
@@ -106,8 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                         "[fp8: planned only, the loader decodes fp8 experts]")
     p.add_argument("--dense", choices=DENSE_FORMATS, default=None,
                    help="how the other matrices are held (default: from quantization_config: fp8 for "
-                        "dsv41_flash, bf16 without one) [fp8: planned only, the loader decodes fp8 matrices "
-                        "to the model dtype]")
+                        "dsv41_flash, bf16 without one; the engine holds fp8 as stored with --dense-format fp8 "
+                        "and dequantises it to the model dtype with auto / bf16)")
     p.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
                    help="where the engram tables are planned (configs with engram layers): device (split by hash "
                         "column, 24/W columns a rank), host (memory-mapped; only the gathered rows on the "
@@ -124,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                         "'row_parallel_rows'; default 0 = off, not yet measured on several GPUs)")
     p.add_argument("--budget-gib", type=_positive, default=None,
                    help="usable memory per device for R10 (default: the H200's 139 GiB, docs/PLANNER.md §F)")
+    p.add_argument("--slots", type=_at_least(1), default=1,
+                   help="concurrent sequences (window rings, KV pool): the memory rows say how long a context "
+                        "each can hold (default 1)")
     p.add_argument("--no-memory-check", action="store_true", help="skip R10")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
@@ -152,7 +157,7 @@ def _options(args: argparse.Namespace, cfg, budget: MemoryBudget | None = None) 
                           experts=args.experts or experts, dense=args.dense or dense, moe=args.moe,
                           index_budget=args.index_budget_mib * (1 << 20), indexer_impl=args.indexer,
                           vision_images=args.vision_images, dspark=args.speculate,
-                          row_parallel_rows=args.row_parallel_rows)
+                          row_parallel_rows=args.row_parallel_rows, slots=args.slots)
     tables = args.engram_tables
     if tables == "auto":
         tables = engram_placement(cfg, args.world, options, budget or MemoryBudget())
@@ -192,8 +197,33 @@ def _planned_only(plan: SegmentPlan, options: PlanOptions) -> tuple[str, ...]:
     return planned_only(options, staged=plan.staged, moe_strategy=plan.moe_strategy)
 
 
+def memory_left(cfg, plan: SegmentPlan, options: PlanOptions, budget: MemoryBudget) -> dict:
+    """R10 on the plan's rank without its KV pool (bytes): ``fixed`` (weights, resident workspace, engram and
+    vision terms, reserve), ``usable``, ``left`` for the cache (usable − fixed; negative: the weights do not fit),
+    and ``max_context``: the longest context each of ``options.slots`` sequences can hold in it (None when nothing
+    is left)."""
+    need = memory_need(cfg, plan.world, plan.rank, options, budget)
+    fixed = sum(v for k, v in need.items() if k != "kv")
+    left = budget.usable_bytes - fixed
+    try:
+        longest = max_context(cfg, plan.world, budget, options) if left > 0 else None
+    except PlanRefused:
+        longest = None
+    return {"fixed": fixed, "usable": budget.usable_bytes, "left": left, "max_context": longest,
+            "slots": options.slots}
+
+
+def _memory_rows(cfg, plan: SegmentPlan, options: PlanOptions, budget: MemoryBudget, b) -> list[tuple[str, str]]:
+    m = memory_left(cfg, plan, options, budget)
+    longest = ("none: the weights, workspace and reserve do not fit" if m["max_context"] is None else
+               f"{m['max_context']:,} tokens for each of {m['slots']} sequence(s) (at most the model's limit)")
+    return [("R10: weights, workspace, engram, reserve", f"{b(m['fixed'])} of {b(m['usable'])} usable"),
+            ("R10: left for the cache", b(max(m["left"], 0)) if m["left"] >= 0 else f"none ({b(-m['left'])} over)"),
+            ("R10: the longest context it holds", longest)]
+
+
 def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, vision: VisionPlan | None,
-                 engram_choice: str) -> None:
+                 engram_choice: str, budget: MemoryBudget | None = None) -> None:
     def b(n: int) -> str:
         return f"{n:,} B ({n / (1 << 20):,.1f} MiB)" if n < GiB else f"{n:,} B ({n / GiB:,.2f} GiB)"
 
@@ -241,6 +271,8 @@ def _print_table(plan: SegmentPlan, cfg, cfg_name: str, options: PlanOptions, vi
                  ("engram on this device (R10 term, not in total)",
                   f"{b(e['device_total'])} = tables {b(e['tables'])} + gathered rows {b(e['gathered'])} + "
                   f"projection {b(e['projection'])}")]
+    if budget is not None:
+        rows += _memory_rows(cfg, plan, options, budget, b)
     tiles = kernel_tiles(cfg, plan.world, options)
     rows.append(("kernel tiles BMQ / decode / BM", f"{tiles.attention_head_tile} / {tiles.decode_head_tile} / "
                                                   f"{tiles.moe_block_m}"))
@@ -275,10 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan refused ({e.rule}): {e.message}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_as_json(cfg, plan, options, vision), indent=2))
+        out = _as_json(cfg, plan, options, vision)
+        if budget is not None:
+            out["memory"] = memory_left(cfg, plan, options, budget)
+        print(json.dumps(out, indent=2))
     else:
         choice = "chosen by the planner" if args.engram_tables == "auto" else "--engram-tables"
-        _print_table(plan, cfg, args.config, options, vision, choice)
+        _print_table(plan, cfg, args.config, options, vision, choice, budget)
     return 0
 
 

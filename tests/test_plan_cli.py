@@ -183,3 +183,28 @@ def test_planned_only_options_are_marked_in_help_and_plan(capsys):
     assert main(["--config", "tiny", "--world", "4", "--rows", "1024", "--position", "0", "--replay"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "planned only: replay" in text and "not run by the engine" in text
+
+
+def test_memory_left_for_the_cache(capsys):
+    """The release at world 4 (fp4 experts) fits an H200 rank with fp8 dense weights as stored, and the plan says what
+    R10 leaves for the cache: usable − every R10 term but the KV pool; fp8 dense leaves more than bf16 by the dense
+    bytes it saves (and the engram projection's, also fp8) less the fp8 op's K-split workspace, and each sequence's
+    longest context fits its share."""
+    from dsv41_jax.planner import PlanOptions, kv_bytes  # noqa: PLC0415
+
+    args = ("--config", "dsv41_flash", "--world", "4", "--rows", "2048", "--position", "0", "--experts", "fp4",
+            "--engram-tables", "host", "--slots", "8")
+    fp8, bf16 = (_json(capsys, *args, "--dense", d)["memory"] for d in ("fp8", "bf16"))
+    cfg = load_named("dsv41_flash")
+    dense = {d: param_bytes_per_rank(cfg, 4, 0, experts="fp4", dense=d, split="dense") for d in ("fp8", "bf16")}
+    assert fp8["left"] == fp8["usable"] - fp8["fixed"] > 0
+    plans = {d: _json(capsys, *args, "--dense", d) for d in ("fp8", "bf16")}
+    engram = {d: p["engram"]["projection"] for d, p in plans.items()}
+    splits = plans["fp8"]["buffer_plan_bytes"]["L.fp8_splits"] - plans["bf16"]["buffer_plan_bytes"]["L.fp8_splits"]
+    saved = dense["bf16"] - dense["fp8"] + engram["bf16"] - engram["fp8"] - splits
+    assert fp8["left"] - bf16["left"] == saved > 0
+    longest = fp8["max_context"]
+    assert 0 < longest <= cfg.max_position_embeddings
+    assert kv_bytes(cfg, longest, 4, PlanOptions(slots=8)) <= fp8["left"] // 8
+    assert main([*args, "--dense", "fp8"]) == 0
+    assert "R10: left for the cache" in capsys.readouterr().out

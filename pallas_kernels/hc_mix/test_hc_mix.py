@@ -19,6 +19,7 @@ from dsv41_jax.model.transformer import ModelOptions, Transformer
 from dsv41_jax.profiling.cut import cut_layers
 from pallas_kernels.hc_mix.kernel import comb_pallas
 from pallas_kernels.hc_mix.ops import IMPLS, comb
+from pallas_kernels.lowering import lowered_for_cuda
 
 EPS = 1e-6
 
@@ -84,4 +85,4 @@ def test_comb_lowers_for_a_gpu_at_decode_sizes(rows):
     128 rows at least (16, a decode step's, failed to lower on jax 0.10.2). Lowered for CUDA without a GPU."""
 
     comb_gpu = functools.partial(comb_pallas, iters=20, eps=EPS, interpret=False)
-    jax.jit(comb_gpu).trace(jax.ShapeDtypeStruct((rows, 4, 4), jnp.float32)).lower(lowering_platforms=("cuda",))
+    lowered_for_cuda(comb_gpu, jax.ShapeDtypeStruct((rows, 4, 4), jnp.float32))

@@ -19,6 +19,7 @@ import pytest
 from jax import lax
 
 from pallas_kernels.indexer import index_topk, kernel, mosaic
+from pallas_kernels.lowering import cuda_text, lowered_for_cuda
 
 ON_H200 = mosaic.supported(group=8, head_dim=128, heads=32, masked=False, score_dtype="bfloat16", interpret=False)
 
@@ -93,7 +94,7 @@ def test_lowers_for_cuda_at_the_release_shape():
     heads, t, n, d = 32, 2048, 302_048, 128
     args = (jax.ShapeDtypeStruct((heads, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((heads, t), jnp.float32),
             jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((t,), jnp.int32))
-    lowered = jax.jit(mosaic.maxima).trace(*args).lower(lowering_platforms=("cuda",))
+    lowered = lowered_for_cuda(mosaic.maxima, *args)
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -115,8 +116,7 @@ def test_the_op_lowers_through_it_for_cuda(monkeypatch, case):
         args.append(s((b, t, n // 8), jnp.bool_))
     if case == "candidate source":
         kw["keep_blocks"] = 2048
-    op = jax.jit(functools.partial(kernel.index_topk_pallas, **kw))
-    text = op.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_text(functools.partial(kernel.index_topk_pallas, **kw), *args)
     assert text.count("mosaic_gpu") >= b and "index_maxima" not in text
 
 
