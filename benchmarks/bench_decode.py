@@ -83,6 +83,8 @@ def parse_args(argv):
     p.add_argument("--formats", default="bf16,fp4", help="routed expert formats: bf16, fp4")
     p.add_argument("--dense-format", choices=("bf16", "fp8"), default="bf16",
                    help="dense matrices in bf16, or fp8 codes + block scales as the release stores them")
+    p.add_argument("--gemm-inputs", choices=("exact", "fp8"), default="exact",
+                   help="GEMM inputs as computed, or rounded to e4m3 + ue8m0 per 32 first (the release's numerics)")
     p.add_argument("--tokens", type=int, default=256, help="new tokens per sequence in the generate loop")
     p.add_argument("--decode-chunks", default="1", help="comma-separated decode steps per program call for the "
                    "generate loop (Engine decode_chunk), one row each")
@@ -218,13 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     dev = jax.devices()[0]
     print(f"bench_decode {time.strftime('%Y-%m-%d')} · {dev.platform} {getattr(dev, 'device_kind', '')} · "
           f"jax {jax.__version__} · {a.config} cut to {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} "
-          f"routed experts a layer · dense {a.dense_format} · impl {a.impl} · "
+          f"routed experts a layer · dense {a.dense_format} · GEMM inputs {a.gemm_inputs} · impl {a.impl} · "
           f"{a.tokens} tokens, {a.steps} chained steps · floor at {a.bandwidth / 1e12:.1f} TB/s", flush=True)
     rows = []
     for world, rank_of, case_cfg in cases:
         name = f"world {world}" if not rank_of else f"one rank of world {rank_of}"
         for fmt in a.formats:
-            spec = RunSpec(world=world, impl=a.impl, expert_format=FORMATS[fmt], dense_format=a.dense_format)
+            spec = RunSpec(world=world, impl=a.impl, expert_format=FORMATS[fmt], dense_format=a.dense_format,
+                           gemm_inputs=a.gemm_inputs)
             t0 = time.perf_counter()
             model, mesh = runspec.device_model(case_cfg, spec, runspec.model_options(spec, FORMATS[fmt]))
             print(f"{name} {fmt}: model drawn in {time.perf_counter() - t0:.1f} s", file=sys.stderr,

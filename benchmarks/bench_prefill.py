@@ -61,6 +61,8 @@ def parse_args(argv):
     p.add_argument("--formats", default="bf16,fp4", help="routed expert formats: bf16, fp4")
     p.add_argument("--dense-format", choices=("bf16", "fp8"), default="bf16",
                    help="dense matrices in bf16, or fp8 codes + block scales as the release stores them")
+    p.add_argument("--gemm-inputs", choices=("exact", "fp8"), default="exact",
+                   help="GEMM inputs as computed, or rounded to e4m3 + ue8m0 per 32 first (the release's numerics)")
     p.add_argument("--row-parallel-rows", default="0", metavar="N[,N2]",
                    help="comma-separated: segments of >= N rows run the HC mixes and norms row-parallel at world > 1 "
                         "(the planner's row_parallel_rows; 0 = off), one row per value (an A/B)")
@@ -107,7 +109,8 @@ def run_case(a, *, world: int, layers: int, rows: int, fmt: str, trace_dir: Path
     """One prefill case through ``profile``: its step's time, floors (``profile``'s ``floor``) and trace split."""
     argv = ["--config", a.config, "--world", str(world), "--layers", str(layers), "--rows", str(rows),
             "--position", str(a.position), "--impl", a.impl, "--repeats", str(a.repeats),
-            "--expert-format", FORMATS[fmt], "--dense-format", a.dense_format, "--compile-cache", "off",
+            "--expert-format", FORMATS[fmt], "--dense-format", a.dense_format, "--gemm-inputs", a.gemm_inputs,
+            "--compile-cache", "off",
             "--row-parallel-rows", str(row_parallel_rows),
             "--rank-of", str(rank_of)]
     if trace_dir is not None:

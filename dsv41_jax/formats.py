@@ -270,6 +270,20 @@ def round_to_e4m3(v: jax.Array) -> jax.Array:
     return jnp.where(mag >= 128.0, high, jnp.where(mag < 2.0**-6, subnormal, low))
 
 
+def fake_quant_fp8(x: jax.Array, block: int = BLOCK) -> jax.Array:
+    """x [..., n] rounded to e4m3 values with a power-of-two scale ``2^⌈log2(max(amax, 1e-4)/448)⌉`` per block of
+    ``block`` along the last axis, and straight back, in x's dtype (`MODEL.md` §C.2 point #1, and the fp8 GEMM
+    inputs of ``model/quant.round_gemm_input`` and the MoE op). A last dim that ``block`` does not divide is
+    returned unrounded (as mlx-lm does)."""
+    if x.shape[-1] % block:
+        return x
+    v = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(v), axis=-1, keepdims=True), 1e-4)
+    scale = pow2_ceil(amax / FP8_MAX)
+    y = round_to_e4m3(jnp.clip(v / scale, -FP8_MAX, FP8_MAX))
+    return (y * scale).reshape(x.shape).astype(x.dtype)
+
+
 def round_e2m1(y: jax.Array) -> jax.Array:
     """Nearest e2m1 level, ties to the even code (§C.2; the JAX form of ``fp4_codes`` + ``fp4_values``);
     y already within ±6."""

@@ -87,6 +87,7 @@ class Request:
     rank_of: int = 0  # > 1: the model is one rank's share of this world (profiling/cut.one_rank), run at world 1
     processes: distributed.Processes = distributed.ONE_PROCESS  # the world's processes (process 0 reports)
     dense_format: str = "bf16"  # "fp8": the dense matrices drawn and held as the release stores them
+    gemm_inputs: str = "exact"  # "fp8": GEMM inputs rounded to e4m3 + ue8m0 per 32 (ModelOptions.gemm_inputs)
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -113,6 +114,8 @@ def parse_args(argv: list[str] | None) -> Request:
                         "(how generate --expert-format auto holds the released checkpoint)")
     p.add_argument("--dense-format", choices=("bf16", "fp8"), default="bf16",
                    help="dense matrices held in --dtype, or as e4m3 codes + block scales as the release stores them")
+    p.add_argument("--gemm-inputs", choices=("exact", "fp8"), default="exact",
+                   help="GEMM inputs as computed, or rounded to e4m3 + ue8m0 per 32 first (the release's numerics)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per step (median reported)")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -178,7 +181,7 @@ def parse_args(argv: list[str] | None) -> Request:
     return Request(a.config, cfg, layers, a.world, a.rows, positions, a.batch, a.decode, a.impl, a.dtype,
                    a.repeats, Path(a.trace) if a.trace else None, a.compile_only, a.fast_compile, a.json,
                    Path(a.json_out) if a.json_out else None, a.expert_format, a.compile_cache, a.engram,
-                   a.unrolled, a.row_parallel_rows, a.rank_of, processes, a.dense_format)
+                   a.unrolled, a.row_parallel_rows, a.rank_of, processes, a.dense_format, a.gemm_inputs)
 
 
 def _check_writable(path: Path) -> None:
@@ -247,7 +250,7 @@ def run(req: Request, on_step=None) -> dict:
         measure.COMPILER_OPTIONS.update(measure.FAST_CPU_COMPILE)
     spec = runspec.RunSpec(config=req.config_name, world=req.world, dtype=req.dtype, impl=req.impl,
                            expert_format=req.expert_format, scan_layers=not req.unrolled,
-                           dense_format=req.dense_format)
+                           dense_format=req.dense_format, gemm_inputs=req.gemm_inputs)
     tiles = kernel_tiles(req.cfg, req.world, PlanOptions(row_parallel_rows=req.row_parallel_rows))
     options = runspec.model_options(spec, req.expert_format, tiles=tiles)
     _check_fits(req, jax.local_devices()[0])
@@ -335,7 +338,7 @@ def _header(req: Request, jax) -> dict:
     return {"config": req.config_name, "layers": list(req.layers), "num_layers": req.cfg.num_hidden_layers,
             "roles": [req.cfg.role(i) for i in range(req.cfg.num_hidden_layers)],
             "world": req.world, "rows": req.rows, "batch": req.batch, "impl": req.impl, "dtype": req.dtype,
-            "expert_format": req.expert_format, "dense_format": req.dense_format,
+            "expert_format": req.expert_format, "dense_format": req.dense_format, "gemm_inputs": req.gemm_inputs,
             "engram": [{"layer": req.layers[i], "table_rows": n}
                        for i, n in zip(req.cfg.engram_layer_ids, req.cfg.engram_num_embeddings)],
             "compile_only": req.compile_only, "fast_compile": req.fast_compile,

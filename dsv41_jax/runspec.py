@@ -36,7 +36,9 @@ class RunSpec:
     config.json); ``layers``: random weights drawn on the devices for a K-layer cut of ``config`` (default the
     released dsv41_flash); ``impl`` "auto": pallas on GPU, xla elsewhere; ``expert_format`` "auto": as the
     checkpoint stores them; ``dense_format`` "fp8": the dense matrices as the checkpoint stores them (e4m3 codes
-    and block scales; with ``layers``: drawn so), "auto" / "bf16": in ``dtype``; ``engram_tables`` "auto": the
+    and block scales; with ``layers``: drawn so), "auto" / "bf16": in ``dtype``; ``gemm_inputs``: the activations
+    entering the dense and expert GEMMs, "exact" or "fp8" (rounded to e4m3 + ue8m0 per 32, the release's own
+    inference numerics; ``ModelOptions.gemm_inputs``); ``engram_tables`` "auto": the
     planner's choice; ``images``: build the image path;
     ``speculate`` off | auto | dspark with ``draft_tokens``; ``speculation_off``: what else in the run rules
     speculation out (said when auto turns it off, refused with dspark)."""
@@ -58,6 +60,7 @@ class RunSpec:
     scan_layers: bool = True
     processes: distributed.Processes = distributed.ONE_PROCESS
     dense_format: str = "auto"
+    gemm_inputs: str = "exact"
 
     @property
     def weights(self) -> str:
@@ -135,6 +138,11 @@ def add_model_args(parser: argparse.ArgumentParser, *, cut_layers: bool = False,
                             "--no-quant-rounding: for comparisons only — sharded and segmented float32 runs then "
                             "agree with one device to ~1e-5 (with them on, an fp4 boundary flip can move later "
                             "logits by up to ~1 on random weights)")
+    model.add_argument("--gemm-inputs", choices=("exact", "fp8"), default="exact",
+                       help="the activations entering the dense and expert GEMMs: exact (default: as computed, what "
+                            "mlx-lm does; no extra rounding work while the GEMMs run in bf16) or fp8 (rounded to e4m3 "
+                            "with a power-of-two scale per 32 first: the release's own inference numerics, the ones "
+                            "the checkpoint was trained for, as mlx-vlm; README, numerics)")
     if engram_tables:
         model.add_argument("--engram-tables", choices=("auto", "device", "host"), default="auto",
                            help="where engram tables live: device (split by hash column over the devices, e4m3 + "
@@ -152,7 +160,7 @@ def add_model_args(parser: argparse.ArgumentParser, *, cut_layers: bool = False,
 
 # The RunSpec fields a command line gives by flags of the same name (those a command has).
 _FLAG_FIELDS = ("checkpoint", "config", "layers", "world", "dtype", "expert_format", "dense_format", "impl",
-                "quant_rounding", "skip_engram", "engram_tables", "speculate", "draft_tokens")
+                "quant_rounding", "gemm_inputs", "skip_engram", "engram_tables", "speculate", "draft_tokens")
 
 
 def spec_from_args(args: argparse.Namespace, **fields) -> RunSpec:
@@ -406,7 +414,8 @@ def model_options(spec: RunSpec, expert_format: str = "dequantized", vision: boo
     return ModelOptions(dtype=spec.dtype, expert_format=expert_format, attention_impl=impl, moe_impl=impl,
                         quant_rounding=spec.quant_rounding, vision=vision, indexer_impl=impl, hc_impl=impl,
                         engram=not spec.skip_engram, engram_tables=engram_tables, dspark=dspark, tiles=tiles,
-                        scan_layers=spec.scan_layers, dense_format=dense_format, dense_impl=impl)
+                        scan_layers=spec.scan_layers, dense_format=dense_format, dense_impl=impl,
+                        gemm_inputs=spec.gemm_inputs)
 
 
 def build(inputs: ModelInputs, spec: RunSpec):

@@ -166,7 +166,8 @@ def fp8_matmul(x, weight, *, rule: str, groups: int = 1, out_dtype=None, mesh: M
 
 
 def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, mesh: Mesh | None = None,
-                   layout: str | None = None, op: Callable | None = None, row=None, shared=None, **kwargs):
+                   layout: str | None = None, op: Callable | None = None, row=None, shared=None,
+                   gemm_inputs: str = "exact", **kwargs):
     """y [N,D] f32 = op(...) (+ the shared expert) with the expert weights split by ``layout`` and the partial
     sums all-reduced.
 
@@ -178,8 +179,12 @@ def routed_experts(x, topk_ids, topk_weights, weights, *, swiglu_limit: float, m
     ``shared``: ``(output, shared_weights)``, the shared expert (``model.moe.SharedExpert``: ``output(x, w,
     partial=...)`` f32 [N, D], ``shared_weights`` its ``{"w1", "w3", "w2"}``), added to y: as a rank's partial
     sum before the psum when ``layout`` splits its width, whole otherwise.
+    ``gemm_inputs``: the op's (``"fp8"``: each rank rounds x and its weighted act in blocks of 32 of its own F
+    columns; the shared expert rounds its own inputs, ``SharedExpert.gemm_inputs``).
     """
     op = moe_ops.routed_experts if op is None else op
+    if gemm_inputs != "exact":  # the exact mode calls the op as it always did (a given ``op`` may not know it)
+        kwargs["gemm_inputs"] = gemm_inputs
     row_kwargs = {} if row is None else {"row": row}   # a shard_map operand (replicated) when there is a mesh
     mesh = _mesh(mesh)
     if mesh is None:

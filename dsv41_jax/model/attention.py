@@ -18,7 +18,7 @@ from .compressor import Compressor, write_rows
 from .dense import Dense, grouped_linear
 from .indexer import Indexer, rows_per_block
 from .norms import RMSNorm
-from .quant import round_compressed_kv, round_window_kv
+from .quant import round_compressed_kv, round_gemm_input, round_window_kv
 from .rope import apply_rope, inv_frequencies
 
 
@@ -79,9 +79,12 @@ class Attention(nnx.Module):
     """``attn.*`` of one layer; owns a compressor (kv sources) and an indexer (index sources)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rounding: bool, impl: str, rngs: nnx.Rngs,
-                 indexer_impl: str = "xla", tiles: KernelTiles | None = None, dense: Dense = Dense()):
+                 indexer_impl: str = "xla", tiles: KernelTiles | None = None, dense: Dense = Dense(),
+                 gemm_inputs: str = "exact"):
         """``tiles``: the plan's kernel tiles (``planner.kernel_tiles``; None: the ops' defaults); ``dense``: how
-        the fp8-stored projections are held (`model/dense.py`)."""
+        the fp8-stored projections are held (`model/dense.py`); ``gemm_inputs``: "fp8" rounds the inputs of
+        ``wq_a``, ``wkv``, ``wq_b`` and ``wo_b`` (and the indexer's ``wq_b``) first (``quant.round_gemm_input``;
+        ``wo_a``'s, the compressor's and ``weights_proj``'s stay as they are, as in mlx-vlm)."""
         D, d, H = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
         self.layer = layer
         self.n_heads, self.head_dim, self.groups = H, d, cfg.o_groups
@@ -90,6 +93,7 @@ class Attention(nnx.Module):
         self.rounding = rounding
         self.impl = impl
         self.tiles = tiles
+        self.gemm_inputs = gemm_inputs
         self.role = cfg.role(layer)
         self.kv_src = cfg.kv_source(layer)
         self.idx_src = cfg.index_source(layer)
@@ -106,18 +110,19 @@ class Attention(nnx.Module):
         self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32))
         self.compressor = Compressor(cfg, layer, rngs=rngs) if self.role == "full" else None
         is_index_source = self.ratio > 0 and layer in cfg.index_source_layer_ids
-        self.indexer = (Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl, tiles=tiles, dense=dense)
-                        if is_index_source else None)
+        self.indexer = (Indexer(cfg, layer, dtype=dtype, rngs=rngs, impl=indexer_impl, tiles=tiles, dense=dense,
+                                gemm_inputs=gemm_inputs) if is_index_source else None)
 
     def __call__(self, u, seg: Segment, cache: LayerCache, csa: CsaState, row=None):
         """u [B,T,D] (normed collapse), the CSA state of the layers before -> (out [B,T,D], new LayerCache, the
         CSA state with this layer's entries published). ``row``: int32 scalar when this layer's fp8 dense
         weights are its unit's stack (``transformer._scan_run``)."""
         b, t, _ = u.shape
-        q_res = self.q_norm(self.wq_a(u, row))
-        q = self.wq_b(q_res, row).reshape(b, t, self.n_heads, self.head_dim)
+        u_in = round_gemm_input(u, self.gemm_inputs)  # wq_a's and wkv's input (the compressor and indexer take u)
+        q_res = self.q_norm(self.wq_a(u_in, row))
+        q = self.wq_b(round_gemm_input(q_res, self.gemm_inputs), row).reshape(b, t, self.n_heads, self.head_dim)
         q = apply_rope(q, seg.positions[..., None], self.inv_freq)
-        kv = self.kv_norm(self.wkv(u, row))
+        kv = self.kv_norm(self.wkv(u_in, row))
         kv = round_window_kv(apply_rope(kv, seg.positions, self.inv_freq), self.rounding)
         kv = jnp.where(seg.valid[..., None], kv, 0).astype(cache.window.dtype)  # padding rows: zero, never NaN
         window = jnp.concatenate([window_in_order(cache.window, seg.offset), kv], axis=1)
@@ -153,7 +158,8 @@ class Attention(nnx.Module):
     def _output(self, o, row=None):
         """Grouped low-rank output: group g's heads (head-major) through row block g of wo_a, then wo_b."""
         b, t = o.shape[:2]
-        return self.wo_b(grouped_linear(self.wo_a, o.reshape(b, t, -1), self.groups, row), row)
+        z = grouped_linear(self.wo_a, o.reshape(b, t, -1), self.groups, row)
+        return self.wo_b(round_gemm_input(z, self.gemm_inputs), row)
 
     def _compress(self, u, seg: Segment, cache: LayerCache, csa: CsaState) -> tuple[LayerCache, CsaState]:
         """Close this segment's groups; publish compressed entries (and index keys) before any attention."""

@@ -22,6 +22,7 @@ from ..config import ModelConfig
 from ..formats import BLOCK as SCALE_GROUP  # one ue8m0 scale per 32 dims of a table row (§B.12)
 from ..formats import decode_ue8m0
 from .dense import Dense
+from .quant import round_gemm_input
 
 GATE_FLOOR = 1e-6  # sqrt(max(|dot|, 1e-6)) (§B.12)
 
@@ -90,12 +91,14 @@ class Engram(nnx.Module):
     """``layers.L.engram``: gated n-gram value added to every stream (§B.12 "Forward")."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, tables: str = "device",
-                 dense: Dense = Dense()):
+                 dense: Dense = Dense(), gemm_inputs: str = "exact"):
         """``tables``: "device" (``embed`` is a parameter) or "host" (no table here: every call brings its
-        gathered rows, `EngramInput.gathered`)."""
+        gathered rows, `EngramInput.gathered`); ``gemm_inputs`` "fp8": the decoded rows rounded before ``wkv``
+        (``quant.round_gemm_input``)."""
         if tables not in ("device", "host"):
             raise ValueError(f"engram tables {tables!r}: use 'device' or 'host'")
         s, d = cfg.hc_mult, cfg.hidden_size
+        self.gemm_inputs = gemm_inputs
         self.index = cfg.engram_layer_ids.index(layer)  # this layer's slot in EngramInput.rows
         self.eps = cfg.rms_norm_eps
         self.head_dim = cfg.engram_head_dim
@@ -110,7 +113,7 @@ class Engram(nnx.Module):
         """streams [B, T, S, D] → streams [B, T, S, D] (same dtype)."""
         b, t, s, d = streams.shape
         rows = self._rows(inputs, streams.dtype).reshape(b, t, -1)  # [B, T, C·d_e]
-        kv = self.wkv(rows)  # [B, T, (S+1)·D] in the model dtype
+        kv = self.wkv(round_gemm_input(rows, self.gemm_inputs))  # [B, T, (S+1)·D] in the model dtype
         key = kv[..., : s * d].reshape(b, t, s, d).astype(jnp.float32)
         value = kv[..., s * d:].astype(jnp.float32)
         x = streams.astype(jnp.float32)

@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from ..planner import INDEX_BUDGET, KernelTiles
 from .dense import Dense
 from .norms import Linear, RMSNorm
-from .quant import round_index
+from .quant import round_gemm_input, round_index
 from .rope import apply_rope
 
 
@@ -22,8 +22,9 @@ class Indexer(nnx.Module):
     ``indexer.wk`` [d_I, d] and ``indexer.k_norm`` [d_I] (they make the index keys)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, impl: str = "xla",
-                 tiles: KernelTiles | None = None, dense: Dense = Dense()):
+                 tiles: KernelTiles | None = None, dense: Dense = Dense(), gemm_inputs: str = "exact"):
         self.impl = impl  # "xla" (row-blocked scores) | "pallas" (fused kernel)
+        self.gemm_inputs = gemm_inputs  # "fp8": wq_b's input rounded (quant.round_gemm_input); weights_proj's not
         # the kernel's scratch a launch of query rows (B_idx, §B-3): the plan's, else the planner's default
         self.kernel_budget = SCORE_BUDGET_BYTES if tiles is None else tiles.index_budget
         self.ratio = cfg.ratio(layer)
@@ -59,7 +60,7 @@ class Indexer(nnx.Module):
         SCORE_BUDGET_BYTES.
         """
         b, t = u.shape[:2]
-        q = self.wq_b(q_res, row).reshape(b, t, self.n_heads, self.head_dim)
+        q = self.wq_b(round_gemm_input(q_res, self.gemm_inputs), row).reshape(b, t, self.n_heads, self.head_dim)
         q = round_index(apply_rope(q, positions[..., None], inv_freq), rounding)
         if rounding:  # fp4-grid values (§C.2) are exact in the keys' dtype: the XLA path's product stays in it
             q = q.astype(keys.dtype)

@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..planner import KernelTiles
 from .dense import Dense, Fp8Linear
 from .norms import HIGHEST, linear, linear_f32, random_normal
+from .quant import round_gemm_input
 
 
 class Router(nnx.Module):
@@ -110,10 +111,13 @@ class Experts(nnx.Module):
 
 class SharedExpert(nnx.Module):
     """The always-on expert: same clamped SwiGLU, unweighted. Its projections are in the model dtype, or as stored
-    in fp8 (``dense``, `model/dense.py`)."""
+    in fp8 (``dense``, `model/dense.py`). ``gemm_inputs`` "fp8": x and the down projection's input (act in the
+    model dtype) rounded first (``quant.round_gemm_input``, as mlx-vlm's shared expert)."""
 
-    def __init__(self, dim: int, width: int, limit: float, *, dtype, rngs: nnx.Rngs, dense: Dense = Dense()):
+    def __init__(self, dim: int, width: int, limit: float, *, dtype, rngs: nnx.Rngs, dense: Dense = Dense(),
+                 gemm_inputs: str = "exact"):
         self.limit = limit
+        self.gemm_inputs = gemm_inputs
         self.dtype = jnp.dtype(dtype)
         self.impl = dense.impl
         rule = "layers.0.ffn.shared_experts."
@@ -137,8 +141,12 @@ class SharedExpert(nnx.Module):
         over the given columns before any rounding, the partial sum a rank adds to the routed experts' before
         their one all-reduce (``sharding.kernels.routed_experts``). fp8 weights go through the op itself: this
         runs inside the routed experts' shard_map with a rank's slices, or unsharded. ``row``: the layer's row of
-        fp8 weights held as their unit's stack [n, ...] (a scanned unit's, ``transformer._split_routed``)."""
+        fp8 weights held as their unit's stack [n, ...] (a scanned unit's, ``transformer._split_routed``). In fp8
+        mode the down projection's input is rounded in 32-column blocks of the given columns (a rank's slice
+        starts at a multiple of 32 when its width is one, `sharding/layout.py`)."""
+        x = round_gemm_input(x, self.gemm_inputs)
         h = clamped_swiglu(self._up(x, weights["w1"], row), self._up(x, weights["w3"], row), self.limit)
+        h = round_gemm_input(h, self.gemm_inputs)
         w2 = weights["w2"]
         if isinstance(w2, Fp8Weight):
             y, w2_dtype = fp8_matmul(h, w2, out_dtype=jnp.float32, impl=self.impl, **_at(w2, row)), self.dtype
@@ -163,16 +171,18 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, moe_impl: str, rngs: nnx.Rngs,
                  expert_format: str = "dequantized", image_bias: bool = False, tiles: KernelTiles | None = None,
-                 dense: Dense = Dense()):
+                 dense: Dense = Dense(), gemm_inputs: str = "exact"):
+        """``gemm_inputs``: the routed experts' and the shared expert's (the router always sees u unrounded)."""
         self.limit = cfg.swiglu_limit
         self.moe_impl = moe_impl
+        self.gemm_inputs = gemm_inputs
         self.block_m = None if tiles is None else tiles.moe_block_m  # the plan's BM (§E); None: the op's
         self.gate = Router(cfg, dtype=dtype, rngs=rngs, image_bias=image_bias)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                dtype=dtype, rngs=rngs, expert_format=expert_format)
         if cfg.n_shared_experts:
             self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                                               dtype=dtype, rngs=rngs, dense=dense)
+                                               dtype=dtype, rngs=rngs, dense=dense, gemm_inputs=gemm_inputs)
         else:
             self.shared_experts = None
 
@@ -196,6 +206,8 @@ class MoE(nnx.Module):
             weights, tiles = self.experts.kernel_weights(), {"block_m": self.block_m}
         else:
             weights, tiles = self.experts.op_weights(), {}
+        # fp8 GEMM inputs: each op rounds its own (the routed op x and its weighted act, the shared expert x and
+        # its act); the router above took u as it is.
         out = sharded_experts(flat, ids, w, weights, swiglu_limit=self.limit, impl=self.moe_impl, row=row,
-                              shared=shared, **tiles)
+                              shared=shared, gemm_inputs=self.gemm_inputs, **tiles)
         return out.reshape(u.shape).astype(u.dtype)

@@ -27,6 +27,7 @@ from .engram import Engram, EngramInput
 from .hc import collapse, expand, hc_mix, mix_kwargs, mix_params
 from .moe import MoE
 from .norms import HIGHEST, RMSNorm, random_normal
+from .quant import GEMM_INPUTS
 
 _DTYPES = ("bfloat16", "float32")
 _EXPERT_FORMATS = ("dequantized", "fp4")
@@ -41,6 +42,9 @@ class ModelOptions:
     ``dense_format``: how the dense matrices the release stores in fp8 are held: "dequantized" (in ``dtype``) or
     "fp8" (e4m3 codes + ue8m0 block scales as stored, MODEL.md §E.1; computed by the block-scaled fp8 matmul op,
     ``dense_impl``; `model/dense.py`).
+    ``gemm_inputs``: the activations entering the dense and expert GEMMs: "exact" (as computed, in ``dtype``; what
+    mlx-lm does) or "fp8" (rounded to e4m3 with a ue8m0 scale per 32 along K first: the release's own inference
+    numerics, mlx-vlm's default; ``quant.round_gemm_input``, `MODEL.md` §C.2). The DSpark stages stay exact.
 
     ``moe_impl="pallas"`` computes the routed experts in bfloat16 whatever ``dtype`` is (the kernel casts its
     activations to bf16, f32 accumulation): a float32 model then has float32 everything except the expert
@@ -64,6 +68,7 @@ class ModelOptions:
     dspark: bool = False  # build the config's DSpark draft stages ``mtp.*`` (§B.13; `model/dspark.py`)
     scan_layers: bool = True  # run a stacked run of layers with one lax.scan (False: unrolled, same weights)
     dense_format: str = "dequantized"  # "fp8": the release's fp8 dense matrices held as stored (model/dense.py)
+    gemm_inputs: str = "exact"  # "fp8": GEMM inputs rounded to e4m3 + ue8m0 per 32 (the release's numerics)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -74,6 +79,8 @@ class ModelOptions:
             raise ValueError(f"ModelOptions.expert_format {self.expert_format!r} must be one of {_EXPERT_FORMATS}")
         if self.dense_format not in _DENSE_FORMATS:
             raise ValueError(f"ModelOptions.dense_format {self.dense_format!r} must be one of {_DENSE_FORMATS}")
+        if self.gemm_inputs not in GEMM_INPUTS:
+            raise ValueError(f"ModelOptions.gemm_inputs {self.gemm_inputs!r} must be one of {GEMM_INPUTS}")
 
     @property
     def jnp_dtype(self):
@@ -146,12 +153,13 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(cfg, layer, dtype=dtype, rounding=options.quant_rounding,
                               impl=options.attention_impl, rngs=rngs, indexer_impl=options.indexer_impl,
-                              tiles=options.tiles, dense=options.dense)
+                              tiles=options.tiles, dense=options.dense, gemm_inputs=options.gemm_inputs)
         self.ffn = MoE(cfg, dtype=dtype, moe_impl=options.moe_impl, rngs=rngs, expert_format=options.expert_format,
-                       image_bias=options.vision, tiles=options.tiles, dense=options.dense)
+                       image_bias=options.vision, tiles=options.tiles, dense=options.dense,
+                       gemm_inputs=options.gemm_inputs)
         if options.engram and layer in cfg.engram_layer_ids:
             self.engram = Engram(cfg, layer, dtype=dtype, rngs=rngs, tables=options.engram_tables,
-                                 dense=options.dense)
+                                 dense=options.dense, gemm_inputs=options.gemm_inputs)
         self.tiles = options.tiles
 
     def _row_split(self, rows: int) -> bool:

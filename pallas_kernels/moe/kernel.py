@@ -4,7 +4,8 @@ Two launches over the static tile table of ``grouping.plan_tiles``:
 
 * ``gate_up``: grid (F / BF, T). Program (f, t) gathers its tile's rows of x, runs the gate and up GEMMs
   for one BF-column block of the same expert, applies the clamped SwiGLU and stores bf16(act) in
-  expert-sorted pair order: act [P + BM, F].
+  expert-sorted pair order: act [P + BM, F]. Given each sorted pair's weight (fp8 GEMM inputs, ``ops``), it
+  stores act times the weight (in f32) in the given dtype instead.
 * ``down``: grid (D / BN, T). Program (n, t) multiplies the tile's act rows by one BN-row block of w2[e]
   and stores the f32 result in pair order: y [P + BM, D].
 
@@ -185,8 +186,9 @@ def _plane_dots(acc, a_ref, a_rows, start, chunk_len, planes, weights_first: boo
 
 def _gate_up_kernel(
     tile_expert_ref, tile_first_ref, tile_count_ref, pair_token_ref, x_ref, *refs,
-    fp4: bool, permute_out: bool, cfg: KernelConfig, limit: float, use_asm: bool,
+    fp4: bool, permute_out: bool, cfg: KernelConfig, limit: float, use_asm: bool, weighted: bool,
 ):
+    pair_weight_ref, refs = (refs[0], refs[1:]) if weighted else (None, refs)
     if fp4:
         w1_ref, w1s_ref, w3_ref, w3s_ref, act_ref = refs
     else:
@@ -233,7 +235,10 @@ def _gate_up_kernel(
                 g, u = g.T, u.T
         else:
             g, u = jax.lax.fori_loop(0, n_steps, step_bf16, (zeros, zeros))
-        act = swiglu(g, u, limit).astype(act_ref.dtype)
+        act = swiglu(g, u, limit)
+        if weighted:  # each pair's routing weight, in f32, before the store's rounding
+            act = act * plt.load(pair_weight_ref.at[pl.ds(first, bm)], mask=row_ok, other=0.0)[:, None]
+        act = act.astype(act_ref.dtype)
         mask = jnp.broadcast_to(row_ok[:, None], (bm, bf))
         plt.store(act_ref.at[pl.ds(first, bm), pl.ds(f_block * bf, bf)], act, mask=mask)
 
@@ -290,24 +295,28 @@ def _use_asm(cfg: KernelConfig, interpret: bool) -> bool:
 def gate_up(
     plan, x: jax.Array, w1, w3, w1_scale: Optional[jax.Array], w3_scale: Optional[jax.Array], *,
     width: int, permute_out: bool, limit: float, cfg: KernelConfig, interpret: bool,
+    pair_weights: Optional[jax.Array] = None, act_dtype=jnp.bfloat16,
 ) -> jax.Array:
-    """act [P + BM, F] bf16 for the expert-sorted pairs. x: [N, D] bf16 (each BK chunk in plane order when fp4);
-    fp4 w1, w3: uint16 words [E, F, D/4]."""
+    """act [P + BM, F] in ``act_dtype`` (bf16 by default) for the expert-sorted pairs. x: [N, D] bf16 (each BK
+    chunk in plane order when fp4); fp4 w1, w3: uint16 words [E, F, D/4]. ``pair_weights`` f32 [P + BM] (each
+    sorted pair's routing weight): act is multiplied by its pair's weight before it is rounded and stored."""
     fp4 = w1_scale is not None
+    weighted = pair_weights is not None
     n_tiles = plan.tile_count.shape[0]
     rows_out = plan.pair_token.shape[0]
     weights = (w1, w1_scale, w3, w3_scale) if fp4 else (w1, w3)
     kernel = lambda *refs: _gate_up_kernel(
         *refs, fp4=fp4, permute_out=permute_out, cfg=cfg, limit=limit,
-        use_asm=_use_asm(cfg, interpret))
+        use_asm=_use_asm(cfg, interpret), weighted=weighted)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((rows_out, width), jnp.bfloat16),
+        out_shape=jax.ShapeDtypeStruct((rows_out, width), act_dtype),
         grid=(width // cfg.block_f, n_tiles),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         name="moe_gate_up",
-    )(plan.tile_expert, plan.tile_first, plan.tile_count, plan.pair_token, x, *weights)
+    )(plan.tile_expert, plan.tile_first, plan.tile_count, plan.pair_token, x,
+      *((pair_weights,) if weighted else ()), *weights)
 
 
 def down(

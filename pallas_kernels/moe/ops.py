@@ -12,15 +12,16 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.formats import decode_fp4, ue8m0_bytes
+from dsv41_jax.formats import BLOCK, decode_fp4, fake_quant_fp8, ue8m0_bytes
 from pallas_kernels import registry
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import DECODE_BLOCK_M, default_block_m, plan_tiles
 from pallas_kernels.moe.xla import clamped_swiglu, routed_experts_xla
 
-__all__ = ["IMPLS", "ExpertWeights", "as_words", "check_blocks", "check_offsets", "clamped_swiglu", "default_config",
-           "plane_chunks", "routed_experts", "weighted_gather_sum"]
+__all__ = ["GEMM_INPUTS", "IMPLS", "ExpertWeights", "as_words", "check_blocks", "check_offsets", "clamped_swiglu",
+           "default_config", "plane_chunks", "routed_experts", "weighted_gather_sum"]
 IMPLS = registry.IMPLEMENTATIONS
+GEMM_INPUTS = ("exact", "fp8")  # the op's numerics modes (``routed_experts``; the model's ``gemm_inputs``)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ def routed_experts(
     config: Optional[moe_kernel.KernelConfig] = None,
     block_m: Optional[int] = None,
     row: Optional[jax.Array] = None,
+    gemm_inputs: str = "exact",
 ) -> jax.Array:
     """y [N, D] f32 = sum_j w[n, j] * (bf16(act) . w2[e_nj]^T) (MODEL.md §B.10, PLANNER.md §E).
 
@@ -223,14 +225,25 @@ def routed_experts(
     parameters), the int32 scalar index of this call's layer. The kernel reads that layer's experts in place
     (the stack seen as [L·E, ...], expert e of the layer at row·E + e): selecting the layer first would copy
     all its E experts every call (docs/DESIGN.md "Scanned layers"). The XLA path selects the layer.
+    gemm_inputs: "exact" (the above) or "fp8", the release's GEMM inputs: x rounded to e4m3 with a ue8m0 scale per
+    32 columns (in its dtype) before both GEMMs, and the down projection's input fp8(dtype(w[n, j] · act)) — the
+    pair's weight applied before w2 in f32, rounded to the act dtype (x's; the kernel's bf16 for a bf16 x), then
+    to fp8 per 32 columns of F — so y = sum_j (that . w2[e_nj]^T) (as mlx-vlm's ``deepseek_v41``). F must be a
+    multiple of 32 (a rank's F: its blocks are the unsharded ones when every rank's width is).
     """
     impl = registry.resolve(impl)
+    if gemm_inputs not in GEMM_INPUTS:
+        raise ValueError(f"gemm_inputs {gemm_inputs!r} must be one of {GEMM_INPUTS}")
     stacked = row is not None
     layer = _layer_shapes(weights) if stacked else weights
     _check_shapes(x, topk_ids, topk_weights, layer)
+    if gemm_inputs == "fp8" and layer.width % BLOCK:
+        raise ValueError(f"fp8 GEMM inputs round act in blocks of {BLOCK} columns: the expert width F = "
+                         f"{layer.width} is not a multiple of {BLOCK}")
     if impl == "xla":
         w = (layer_of(weights, row) if stacked else weights).dequantized(x.dtype)
-        return routed_experts_xla(x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit)
+        return routed_experts_xla(x, topk_ids, topk_weights, w.w1, w.w3, w.w2, swiglu_limit=swiglu_limit,
+                                  gemm_inputs=gemm_inputs)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if layer.is_fp4 and layer.width % FP4_K_MULTIPLE:
@@ -245,7 +258,7 @@ def routed_experts(
     cfg = config or default_config(num_pairs, layer, block_m)
     check_blocks(cfg, layer)
     return _routed_pallas(x, topk_ids, topk_weights, flat, first, num_experts=layer.num_experts,
-                          swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret)
+                          swiglu_limit=float(swiglu_limit), cfg=cfg, interpret=interpret, gemm_inputs=gemm_inputs)
 
 
 def _padded_width(weights: ExpertWeights, multiple: int) -> ExpertWeights:
@@ -282,27 +295,62 @@ def _layers_as_experts(weights: ExpertWeights) -> ExpertWeights:
     return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), weights)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "swiglu_limit", "cfg", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_experts", "swiglu_limit", "cfg", "interpret", "gemm_inputs"))
 def _routed_pallas(x, topk_ids, topk_weights, weights: ExpertWeights, first_expert, *, num_experts: int,
-                   swiglu_limit: float, cfg: moe_kernel.KernelConfig, interpret: bool) -> jax.Array:
+                   swiglu_limit: float, cfg: moe_kernel.KernelConfig, interpret: bool,
+                   gemm_inputs: str = "exact") -> jax.Array:
     """The Pallas path's device work as one jitted function: every layer calls it with the same shapes, so a
     model program traces and lowers it once (12 calls a 40-layer decode step, each of which would otherwise
     lower its Triton kernels again: measured, see docs/BENCHMARKS.md, section "Lowering for CUDA on the CPU
     host"). ``weights`` hold ``num_experts`` experts from
     ``first_expert`` on (int32 scalar; a stack of layers' experts: the layer's first): the plan is the layer's,
-    its tiles point into the stack."""
+    its tiles point into the stack.
+
+    fp8 GEMM inputs: x rounded in its dtype (then exact in bf16); ``gate_up`` applies each pair's weight to act
+    and stores it in x's dtype; the fp8 rounding of that act is one XLA pass between the two kernels
+    (``_round_act``); the combine is then unweighted."""
+    fp8 = gemm_inputs == "fp8"
     plan = plan_tiles(topk_ids, num_experts, cfg.block_m)
     plan = dataclasses.replace(plan, tile_expert=plan.tile_expert + first_expert)
+    pair_weights, act_dtype = None, jnp.bfloat16
+    if fp8:
+        pair_weights, act_dtype = _sorted_pair_weights(plan, topk_weights), x.dtype
+        x = fake_quant_fp8(x)
     x = x.astype(jnp.bfloat16)
     if weights.is_fp4:
         x, weights = plane_chunks(x, cfg.block_k), as_words(weights)
     act = moe_kernel.gate_up(
         plan, x, weights.w1, weights.w3, weights.w1_scale, weights.w3_scale,
         width=weights.width, permute_out=weights.is_fp4, limit=swiglu_limit, cfg=cfg,
-        interpret=interpret)
+        interpret=interpret, pair_weights=pair_weights, act_dtype=act_dtype)
+    if fp8:
+        act = _round_act(act, cfg.down_chunk, planes=weights.is_fp4).astype(jnp.bfloat16)
     y_pairs = moe_kernel.down(
         plan, act, weights.w2, weights.w2_scale, dim=weights.dim, cfg=cfg, interpret=interpret)
-    return weighted_gather_sum(y_pairs, plan.pair_pos, plan.pair_valid, topk_weights)
+    combine = jnp.ones_like(topk_weights) if fp8 else topk_weights  # fp8: the weights are in act already
+    return weighted_gather_sum(y_pairs, plan.pair_pos, plan.pair_valid, combine)
+
+
+def _sorted_pair_weights(plan, topk_weights) -> jax.Array:
+    """f32 [P + BM]: each pair's routing weight at its expert-sorted slot (``plan.pair_token``'s order), 0 for
+    dropped pairs and the padding slots (what ``gate_up`` multiplies act by with fp8 GEMM inputs)."""
+    w = jnp.where(plan.pair_valid, topk_weights.astype(jnp.float32), 0.0).reshape(-1)
+    slots = jnp.zeros(plan.pair_token.shape, jnp.float32)
+    return slots.at[plan.pair_pos.reshape(-1)].set(w)  # dropped pairs all write 0 at slot P
+
+
+def _round_act(act: jax.Array, chunk: int, *, planes: bool) -> jax.Array:
+    """``formats.fake_quant_fp8`` of act [R, F] in blocks of 32 act columns. ``planes`` (fp4 experts): each
+    ``chunk`` of stored columns is in plane order (``gate_up``'s ``permute_out``: stored position p holds column
+    4·(p mod chunk/4) + p div (chunk/4)), so block b of a chunk is the positions whose p mod chunk/4 is in
+    [8b, 8b + 8): [4 planes, 8] of them, rounded together, stored back in place."""
+    if not planes:
+        return fake_quant_fp8(act)
+    r, f = act.shape
+    q = chunk // 4
+    blocks = act.reshape(r, f // chunk, 4, q // 8, 8).swapaxes(2, 3)  # [R, F/chunk, q/8 blocks, 4 planes, 8]
+    rounded = fake_quant_fp8(blocks.reshape(r, f // chunk, q // 8, 32))
+    return rounded.reshape(r, f // chunk, q // 8, 4, 8).swapaxes(2, 3).reshape(r, f)
 
 
 def check_blocks(cfg: moe_kernel.KernelConfig, weights: ExpertWeights) -> None:

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41_jax.formats import decode_fp4
+from dsv41_jax.formats import decode_fp4, fake_quant_fp8
 from pallas_kernels.moe import ExpertWeights, grouping, routed_experts
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import max_tiles, plan_tiles
@@ -535,3 +535,73 @@ def test_large_stacks_on_the_gpu_equal_the_layer_alone(fmt, layers, e, f, rows):
         one = jax.tree.map(lambda a: a[row], stack)
         np.testing.assert_array_equal(np.asarray(stacked(x, stack, jnp.int32(row))), np.asarray(alone(x, one)))
         del one
+
+
+FP8_CASES = [(48, 3, 8, 128, 128), (2, 6, 16, 64, 512), (200, 6, 16, 256, 128), (37, 4, 8, 160, 128)]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+@pytest.mark.parametrize("n,k,e,f,d", FP8_CASES, ids=["segment", "decode-wide", "segment-f256", "uneven-f160"])
+def test_fp8_gemm_inputs_both_implementations_agree(fmt, n, k, e, f, d):
+    """``gemm_inputs="fp8"``: x and the weighted act rounded to e4m3 + ue8m0 per 32 (the weight applied before w2).
+    With float32 x both implementations form the same values: x's rounded values are exact in bf16 (the kernel's
+    operands), g and u are f32 sums of exact products, act · w is f32 on both sides and rounded from f32 (the
+    kernel stores act in x's dtype in this mode), and the rounded act is exact in bf16 again — so they differ by
+    the order of f32 sums only (measured ≤ 1e-7 of the output's norm; one act value crossing an e4m3 boundary on
+    a last-bit difference would cost ~1e-4), with dropped pairs, hot and empty experts, fp4 act in plane order
+    per down chunk (segment-f256: 64-column programs, 128-wide chunks). The mode is not the exact one: ~5 %."""
+    rng = _rng()
+    x = jnp.asarray(rng.normal(0.0, 1.0, (n, d)), jnp.float32)
+    ids, w = _routing(rng, n, k, e, hot=1, empty=(6,))
+    ids = ids.at[::7, 1].set(-1)
+    wts = (_fp4_weights if fmt == "fp4" else _bf16_weights)(rng, e, f, d)
+    run = lambda impl, mode: routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl=impl, interpret=True,
+                                            gemm_inputs=mode)
+    xla, pallas = run("xla", "fp8"), run("pallas", "fp8")
+    assert pallas.shape == (n, d) and pallas.dtype == jnp.float32
+    assert _rel_err(pallas, xla) <= 1e-6
+    assert _rel_err(xla, run("xla", "exact")) > 0.02
+
+
+def test_fp8_gemm_inputs_round_the_weighted_act_of_the_release():
+    """The XLA implementation's fp8 mode is, pair by pair in numpy terms: y_n = Σ_j fp8(f32(w·act(fp8(x)))) · w2ᵀ
+    with fp8 = ``formats.fake_quant_fp8`` (the rounding tests/test_gemm_inputs.py holds to mlx-vlm's bit for bit);
+    f32 vs f64 accumulation only."""
+    rng = _rng()
+    n, k, e, f, d = 6, 2, 4, 64, 64
+    x = jnp.asarray(rng.normal(0.0, 1.0, (n, d)), jnp.float32)
+    ids, w = _routing(rng, n, k, e)
+    wts = _bf16_weights(rng, e, f, d)
+    xs = np.asarray(fake_quant_fp8(x), np.float64)
+    w1, w3, w2 = (np.asarray(a, np.float64) for a in (wts.w1, wts.w3, wts.w2))
+    expect = np.zeros((n, d))
+    for i, j in np.ndindex(n, k):
+        ex = int(ids[i, j])
+        g, u = np.minimum(w1[ex] @ xs[i], LIMIT), np.clip(w3[ex] @ xs[i], -LIMIT, LIMIT)
+        act = np.asarray(fake_quant_fp8(jnp.asarray(float(w[i, j]) * g / (1 + np.exp(-g)) * u, jnp.float32)))
+        expect[i] += w2[ex] @ act.astype(np.float64)
+    got = routed_experts(x, ids, w, wts, swiglu_limit=LIMIT, impl="xla", gemm_inputs="fp8")
+    assert _rel_err(got, expect) < 1e-5
+
+
+def test_fp8_gemm_inputs_need_whole_blocks_of_f():
+    rng = _rng()
+    wts = _bf16_weights(rng, 4, 48, 64)
+    ids, w = _routing(rng, 3, 2, 4)
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        routed_experts(_x(rng, 3, 64), ids, w, wts, swiglu_limit=LIMIT, impl="xla", gemm_inputs="fp8")
+    with pytest.raises(ValueError, match="gemm_inputs 'fp4'"):
+        routed_experts(_x(rng, 3, 64), ids, w, wts, swiglu_limit=LIMIT, gemm_inputs="fp4")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_fp8_gemm_inputs_lower_for_cuda(fmt):
+    """Lowered for CUDA without a GPU (``interpret=False``): the fp8 mode's gate/up kernel (the pairs' weights
+    loaded with the tile's rows, act stored in x's dtype) and down kernel lower, still two Triton calls."""
+    rng = _rng()
+    w = (_fp4_weights if fmt == "fp4" else _bf16_weights)(rng, 16, 128, 128)
+    ids, wts = _routing(rng, 64, 6, 16)
+    layer = lambda x: routed_experts(x, ids, wts, w, swiglu_limit=LIMIT, impl="pallas", interpret=False,
+                                     gemm_inputs="fp8")
+    text = jax.jit(layer).trace(_x(rng, 64, 128)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 2
