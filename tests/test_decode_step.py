@@ -192,6 +192,7 @@ def test_programs_do_not_grow_with_layers():
     assert counts[2] == counts[6] == ["init", "step"]
 
 
+@pytest.mark.slow  # --decode-chunk: test_generate_cli checks its tokens from the CLI
 def test_decode_chunks_give_the_step_loops_tokens(setup):
     """``decode_chunk = k``: k decode steps per program call (one ``lax.scan`` of the step) give exactly the tokens,
     finish reasons and streamed (step, token, alive) triples of one call per token — for a k that divides the

@@ -61,6 +61,7 @@ def test_engine_segments_and_decode_match_mlx_vlm(checkpoint):
     assert err_p < 1e-4 and err_d < 1e-4
 
 
+@pytest.mark.slow  # generate with engram: the shipped model (engram layer) runs it in test_trained_model and make run
 def test_generate_runs_engram_from_a_checkpoint(checkpoint, tmp_path, capsys):
     """``generate`` with its defaults (rounding points on, bf16) on a checkpoint with an engram layer: the layer
     runs (its tables are reported; no skip warning) and the greedy tokens are the argmax of the recorded logits."""

@@ -70,6 +70,7 @@ def _mlx_logits(vlm, prompt, chunks):
         return vlm_prefill(vlm, prompt.ids, records, chunks)
 
 
+@pytest.mark.slow  # engram beside image prompts: each is checked against mlx-vlm alone in make test
 def test_engram_with_image_prompts_matches_mlx_vlm(setup):
     engine, vlm, image = setup
     prompt = expand_prompt(_ids(), [image, image], CFG.image_token_id)

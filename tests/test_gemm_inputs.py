@@ -256,6 +256,7 @@ def test_fp8_mode_is_not_the_exact_mode(tiny0, fp8_state):
     assert np.median(err) > 1e-2
 
 
+@pytest.mark.slow  # the engram variant of an opt-in mode
 def test_engram_fp8_matches_mlx_vlm_rounding_on(tmp_path):
     """TINY-E (engram on layer 1; the rows rounded before ``wkv`` on both sides), a ragged batch of 56 and 40
     tokens through one ``[2, 56]`` program, then 4 decode steps, against mlx-vlm with every rounding on; the

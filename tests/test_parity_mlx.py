@@ -191,7 +191,8 @@ def _f32_angle_cos_sin(positions, inv_freq):
 BF16_PROMPTS = 8  # prompts whose per-prompt error ratios the bf16 end-to-end comparison takes the median of
 
 
-@pytest.mark.parametrize("options", [BF16_OFF, BF16_ON], ids=["off", "on"])
+# rounding on (slow): the f32 rounding-on test checks those points in make test
+@pytest.mark.parametrize("options", [BF16_OFF, pytest.param(BF16_ON, marks=pytest.mark.slow)], ids=["off", "on"])
 def test_bf16_end_to_end_as_accurate_as_mlx(checkpoints, monkeypatch, options):
     """Over BF16_PROMPTS prompts, the median of (our bf16 error) / (mlx-lm's bf16 error), each the median |Δ| to
     mlx-lm's f32 logits, is at most 1.5, and the median of (ours vs mlx-lm's bf16) / (mlx-lm's bf16 error) at most 1.

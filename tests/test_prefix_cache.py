@@ -124,6 +124,7 @@ def test_prefix_cache_unit():
     assert not cache.put(b[1], Snapshot(32, None, None, None, 101))
 
 
+@pytest.mark.slow  # the engram variant; the text model's prefix hits run in make test
 def test_engram_prefix_hits_equal_a_cold_run():
     """The engram model: a snapshot's hash history is the prefix's, so a warm start hashes the rest as a cold run
     does (equal tokens after 32 cached tokens)."""

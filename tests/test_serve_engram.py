@@ -11,6 +11,7 @@ and seeded) through 2 slots, so slots are reused. Float32, rounding points off.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dsv41_jax import make_tiny
 from dsv41_jax.config import load_named
@@ -21,6 +22,7 @@ from dsv41_jax.sampling import SamplingParams
 from dsv41_jax.serve.slots import Job, SlotEngine
 
 
+@pytest.mark.slow  # engram slots: the default server (the shipped model has engram) runs in test_serve_structured
 def test_engram_slots_equal_alone():
     cfg = load_named("tiny_engram")
     model = build_model(cfg, ModelOptions(dtype="float32", quant_rounding=False), make_tiny.random_weights(cfg, 0))

@@ -58,6 +58,7 @@ def _run(slots: SlotEngine, requests) -> dict[int, tuple]:
     return {i: tuple(t) for i, t in got.items()}
 
 
+@pytest.mark.slow  # the image path through the slots: test_serve_image_parts runs it end to end through a real server
 def test_image_prompts_in_slots_equal_generate_alone(setup):
     cfg, engine, prompt, other = setup
     rng = np.random.default_rng(2)

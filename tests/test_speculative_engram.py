@@ -42,6 +42,7 @@ def engram_setup():
     return cfg, Speculator(engine), requests, reference, weights
 
 
+@pytest.mark.slow  # engram with speculation: test_trained_model's DSpark test runs the shipped engram model
 def test_engram_greedy_matches_plain_greedy(engram_setup):
     """Random drafts (mostly rejected), forced accept-all, and a pattern of rejections of every length: the
     engram history advances by the committed tokens only, so every path emits the engine's greedy tokens."""
@@ -60,6 +61,7 @@ def test_engram_reject_all_matches_plain_greedy(engram_setup):
     assert out.timings.tokens_per_round == 1.0
 
 
+@pytest.mark.slow  # host tables with speculation: a layout beyond the path
 def test_engram_host_tables_match_plain_greedy(engram_setup):
     """Host tables (``engram_tables="host"``: each call's rows gathered on the host and sent with it): a round's
     verify rows are gathered like a step's; greedy with a pattern of rejections = the device-table engine's greedy

@@ -51,6 +51,7 @@ def _noise(seed: int, cfg):
     return prepare_image(noise, cfg.vision)
 
 
+@pytest.mark.slow  # speculation after image prompts: a mode beyond either path alone
 def test_greedy_after_image_prompts_matches_plain_greedy(setup):
     cfg, engine, spec, requests, reference, other = setup
     # The stages' own drafts through the forced run's round program (one round compile, not two; the round takes

@@ -68,6 +68,7 @@ def test_maxima_equal_the_reference():
     check(inputs(0, heads=4, t=128, n=1024), splits=2)
 
 
+@pytest.mark.slow  # tilings beyond the default, in interpret mode (make test-gpu compiles them)
 def test_maxima_ragged_shapes_other_tilings_and_dead_steps():
     """T not a multiple of 64 and N not of 8 nor of a step; 64-key halves, a q slot count that does not divide
     the heads, the schedule barrier on; a block that sees at most 70 keys (most steps dead) and one that sees none."""
@@ -120,6 +121,7 @@ def test_the_op_lowers_through_it_for_cuda(monkeypatch, case):
     assert text.count("mosaic_gpu") >= b and "index_maxima" not in text
 
 
+@pytest.mark.slow  # the Mosaic pass runs only on an H200: make test-gpu checks it compiled; here interpret mode
 def test_the_op_through_it_selects_as_with_the_triton_pass(monkeypatch):
     """The op's plumbing around the pass, run on CPU with the kernel replaced by its float32 reference: two
     sequences, ratio 1 and 2, a candidate-masked layer and the candidate source pick what the Triton pass picks
