@@ -40,7 +40,7 @@ from .cli import Parser, UsageError, cli_main, positive_int, quieted, say
 from .compile_cache import enable as enable_compile_cache
 from .runspec import RunSpec
 from .textfile import read_text
-from .tokenizer import fold_ids
+from .tokenizer import IMAGE_PLACEHOLDER, fold_ids, image_text_ids
 from .vision.preprocess import expand_prompt, open_image, prepare_image
 
 EXAMPLES = """\
@@ -369,9 +369,6 @@ def tokenize(specs: Sequence[PromptSpec], tokenizer, args, model_vocab: int,
     return out, folded
 
 
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the V4 chat encoder's text for an image block (docs/VISION.md §V.B.5)
-
-
 def _image_ids(spec: PromptSpec, tokenizer, args, model_vocab: int, image_id: int) -> tuple[tuple[int, ...], bool]:
     """Ids of a prompt with images: one ``image_id`` where each image goes (see the --help epilog); text ids
     folded into a smaller model vocabulary never land on ``image_id`` (they step one below)."""
@@ -400,16 +397,7 @@ def _image_ids(spec: PromptSpec, tokenizer, args, model_vocab: int, image_id: in
     if text.count(IMAGE_PLACEHOLDER) != n:
         raise UsageError(f"{spec.label}: the text has {text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} for "
                          f"{n} image(s)")
-    ids: list[int] = []
-    folded = False
-    for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if k:
-            ids.append(image_id)
-        part = tokenizer.encode(piece, add_bos=add_bos and k == 0) if piece or (add_bos and k == 0) else []
-        part, was_folded = fold_ids(part, tokenizer.vocab_size, model_vocab)
-        if was_folded:
-            folded, part = True, [i - 1 if i == image_id else i for i in part]
-        ids += part
+    ids, folded = image_text_ids(tokenizer, text, image_id, model_vocab, add_bos=add_bos)
     return tuple(ids), folded
 
 

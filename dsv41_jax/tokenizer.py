@@ -143,6 +143,29 @@ def fold_ids(ids: Sequence[int], tokenizer_vocab: int, model_vocab: int) -> tupl
     return list(ids), False
 
 
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the V4 chat encoder's text for an image block (docs/VISION.md §V.B.5)
+
+
+def image_text_ids(tokenizer, text: str, image_id: int, model_vocab: int, *,
+                   add_bos: bool = False) -> tuple[list[int], bool]:
+    """Ids of ``text`` with one ``image_id`` at each `IMAGE_PLACEHOLDER` (where an image goes): the text between
+    them encoded piece by piece (``add_bos``: a BOS before the first), folded into a smaller model vocabulary
+    (`fold_ids`) where a folded text id never lands on ``image_id`` (it steps one below); and whether any piece
+    was folded."""
+    ids: list[int] = []
+    folded = False
+    for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if k:
+            ids.append(image_id)
+        bos = add_bos and k == 0
+        part = tokenizer.encode(piece, add_bos=bos) if piece or bos else []
+        part, was_folded = fold_ids(part, tokenizer.vocab_size, model_vocab)
+        if was_folded:
+            folded, part = True, [i - 1 if i == image_id else i for i in part]
+        ids += part
+    return ids, folded
+
+
 def _read_config(path: Path) -> dict:
     if not path.is_file():
         return {}

@@ -28,10 +28,10 @@ from PIL import Image
 
 from dsv41_jax.config import load_named
 from dsv41_jax.engine import check_requests
-from dsv41_jax.generate import IMAGE_PLACEHOLDER, PromptSpec, image_prompts, open_images
+from dsv41_jax.generate import PromptSpec, image_prompts, open_images
 from dsv41_jax.generate import main as generate_main
 from dsv41_jax.generate import tokenize as generate_tokenize
-from dsv41_jax.tokenizer import fold_ids
+from dsv41_jax.tokenizer import IMAGE_PLACEHOLDER, fold_ids
 from dsv41_jax.vision.preprocess import open_image, plan_image, prepare_image
 
 httpx = pytest.importorskip("httpx")

@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from dsv41_jax.config import load_named
-from dsv41_jax.generate import IMAGE_PLACEHOLDER, PromptSpec, _image_ids, main
-from dsv41_jax.tokenizer import DeepSeekTokenizer
+from dsv41_jax.generate import PromptSpec, _image_ids, main
+from dsv41_jax.tokenizer import IMAGE_PLACEHOLDER, DeepSeekTokenizer
 from dsv41_jax.vision.preprocess import span_roles
 
 FIXTURE = Path(__file__).parent / "fixtures" / "test_image.png"

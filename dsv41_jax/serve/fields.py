@@ -33,10 +33,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from .. import distributed
 from ..chat import ROLES, ChatFormatError, chat_ids, effort_budget, encode_messages, message_from_openai
 from ..engine import EngineInputError, Request
-from ..generate import IMAGE_PLACEHOLDER
 from ..sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, TOP_LOGPROBS, SamplingParams
 from ..structured import GrammarError, grammar_for, tool_grammar
-from ..tokenizer import fold_ids
+from ..tokenizer import IMAGE_PLACEHOLDER, fold_ids, image_text_ids
 from ..vision.preprocess import ImagePrompt, expand_prompt, plan_image, prepare_image
 from .errors import BadRequest, read_json_object, shown
 from .media import ImagePart, MediaPolicy, check_image_part, read_image
@@ -484,18 +483,12 @@ def image_prompt_ids(tokenizer, text: str, n_images: int, image_id: int, model_v
     between them encoded piece by piece and folded into a smaller model vocabulary, a folded text id never
     landing on ``image_id`` (it steps one below): `generate`'s layout for ``--image``, id for id. ChatFormatError
     when the text holds other placeholders (a message's own text)."""
-    pieces = text.split(IMAGE_PLACEHOLDER)
-    if len(pieces) - 1 != n_images:
+    found = text.count(IMAGE_PLACEHOLDER)
+    if found != n_images:
         raise ChatFormatError(f"the messages' text holds the image placeholder {IMAGE_PLACEHOLDER} "
-                              f"{len(pieces) - 1 - n_images} time(s) besides the {n_images} image part(s): it "
+                              f"{found - n_images} time(s) besides the {n_images} image part(s): it "
                               f"marks where an image goes, so text may not hold it where images are sent")
-    ids: list[int] = []
-    for k, piece in enumerate(pieces):
-        if k:
-            ids.append(image_id)
-        part, folded = fold_ids(tokenizer.encode(piece) if piece else [], tokenizer.vocab_size, model_vocab)
-        ids += [i - 1 if i == image_id else i for i in part] if folded else part
-    return tuple(ids)
+    return tuple(image_text_ids(tokenizer, text, image_id, model_vocab)[0])
 
 
 def image_prompt(state: ServerState, prompt: ChatPrompt) -> ImagePrompt:
