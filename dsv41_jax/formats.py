@@ -270,6 +270,9 @@ def round_to_e4m3(v: jax.Array) -> jax.Array:
     return jnp.where(mag >= 128.0, high, jnp.where(mag < 2.0**-6, subnormal, low))
 
 
+GEMM_INPUTS = ("exact", "fp8")  # the activations entering a GEMM: as computed, or through ``fake_quant_fp8`` first
+
+
 def fake_quant_fp8(x: jax.Array, block: int = BLOCK) -> jax.Array:
     """x [..., n] rounded to e4m3 values with a power-of-two scale ``2^⌈log2(max(amax, 1e-4)/448)⌉`` per block of
     ``block`` along the last axis, and straight back, in x's dtype (`MODEL.md` §C.2 point #1, and the fp8 GEMM

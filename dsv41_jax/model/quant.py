@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import formats
-from ..formats import FP4_MAX, pow2_ceil, round_e2m1, round_to_e4m3  # the codecs (§C.1)
+from ..formats import FP4_MAX, GEMM_INPUTS, pow2_ceil, round_e2m1, round_to_e4m3  # the codecs (§C.1)
 
 
 def _blocks(x: jnp.ndarray, block: int) -> jnp.ndarray:
@@ -63,9 +63,6 @@ def round_compressed_kv(x: jnp.ndarray, enabled: bool) -> jnp.ndarray:
 def round_index(x: jnp.ndarray, enabled: bool) -> jnp.ndarray:
     """Points #3 and #4: fp4 index keys / queries [.., index_head_dim] with power-of-two scales per 32."""
     return fake_quant_fp4(x, 32) if enabled else x
-
-
-GEMM_INPUTS = ("exact", "fp8")
 
 
 def round_gemm_input(x: jnp.ndarray, mode: str) -> jnp.ndarray:

@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.formats import BLOCK, decode_fp4, fake_quant_fp8, ue8m0_bytes
+from dsv41_jax.formats import BLOCK, GEMM_INPUTS, decode_fp4, fake_quant_fp8, ue8m0_bytes
 from pallas_kernels import registry
 from pallas_kernels.moe import kernel as moe_kernel
 from pallas_kernels.moe.grouping import DECODE_BLOCK_M, default_block_m, plan_tiles
@@ -21,7 +21,6 @@ from pallas_kernels.moe.xla import clamped_swiglu, routed_experts_xla
 __all__ = ["GEMM_INPUTS", "IMPLS", "ExpertWeights", "as_words", "check_blocks", "check_offsets", "clamped_swiglu",
            "default_config", "plane_chunks", "routed_experts", "weighted_gather_sum"]
 IMPLS = registry.IMPLEMENTATIONS
-GEMM_INPUTS = ("exact", "fp8")  # the op's numerics modes (``routed_experts``; the model's ``gemm_inputs``)
 
 
 @dataclass(frozen=True)
