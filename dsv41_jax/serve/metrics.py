@@ -68,7 +68,7 @@ class Metrics:
     histograms; gauges are read at scrape time from callables (``gauges``: name -> (help, callable), vLLM's
     names labelled with ``model_name``)."""
 
-    def __init__(self, gauges: dict, model_name: str = "", counters: dict | None = None):
+    def __init__(self, gauges: dict, model_name: str = ""):
         self._lock = threading.Lock()
         self.model_label = f'model_name="{_escaped(model_name)}"'
         self.requests: dict[tuple[str, int], int] = {}
@@ -83,7 +83,7 @@ class Metrics:
                              "Seconds from a request's arrival to its end (finished requests).", E2E_BUCKETS,
                              self.model_label)
         self.gauges = gauges
-        self.counters = {} if counters is None else counters  # name -> (help, callable), read at scrape time
+        self.counters: dict = {}  # name -> (help, callable), read at scrape time (`server_counters`)
 
     def request_done(self, endpoint: str, status: int) -> None:
         with self._lock:

@@ -497,7 +497,7 @@ class SlotEngine:
             return
         cache, logits = self.runtime.run(COPY, {}, ((cache, logits),))
         history = None if history is None else np.array(history)
-        self.prefix_cache.put(key, Snapshot(done, cache, logits, history, tree_bytes((cache, logits))))
+        self.prefix_cache.put(key, Snapshot(done, cache, logits, history, self.snapshot_bytes))
 
     def _prefill_segment(self, job: Job) -> tuple | None:
         """The next segment of ``job``'s prompt -> None, or after its last segment (which draws the first token)
