@@ -38,7 +38,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,11 +49,10 @@ from dsv41_jax.config import load_named
 from dsv41_jax.loading import build_model
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
 from dsv41_jax.model import ModelOptions, init_cache
-from dsv41_jax.model.attention import CsaState, Segment
 from dsv41_jax.model.quant import round_gemm_input
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
-from model_helpers import Runner, _graph, model_state
+from model_helpers import Runner, each_layer_fn, model_state
 
 mlx_vlm_oracle = pytest.importorskip("mlx_vlm_oracle")
 if not mlx_vlm_oracle.HAVE_MLX_VLM:
@@ -222,19 +220,7 @@ def test_fp8_each_layer_teacher_forced(tiny0, fp8_state, seed):
     path, cfg, _ = tiny0
     ids = _prompt(seed, cfg)
     streams_in, pre_in, want = _vlm_layer_streams(path, ids)
-    graphdef = _graph(cfg, FP8)
-
-    @jax.jit
-    def each_layer(state, streams_in, pre_in):
-        model = nnx.merge(graphdef, state)
-        cache = init_cache(cfg, 1, MAX_CONTEXT, "float32")
-        rows = jnp.arange(PROMPT)[None]
-        seg = Segment(rows, rows < PROMPT, jnp.zeros(1, jnp.int32), jnp.full(1, PROMPT, jnp.int32))
-        csa, result = CsaState.empty(len(model.layers)), []
-        for layer, block in enumerate(model.layers):
-            streams, _, _, csa = block(streams_in[layer], pre_in[layer], seg, cache.layers[layer], csa)
-            result.append(streams)
-        return jnp.stack(result)
+    each_layer = each_layer_fn(cfg, FP8, PROMPT, MAX_CONTEXT)
 
     got = np.asarray(each_layer(fp8_state, jnp.asarray(streams_in), jnp.asarray(pre_in)))
     moved = np.abs(got - want)[:, 0].reshape(len(want), PROMPT, -1).max(-1) > 1e-4  # [L, T]

@@ -33,21 +33,18 @@ import functools
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
 import model_helpers
-from flax import nnx
-from model_helpers import EXACT_BF16, Runner, _graph, assert_close_with_rounding_flips, model_state
+from model_helpers import EXACT_BF16, Runner, assert_close_with_rounding_flips, each_layer_fn, model_state
 
 from dsv41_jax.checkpoint import load_checkpoint
 from dsv41_jax.config import load_named
 from dsv41_jax.make_tiny import random_weights, write_checkpoint
-from dsv41_jax.model import ModelOptions, init_cache, rope
-from dsv41_jax.model.attention import CsaState, Segment
+from dsv41_jax.model import ModelOptions, rope
 
 mlx_oracle = pytest.importorskip("mlx_oracle")
 if not mlx_oracle.HAVE_MLX:
@@ -246,21 +243,7 @@ def test_bf16_each_layer_teacher_forced(checkpoints):
     path, cfg, flat = checkpoints["tiny1"]
     ids = prompt(1, cfg)
     ins, outs = _mlx_layer_streams(path, cfg, ids)
-    graphdef = _graph(cfg, BF16_ON)
-    t = len(ids)
-
-    @functools.partial(jax.jit, compiler_options=EXACT_BF16)
-    def each_layer(state, streams_in, pre_in):
-        model = nnx.merge(graphdef, state)
-        cache = init_cache(cfg, 1, MAX_CONTEXT, "bfloat16")
-        rows = jnp.arange(t)[None]
-        seg = Segment(rows, rows < t, jnp.zeros(1, jnp.int32), jnp.full(1, t, jnp.int32))
-        csa, result = CsaState.empty(len(model.layers)), []
-        for layer, block in enumerate(model.layers):
-            streams, _, _, csa = block(streams_in[layer].astype(jnp.bfloat16), pre_in[layer], seg,
-                                       cache.layers[layer], csa)
-            result.append(streams.astype(jnp.float32))
-        return jnp.stack(result)
+    each_layer = each_layer_fn(cfg, BF16_ON, len(ids), MAX_CONTEXT, EXACT_BF16)
 
     got = np.asarray(each_layer(model_state(cfg, BF16_ON, flat), jnp.asarray(ins[0]), jnp.asarray(ins[1])))
     for layer in range(cfg.num_hidden_layers):

@@ -13,6 +13,7 @@ from flax import nnx
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.loading import load_weights
 from dsv41_jax.model import ModelOptions, Transformer, init_cache
+from dsv41_jax.model.attention import CsaState, Segment
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,6 +37,27 @@ def forward_fn(cfg: ModelConfig, options: ModelOptions):
         return nnx.merge(graphdef, state).forward(ids, cache, lengths)
 
     return jax.jit(run, compiler_options=EXACT_BF16)
+
+
+def each_layer_fn(cfg: ModelConfig, options: ModelOptions, rows: int, context: int, compiler_options=None):
+    """Teacher forcing: jit(state, streams_in [L, 1, rows, S, D], pre_in [L, 1, rows, S]) -> f32 [L, 1, rows, S, D],
+    layer L's output streams from the reference's own input streams of that layer (cast to the options' dtype)
+    and a fresh cache of ``context`` positions: a one-segment prefill from position 0."""
+    graphdef = _graph(cfg, options)
+
+    def run(state, streams_in, pre_in):
+        model = nnx.merge(graphdef, state)
+        cache = init_cache(cfg, 1, context, options.dtype)
+        positions = jnp.arange(rows)[None]
+        seg = Segment(positions, positions < rows, jnp.zeros(1, jnp.int32), jnp.full(1, rows, jnp.int32))
+        csa, result = CsaState.empty(len(model.layers)), []
+        for layer, block in enumerate(model.layers):
+            streams, _, _, csa = block(streams_in[layer].astype(options.jnp_dtype), pre_in[layer], seg,
+                                       cache.layers[layer], csa)
+            result.append(streams.astype(jnp.float32))
+        return jnp.stack(result)
+
+    return jax.jit(run, compiler_options=compiler_options)
 
 
 def model_state(cfg: ModelConfig, options: ModelOptions, flat: dict[str, np.ndarray]):
